@@ -1,0 +1,133 @@
+"""Reference models written as ``nn.Sequential``, so that any layer boundary can be a stage cut.
+
+    # B: batch, T: time (sequence), C: channels (width), V: vocabulary, H: heads
+
+Each builder returns the model and a sample input; ``gpt`` is the default model
+of ``scripts/train.py``, and all three are the built-in models of
+``scripts/profile_balance.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Block", "Embedding", "ResidualBlock", "gpt", "gpt_loss", "mlp", "resnet"]
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: (B, T) int64 -> (B, T, C)."""
+
+    def __init__(self, vocab_size: int, width: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, width)
+        self.position = nn.Embedding(max_seq_len, width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.position.num_embeddings:
+            raise ValueError(
+                f"sequence length {t} exceeds the model's max_seq_len {self.position.num_embeddings}; "
+                "build the model with a larger max_seq_len or feed shorter sequences"
+            )
+        pos = torch.arange(t, device=idx.device)
+        out: torch.Tensor = self.token(idx) + self.position(pos)  # (B, T, C)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then MLP, each with a residual."""
+
+    def __init__(self, width: int, n_heads: int) -> None:
+        super().__init__()
+        if width % n_heads != 0:
+            raise ValueError(f"width ({width}) must be divisible by n_heads ({n_heads})")
+        self.n_heads = n_heads
+        self.ln_attn = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln_mlp = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.fc_out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_attn(x)).split(c, dim=2)  # 3 x (B, T, C)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        out: torch.Tensor = x + self.fc_out(F.gelu(self.fc(self.ln_mlp(x))))  # (B, T, C)
+        return out
+
+
+def gpt(
+    vocab_size: int = 96,
+    width: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    max_seq_len: int = 128,
+    batch_size: int = 8,
+) -> tuple[nn.Sequential, torch.Tensor]:
+    """A GPT as a chain: embedding, ``n_layers`` blocks, final norm, LM head (B, T) -> (B, T, V)."""
+    layers: list[nn.Module] = [Embedding(vocab_size, width, max_seq_len)]
+    layers += [Block(width, n_heads) for _ in range(n_layers)]
+    layers += [nn.LayerNorm(width), nn.Linear(width, vocab_size, bias=False)]
+    sample = torch.randint(0, vocab_size, (batch_size, max_seq_len))
+    return nn.Sequential(*layers), sample
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class ResidualBlock(nn.Module):
+    """conv-bn-relu-conv-bn plus shortcut; strides by 2 when the width grows."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        stride = 2 if c_out != c_in else 1
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))  # (B, C_out, H', W')
+
+
+def resnet(
+    widths: tuple[int, ...] = (16, 32, 64, 128),
+    blocks_per_width: int = 2,
+    n_classes: int = 10,
+    image_size: int = 32,
+    batch_size: int = 8,
+) -> tuple[nn.Sequential, torch.Tensor]:
+    """A ResNet-style CNN whose widths grow while its resolution shrinks (B, 3, H, W) -> (B, classes)."""
+    layers: list[nn.Module] = [
+        nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+    ]
+    c_in = widths[0]
+    for c_out in widths:
+        for _ in range(blocks_per_width):
+            layers.append(ResidualBlock(c_in, c_out))
+            c_in = c_out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, n_classes)]
+    sample = torch.randn(batch_size, 3, image_size, image_size)
+    return nn.Sequential(*layers), sample
+
+
+def mlp(
+    width: int = 1024, depth: int = 8, in_features: int | None = None, batch_size: int = 128
+) -> tuple[nn.Sequential, torch.Tensor]:
+    """``depth`` layers of Linear + ReLU (each one entry of the chain) (B, in) -> (B, width)."""
+    d_in = width if in_features is None else in_features
+    layers = [nn.Sequential(nn.Linear(d_in if k == 0 else width, width), nn.ReLU()) for k in range(depth)]
+    return nn.Sequential(*layers), torch.randn(batch_size, d_in)
