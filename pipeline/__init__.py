@@ -1,15 +1,34 @@
-"""stagewise's runtime: schedules as data, a simulator, and an executor across processes."""
+"""stagewise's runtime: schedules as data, a simulator, and an executor across processes.
+
+``pipeline.schedule`` is the schedule factory; import the module's other names with
+``from pipeline.schedule import ...``.
+"""
 
 from pipeline.actions import Action, Kind, format_action, parse_action
 from pipeline.launch import DistInfo, RankError, init_distributed, launch
+from pipeline.schedule import SCHEDULES, Schedule, ScheduleError, schedule
+from pipeline.simulate import TimedAction, Timeline, simulate
+from pipeline.trace import chrome_trace, render_grid, write_chrome_trace
+from pipeline.validate import validate
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "DistInfo",
     "Kind",
     "RankError",
+    "Schedule",
+    "ScheduleError",
+    "TimedAction",
+    "Timeline",
+    "chrome_trace",
     "format_action",
     "init_distributed",
     "launch",
     "parse_action",
+    "render_grid",
+    "schedule",
+    "simulate",
+    "validate",
+    "write_chrome_trace",
 ]

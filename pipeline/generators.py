@@ -1,0 +1,102 @@
+"""Per-rank compute orders of the built-in schedules.
+
+    # p: ranks, v: virtual stages per rank, m: micro-batches, r: rank, i: micro-batch, k: virtual index
+
+Each generator returns, per rank, the ordered F/B/W actions; ``pipeline.schedule.schedule``
+wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on rank r
+(numbers are micro-batches; ``pipeline.trace.render_grid`` draws the timed version)::
+
+    gpipe       F0 F1 .. F7 B0 B1 .. B7
+    1f1b        warm-up p-r-1 forwards, then F B pairs, then the remaining backwards
+                r=0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
+    zb-h1       1f1b with B split into B and W; rank r delays its first r W's, which
+                then fill the cool-down bubbles (at most p micro-batches in flight)
+                r=3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ... B7 W4 W5 W6 W7
+"""
+
+from __future__ import annotations
+
+from pipeline.actions import Action, Kind
+
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1"]
+
+Orders = tuple[tuple[Action, ...], ...]
+
+
+def gpipe(p: int, m: int) -> Orders:
+    """All forwards, then all backwards, in micro-batch order."""
+    return tuple(
+        tuple([Action(r, Kind.F, i) for i in range(m)] + [Action(r, Kind.B, i) for i in range(m)])
+        for r in range(p)
+    )
+
+
+def _one_f_one_b_rank(r: int, p: int, m: int) -> list[tuple[Kind, int]]:
+    # Rank r keeps at most p - r micro-batches in flight: warm-up, steady F/B pairs, cool-down.
+    warmup = min(p - r - 1, m)
+    order = [(Kind.F, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [(Kind.F, warmup + i), (Kind.B, i)]
+    order += [(Kind.B, i) for i in range(m - warmup, m)]
+    return order
+
+
+def one_f_one_b(p: int, m: int) -> Orders:
+    """Non-interleaved 1F1B (PipeDream-flush): at most p - r activations on rank r, any m >= 1."""
+    return tuple(tuple(Action(r, kind, i) for kind, i in _one_f_one_b_rank(r, p, m)) for r in range(p))
+
+
+def zb_h1(p: int, m: int) -> Orders:
+    """ZB-H1 (Qi et al. 2023): 1F1B order over F and B, with rank r's W's delayed by r.
+
+    Rank r holds p - r micro-batches for 1F1B plus r whose W is pending: at most p.
+    The delayed W's run in the cool-down, where 1F1B would leave rank r idle.
+    """
+    orders = []
+    for r in range(p):
+        delay = r
+        out: list[Action] = []
+        next_w = 0
+        n_b = 0
+        for kind, i in _one_f_one_b_rank(r, p, m):
+            out.append(Action(r, kind, i))
+            if kind is Kind.B:
+                n_b += 1
+                if n_b > delay:
+                    out.append(Action(r, Kind.W, next_w))
+                    next_w += 1
+        out += [Action(r, Kind.W, i) for i in range(next_w, m)]
+        orders.append(tuple(out))
+    return tuple(orders)
+
+
+def interleaved_1f1b(p: int, v: int, m: int) -> Orders:
+    """Megatron's interleaved 1F1B: rank r runs stages r, r + p, ..., r + (v-1)p.
+
+    The m * v forwards of a rank run in groups of p micro-batches per stage, sweeping
+    the rank's stages front to back; backwards sweep them back to front.  Needs m to be
+    a multiple of p so that every group is full.
+    """
+    if m % p != 0:
+        fixes = " or ".join(str(n) for n in (m - m % p, m - m % p + p) if n > 0)
+        raise ValueError(
+            f"n_microbatches ({m}) must be a multiple of the number of ranks ({p}) for "
+            f"interleaved-1f1b; use {fixes} micro-batches, or schedule='1f1b'"
+        )
+    total = m * v
+
+    def _action(k: int, kind: Kind, r: int) -> Action:
+        chunk = (k % (p * v)) // p
+        if kind is Kind.B:
+            chunk = v - 1 - chunk
+        return Action(chunk * p + r, kind, (k // (p * v)) * p + k % p)
+
+    orders = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        out = [_action(k, Kind.F, r) for k in range(warmup)]
+        for j in range(total - warmup):
+            out += [_action(warmup + j, Kind.F, r), _action(j, Kind.B, r)]
+        out += [_action(k, Kind.B, r) for k in range(total - warmup, total)]
+        orders.append(tuple(out))
+    return tuple(orders)

@@ -1,0 +1,174 @@
+"""Schedules as plain data: per-rank compute orders, their text form, lowering and the name registry.
+
+    # p: ranks, v: virtual stages per rank, m: micro-batches, s: stage, i: micro-batch, r: rank
+
+A ``Schedule`` holds, for every rank, the ordered compute actions (F, B, W) it runs.
+Stage s lives on rank s % p, so rank r owns stages r, r + p, r + 2p, ...  The text form
+is one line per rank::
+
+    0F0 0F1 0B0 0B1
+    1F0 1B0 1F1 1B1
+
+Lowering adds the communication each rank must run.  Around every compute action
+of stage s on rank r:
+
+    RECV_F (s, i)  before F,  when stage s - 1 is on another rank  (activation in)
+    SEND_F (s, i)  after F,   when stage s + 1 is on another rank  (activation out)
+    RECV_B (s, i)  before B,  when stage s + 1 is on another rank  (gradient in)
+    SEND_B (s, i)  after B,   when stage s - 1 is on another rank  (gradient out)
+
+so between two compute actions a rank's lowered list holds the sends of the previous
+one followed by the receives of the next one: one contiguous block that the executor
+posts as a single batch.  W actions never communicate.  A neighbour stage on the
+same rank gets no communication at all: the tensor is passed locally.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pipeline import generators
+from pipeline.actions import Action, Kind, parse_action
+
+__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "schedule"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: missing or duplicated actions, broken dependencies, deadlock."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    n_stages: int  # all stages, p * v
+    n_ranks: int  # p
+    n_microbatches: int  # m
+    split_backward: bool  # True: B is the input-gradient part only, and every (s, i) has a W
+    compute: tuple[tuple[Action, ...], ...]  # per rank, ordered F/B/W actions
+
+    @property
+    def n_virtual(self) -> int:
+        return self.n_stages // self.n_ranks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.n_ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.n_stages, self.n_ranks))
+
+    def lowered(self) -> tuple[tuple[Action, ...], ...]:
+        """Per rank: the compute actions with their sends and receives, in run order."""
+        return self._lowered
+
+    @functools.cached_property
+    def _lowered(self) -> tuple[tuple[Action, ...], ...]:
+        return tuple(tuple(self._lower_rank(actions)) for actions in self.compute)
+
+    def _lower_rank(self, actions: tuple[Action, ...]) -> list[Action]:
+        out: list[Action] = []
+        for a in actions:
+            s, i = a.stage, a.microbatch
+            prev_remote = s > 0 and self.rank_of(s - 1) != self.rank_of(s)
+            next_remote = s < self.n_stages - 1 and self.rank_of(s + 1) != self.rank_of(s)
+            if a.kind is Kind.F and prev_remote:
+                out.append(Action(s, Kind.RECV_F, i))
+            if a.kind is Kind.B and next_remote:
+                out.append(Action(s, Kind.RECV_B, i))
+            out.append(a)
+            if a.kind is Kind.F and next_remote:
+                out.append(Action(s, Kind.SEND_F, i))
+            if a.kind is Kind.B and prev_remote:
+                out.append(Action(s, Kind.SEND_B, i))
+        return out
+
+    def to_text(self) -> str:
+        return "\n".join(" ".join(str(a) for a in actions) for actions in self.compute)
+
+    @classmethod
+    def from_text(
+        cls,
+        text: str,
+        *,
+        name: str = "custom",
+        n_stages: int | None = None,
+        split_backward: bool | None = None,
+        check: bool = True,
+    ) -> Schedule:
+        """Load one line per rank; infer n_stages, m and split_backward unless given.
+
+        With ``check`` (the default) the schedule is validated before it is returned.
+        """
+        lines = text.strip().splitlines()
+        if not lines:
+            raise ValueError("empty schedule text: expected one line of actions per rank, e.g. '0F0 0B0'")
+        compute = tuple(tuple(parse_action(tok) for tok in line.split()) for line in lines)
+        flat = [a for actions in compute for a in actions]
+        for a in flat:
+            if not a.kind.is_compute:
+                raise ValueError(
+                    f"schedule text holds the communication action {a}: write only F, B and W "
+                    "actions, the sends and receives are added by Schedule.lowered()"
+                )
+        if not flat:
+            raise ValueError("schedule text has no actions: expected actions such as '0F0 0B0'")
+        sched = cls(
+            name=name,
+            n_stages=max(a.stage for a in flat) + 1 if n_stages is None else n_stages,
+            n_ranks=len(lines),
+            n_microbatches=max(a.microbatch for a in flat) + 1,
+            split_backward=any(a.kind is Kind.W for a in flat) if split_backward is None else split_backward,
+            compute=compute,
+        )
+        if check:
+            from pipeline.validate import validate
+
+            validate(sched)
+        return sched
+
+
+def schedule(name: str, n_stages: int, n_microbatches: int, *, n_virtual: int = 1) -> Schedule:
+    """The named schedule for ``n_stages`` stages (p * v) and ``n_microbatches``, validated.
+
+    >>> print(schedule("1f1b", 2, 2).to_text())
+    0F0 0F1 0B0 0B1
+    1F0 1B0 1F1 1B1
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid schedules are {', '.join(SCHEDULES)}")
+    for label, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} ({value!r}) must be an integer >= 1")
+    if name == "interleaved-1f1b":
+        if n_virtual < 2:
+            raise ValueError(
+                f"n_virtual ({n_virtual}) must be >= 2 for interleaved-1f1b; "
+                "pass n_virtual=2 or more, or use schedule='1f1b'"
+            )
+        if n_stages % n_virtual != 0:
+            raise ValueError(
+                f"n_stages ({n_stages}) must be a multiple of n_virtual ({n_virtual}) for "
+                f"interleaved-1f1b: each of the p ranks holds n_virtual stages; use n_stages="
+                f"{n_virtual * max(1, n_stages // n_virtual)} or another n_virtual"
+            )
+    elif n_virtual != 1:
+        raise ValueError(
+            f"n_virtual ({n_virtual}) must be 1 for {name!r}, which has one stage per rank; "
+            "use schedule='interleaved-1f1b' for virtual stages"
+        )
+    p, m = n_stages // n_virtual, n_microbatches
+    if name == "gpipe":
+        compute, split = generators.gpipe(p, m), False
+    elif name == "1f1b":
+        compute, split = generators.one_f_one_b(p, m), False
+    elif name == "interleaved-1f1b":
+        compute, split = generators.interleaved_1f1b(p, n_virtual, m), False
+    else:
+        compute, split = generators.zb_h1(p, m), True
+    sched = Schedule(name, n_stages, p, m, split, compute)
+    from pipeline.validate import validate
+
+    validate(sched)
+    return sched

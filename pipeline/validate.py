@@ -1,0 +1,266 @@
+"""Validate a schedule before it runs: every check raises ``ScheduleError`` with a rank x step grid.
+
+    # p: ranks, s: stage, i: micro-batch, r: rank, k: step
+
+Checks, in order, each with its own message:
+
+1. shape: one line per rank, stages and micro-batches in range, stage s on rank s % p;
+2. missing or duplicated actions: every (s, i) has one F and one B, and one W exactly
+   when the schedule splits the backward;
+3. broken dependency on one rank: an action placed before something it needs that the
+   same rank runs (F(s, i) before B(s, i) before W(s, i); a neighbour stage on the same
+   rank: F(s-1, i) before F(s, i), B(s+1, i) before B(s, i));
+4. order mismatch: for every pair of ranks src -> dst, the sends of src to dst and the
+   receives of dst from src name the same messages in the same order (NCCL and gloo
+   match point-to-point messages in posting order);
+5. deadlock: the lowered program, run with non-blocking sends and blocking receives,
+   finishes (``blocking_sends=True``: also when each block between two compute actions
+   waits for all its sends and receives to be matched, as a batch that waits on
+   every request does).  The grid brackets the step each rank is stuck at::
+
+       step   0        1        2          3   4   5        6        7
+       rank 0 0F0      0SEND_F0 [0RECV_B0] 0B0 0F1 0SEND_F1 0RECV_B1 0B1
+       rank 1 1RECV_F0 1F0      [1RECV_F1] 1F1 1B0 1SEND_B0 1B1      1SEND_B1
+
+   (rank 0 waits for a gradient that rank 1 computes only after an activation
+   that rank 0 sends only after that gradient.)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from pipeline.actions import Action, Kind
+from pipeline.schedule import Schedule, ScheduleError
+
+__all__ = ["render_program", "validate"]
+
+_MAX_COLUMNS = 16  # wider grids keep only the columns around the marked steps
+
+
+def render_program(program: Sequence[Sequence[Action]], marks: set[tuple[int, int]] | None = None) -> str:
+    """A rank x step grid of ``program``; the (rank, step) cells in ``marks`` are bracketed."""
+    marks = marks or set()
+    n_steps = max((len(row) for row in program), default=0)
+    cols = list(range(n_steps))
+    if n_steps > _MAX_COLUMNS and marks:
+        keep = {k for _, step in marks for k in range(step - 3, step + 3)}
+        cols = [k for k in cols if k in keep]
+    elif n_steps > _MAX_COLUMNS:
+        cols = cols[:_MAX_COLUMNS]
+
+    def cell(r: int, k: int) -> str:
+        if k >= len(program[r]):
+            return ""
+        text = str(program[r][k])
+        return f"[{text}]" if (r, k) in marks else text
+
+    widths = {k: max([len(str(k)), *(len(cell(r, k)) for r in range(len(program)))]) for k in cols}
+    header: list[str] = ["step  "]
+    rows: list[list[str]] = [[f"rank {r}"] for r in range(len(program))]
+    prev = -1
+    for k in cols:
+        if k != prev + 1:  # elided columns
+            header.append("...")
+            for row in rows:
+                row.append("...")
+        header.append(str(k).ljust(widths[k]))
+        for r, row in enumerate(rows):
+            row.append(cell(r, k).ljust(widths[k]))
+        prev = k
+    if cols and prev != n_steps - 1:
+        header.append("...")
+        for row in rows:
+            row.append("...")
+    return "\n".join(" ".join(line).rstrip() for line in [header, *rows])
+
+
+def _fail(
+    sched: Schedule, what: str, program: Sequence[Sequence[Action]], marks: set[tuple[int, int]]
+) -> None:
+    grid = render_program(program, marks)
+    raise ScheduleError(
+        f"schedule {sched.name!r} (p={sched.n_ranks}, m={sched.n_microbatches}): {what}\n{grid}"
+    )
+
+
+def _check_shape(sched: Schedule) -> None:
+    p, n, m = sched.n_ranks, sched.n_stages, sched.n_microbatches
+    if p < 1 or n < 1 or m < 1:
+        raise ScheduleError(
+            f"schedule {sched.name!r}: n_ranks ({p}), n_stages ({n}) and n_microbatches ({m}) "
+            "must all be >= 1"
+        )
+    if n % p != 0:
+        raise ScheduleError(
+            f"schedule {sched.name!r}: n_stages ({n}) must be a multiple of n_ranks ({p}), "
+            "so that every rank holds the same number of stages"
+        )
+    if len(sched.compute) != p:
+        raise ScheduleError(
+            f"schedule {sched.name!r} has {len(sched.compute)} rank programs but n_ranks is {p}"
+        )
+    for r, actions in enumerate(sched.compute):
+        for k, a in enumerate(actions):
+            problem = ""
+            if not a.kind.is_compute:
+                problem = "is a communication action; compute programs hold only F, B and W"
+            elif not 0 <= a.stage < n:
+                problem = f"names stage {a.stage}, outside 0..{n - 1}"
+            elif not 0 <= a.microbatch < m:
+                problem = f"names micro-batch {a.microbatch}, outside 0..{m - 1}"
+            elif a.stage % p != r:
+                problem = f"is on rank {r} but stage {a.stage} lives on rank {a.stage % p} (stage % {p})"
+            elif a.kind is Kind.W and not sched.split_backward:
+                problem = "is a W but split_backward is False: B already holds the whole backward"
+            if problem:
+                _fail(sched, f"action {a} at rank {r} step {k} {problem}", sched.compute, {(r, k)})
+
+
+def _check_once(sched: Schedule) -> None:
+    where: dict[Action, list[tuple[int, int]]] = {}
+    for r, actions in enumerate(sched.compute):
+        for k, a in enumerate(actions):
+            where.setdefault(a, []).append((r, k))
+    dups = {a: at for a, at in where.items() if len(at) > 1}
+    if dups:
+        names = ", ".join(str(a) for a in sorted(dups))
+        marks = {rk for at in dups.values() for rk in at}
+        _fail(sched, f"duplicated action(s) {names}: each must appear exactly once", sched.compute, marks)
+    kinds = (Kind.F, Kind.B, Kind.W) if sched.split_backward else (Kind.F, Kind.B)
+    missing = [
+        Action(s, kind, i)
+        for s in range(sched.n_stages)
+        for i in range(sched.n_microbatches)
+        for kind in kinds
+        if Action(s, kind, i) not in where
+    ]
+    if missing:
+        shown = ", ".join(str(a) for a in missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        _fail(sched, f"missing action(s) {shown}: each must appear exactly once", sched.compute, set())
+
+
+def _check_local_order(sched: Schedule) -> None:
+    for r, actions in enumerate(sched.compute):
+        step = {a: k for k, a in enumerate(actions)}
+        for k, a in enumerate(actions):
+            s, i = a.stage, a.microbatch
+            needs = {
+                Kind.F: [Action(s - 1, Kind.F, i)],
+                Kind.B: [Action(s, Kind.F, i), Action(s + 1, Kind.B, i)],
+                Kind.W: [Action(s, Kind.B, i)],
+            }[a.kind]
+            for d in needs:
+                if d in step and step[d] > k:
+                    _fail(
+                        sched,
+                        f"broken dependency: {a} at rank {r} step {k} runs before {d} (step {step[d]}), "
+                        "which it needs",
+                        sched.compute,
+                        {(r, k), (r, step[d])},
+                    )
+
+
+def _message(sched: Schedule, a: Action) -> tuple[int, int, Action]:
+    """(src rank, dst rank, the SEND naming the message) of a send or receive."""
+    if a.kind.is_send:
+        send = a
+    else:
+        send = Action(a.peer_stage, Kind.SEND_F if a.kind is Kind.RECV_F else Kind.SEND_B, a.microbatch)
+    return sched.rank_of(send.stage), sched.rank_of(send.peer_stage), send
+
+
+def _check_channels(sched: Schedule, lowered: Sequence[Sequence[Action]]) -> None:
+    sent: dict[tuple[int, int], list[tuple[Action, int]]] = {}
+    recv: dict[tuple[int, int], list[tuple[Action, int]]] = {}
+    for actions in lowered:
+        for k, a in enumerate(actions):
+            if a.kind.is_send or a.kind.is_recv:
+                src, dst, msg = _message(sched, a)
+                (sent if a.kind.is_send else recv).setdefault((src, dst), []).append((msg, k))
+    for src, dst in sorted(set(sent) | set(recv)):
+        sends, recvs = sent.get((src, dst), []), recv.get((src, dst), [])
+        for n in range(max(len(sends), len(recvs))):
+            s_msg = sends[n][0] if n < len(sends) else None
+            r_msg = recvs[n][0] if n < len(recvs) else None
+            if s_msg != r_msg:
+                marks = ({(src, sends[n][1])} if n < len(sends) else set()) | (
+                    {(dst, recvs[n][1])} if n < len(recvs) else set()
+                )
+                _fail(
+                    sched,
+                    f"order mismatch on rank {src} -> rank {dst}: message {n} is sent as {s_msg} but "
+                    f"received as the one of {r_msg}; sends and receives between two ranks must be posted in "
+                    "the same order",
+                    lowered,
+                    marks,
+                )
+
+
+def _check_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]], blocking_sends: bool) -> None:
+    # A receive waits until its sender has posted the matching send.  With blocking_sends,
+    # a rank posts a whole block of sends and receives at once and leaves it only when
+    # every op in it is matched (a send also waits for its receive to be posted).
+    posted: dict[bool, Counter[tuple[int, int]]] = {True: Counter(), False: Counter()}  # is_send -> count
+    pending: list[list[tuple[int, bool, tuple[int, int], int]]] = [[] for _ in lowered]  # (step, send, ch, n)
+    pos = [0] * len(lowered)
+
+    def matched(op: tuple[int, bool, tuple[int, int], int]) -> bool:
+        _, is_send, channel, n = op
+        return posted[not is_send][channel] > n
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, actions in enumerate(lowered):
+            while True:
+                if pending[r]:
+                    if not all(matched(op) for op in pending[r]):
+                        break
+                    pending[r] = []
+                if pos[r] == len(actions):
+                    break
+                a = actions[pos[r]]
+                if a.kind.is_compute:
+                    pos[r] += 1
+                else:
+                    while pos[r] < len(actions) and not actions[pos[r]].kind.is_compute:
+                        op = actions[pos[r]]
+                        channel = _message(sched, op)[:2]
+                        n = posted[op.kind.is_send][channel]
+                        posted[op.kind.is_send][channel] += 1
+                        if op.kind.is_recv or blocking_sends:
+                            pending[r].append((pos[r], op.kind.is_send, channel, n))
+                        pos[r] += 1
+                        if not blocking_sends:
+                            break  # without blocking sends, every op is its own block
+                progressed = True
+    stuck = {
+        (r, next(op[0] for op in pending[r] if not matched(op))) for r in range(len(lowered)) if pending[r]
+    }
+    if stuck:
+        model = "blocking sends (a batch waits for all its ops)" if blocking_sends else "non-blocking sends"
+        waits = "; ".join(f"rank {r} waits at {lowered[r][k]}" for r, k in sorted(stuck))
+        _fail(
+            sched,
+            f"deadlock: with {model} and blocking receives no rank can proceed ({waits})",
+            lowered,
+            stuck,
+        )
+
+
+def validate(schedule: Schedule, *, blocking_sends: bool = False) -> None:
+    """Raise ``ScheduleError`` unless ``schedule`` can run; see the module docstring for the checks.
+
+    ``blocking_sends`` checks the stricter model of an executor that waits for a whole
+    send/receive block, sends included, before computing on.
+    """
+    _check_shape(schedule)
+    _check_once(schedule)
+    _check_local_order(schedule)
+    lowered = schedule.lowered()
+    _check_channels(schedule, lowered)
+    _check_deadlock(schedule, lowered, blocking_sends)

@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import pytest
+
+from pipeline.actions import Action, Kind, parse_action
+from pipeline.schedule import Schedule, ScheduleError, schedule
+from pipeline.validate import render_program, validate
+
+
+def _load(text: str, **kwargs: int | bool) -> Schedule:
+    return Schedule.from_text(text, check=False, **kwargs)  # type: ignore[arg-type]
+
+
+def _error(text: str, **kwargs: int | bool) -> str:
+    with pytest.raises(ScheduleError) as info:
+        validate(_load(text, **kwargs))
+    return str(info.value)
+
+
+GOOD = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1"
+
+
+def test_good_schedule_passes() -> None:
+    validate(_load(GOOD))
+    validate(schedule("zb-h1", 4, 8))
+
+
+def test_missing_action() -> None:
+    msg = _error("0F0 0F1 0B0 0B1\n1F0 1B0 1F1")
+    assert "missing action(s) 1B1" in msg
+
+
+def test_duplicated_action() -> None:
+    msg = _error("0F0 0F1 0B0 0B1 0F1\n1F0 1B0 1F1 1B1")
+    assert "duplicated action(s) 0F1" in msg
+    assert "[0F1]" in msg and msg.count("[0F1]") == 2  # both places marked
+
+
+def test_broken_dependency_on_one_rank() -> None:
+    msg = _error("0B0 0F0")
+    assert "broken dependency: 0B0 at rank 0 step 0 runs before 0F0 (step 1)" in msg
+    # neighbour stages on the same rank (p = 1): stage 1's forward needs stage 0's first
+    msg = _error("1F0 0F0 1B0 0B0")
+    assert "broken dependency: 1F0 at rank 0 step 0 runs before 0F0" in msg
+    msg = _error("0F0 0W0 0B0")
+    assert "broken dependency: 0W0" in msg
+
+
+def test_deadlock() -> None:
+    # Rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activation,
+    # while rank 1 wants both activations before its first backward.
+    msg = _error("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1")
+    assert msg.startswith("schedule 'custom' (p=2, m=2): deadlock")
+    assert "rank 0 waits at 0RECV_B0" in msg and "rank 1 waits at 1RECV_F1" in msg
+    grid = msg.splitlines()[1:]
+    assert grid[0].split()[:3] == ["step", "0", "1"]
+    assert grid[1].split() == [
+        "rank",
+        "0",
+        "0F0",
+        "0SEND_F0",
+        "[0RECV_B0]",
+        "0B0",
+        "0F1",
+        "0SEND_F1",
+        "0RECV_B1",
+        "0B1",
+    ]
+    assert grid[2].split() == [
+        "rank",
+        "1",
+        "1RECV_F0",
+        "1F0",
+        "[1RECV_F1]",
+        "1F1",
+        "1B0",
+        "1SEND_B0",
+        "1B1",
+        "1SEND_B1",
+    ]
+
+
+def test_deadlock_across_virtual_stages() -> None:
+    # Every rank starts with the forward of its later stage, whose input never comes.
+    msg = _error("3F0 0F0 3B0 0B0\n4F0 1F0 4B0 1B0\n5F0 2F0 5B0 2B0")
+    assert "deadlock" in msg
+    assert all(f"[{s}RECV_F0]" in msg for s in (3, 4, 5))
+
+
+def test_order_mismatch() -> None:
+    msg = _error("0F0 0F1 0B0 0B1\n1F1 1F0 1B0 1B1")
+    assert (
+        "order mismatch on rank 0 -> rank 1: message 0 is sent as 0SEND_F0 but received as the one of "
+        "0SEND_F1" in msg
+    )
+    assert "[0SEND_F0]" in msg and "[1RECV_F1]" in msg
+
+
+def test_wrong_rank_range_and_w_without_split() -> None:
+    assert "stage 1 lives on rank 1" in _error("1F0 1B0\n0F0 0B0")
+    with pytest.raises(ScheduleError, match="W but split_backward is False"):
+        validate(_load("0F0 0B0 0W0", split_backward=False))
+    sched = Schedule("bad", 2, 1, 1, False, ((Action(2, Kind.F, 0),),))
+    with pytest.raises(ScheduleError, match=r"names stage 2, outside 0\.\.1"):
+        validate(sched)
+    sched = Schedule("bad", 1, 1, 1, False, ((Action(0, Kind.F, 0), Action(0, Kind.SEND_F, 0)),))
+    with pytest.raises(ScheduleError, match="is a communication action"):
+        validate(sched)
+    with pytest.raises(ScheduleError, match=r"n_stages \(3\) must be a multiple of n_ranks \(2\)"):
+        validate(Schedule("bad", 3, 2, 1, False, ((), ())))
+
+
+def test_error_is_value_error() -> None:
+    assert issubclass(ScheduleError, ValueError)
+
+
+def test_render_program_elides_wide_grids() -> None:
+    program = [[parse_action(f"0F{i}") for i in range(40)]]
+    text = render_program(program, {(0, 20)})
+    assert "[0F20]" in text and "0F0 " not in text and "0F39" not in text
+    assert text.splitlines()[1].split()[2] == "..."
+    assert render_program(program).splitlines()[1].split()[-1] == "..."
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_built_ins_validate(p: int, m: int) -> None:
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        validate(schedule(name, p, m))
+    if m % p == 0:
+        validate(schedule("interleaved-1f1b", 2 * p, m, n_virtual=2))
+
+
+def test_blocking_sends_model() -> None:
+    # 1F1B-style orders pair every send with a receive the peer posts in the same block...
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        validate(schedule(name, 4, 8), blocking_sends=True)
+    validate(schedule("interleaved-1f1b", 4, 2, n_virtual=2), blocking_sends=True)  # m == p
+    # ...but interleaved 1F1B with m > p has two ranks sending to each other at once.
+    sched = schedule("interleaved-1f1b", 4, 4, n_virtual=2)
+    with pytest.raises(ScheduleError, match="deadlock: with blocking sends") as info:
+        validate(sched, blocking_sends=True)
+    assert "[2SEND_B0]" in str(info.value) and "[3SEND_B1]" in str(info.value)
+    # The plain deadlock deadlocks in both models.
+    deadlocked = _load("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1")
+    for blocking in (False, True):
+        with pytest.raises(ScheduleError, match="deadlock"):
+            validate(deadlocked, blocking_sends=blocking)
