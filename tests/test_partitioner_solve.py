@@ -1,0 +1,174 @@
+"""Exactness of ``partitioner.solve`` against brute force, its tie rule, and its errors."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.solve import solve, stage_costs, stage_memory
+
+# partitioner.solve is also the function's name in the package; reach the module itself
+solve_mod = importlib.import_module("partitioner.solve")
+
+
+def _balances(n: int, k: int) -> list[list[int]]:
+    out = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        ends = [0, *cuts, n]
+        out.append([b - a for a, b in itertools.pairwise(ends)])
+    return out
+
+
+def _brute(costs, k, cut_costs=None, memory=None, memory_limit=None, speeds=None):  # type: ignore[no-untyped-def]
+    """(min bottleneck, lexicographically largest optimal balance) or None when memory never fits."""
+    best = None
+    for bal in _balances(len(costs), k):
+        if memory is not None and memory_limit is not None:
+            lims = memory_limit if isinstance(memory_limit, list) else [memory_limit] * k
+            if any(m > lim for m, lim in zip(stage_memory(memory, bal), lims, strict=True)):
+                continue
+        worst = max(stage_costs(costs, bal, cut_costs=cut_costs, speeds=speeds))
+        if best is None or worst < best[0] or (worst == best[0] and bal > best[1]):
+            best = (worst, bal)
+    return best
+
+
+# A few values with many exact ties, and arbitrary floats (rounding in the prefix sums).
+_value = st.one_of(
+    st.sampled_from([0.0, 1.0, 2.0, 3.0, 0.1, 0.2, 0.3]),
+    st.floats(0, 1e3, allow_nan=False, allow_infinity=False),
+)
+
+
+@st.composite
+def _instance(draw: st.DrawFn) -> dict:  # type: ignore[type-arg]
+    n = draw(st.integers(1, 8))
+    k = draw(st.integers(1, n))
+    inst: dict = {"costs": draw(st.lists(_value, min_size=n, max_size=n)), "k": k}  # type: ignore[type-arg]
+    if draw(st.booleans()):
+        inst["cut_costs"] = draw(st.lists(_value, min_size=n, max_size=n))
+    if draw(st.booleans()):
+        inst["speeds"] = draw(st.lists(st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0]), min_size=k, max_size=k))
+    mode = draw(st.sampled_from(["none", "scalar", "per_stage", "rows"]))
+    if mode != "none":
+        mem = draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, 5.0, 0.7]), min_size=n, max_size=n))
+        if mode == "rows":  # stage-dependent memory, like activations held under 1F1B
+            inst["memory"] = [[m * (1 + (k - j)) for m in mem] for j in range(k)]
+        else:
+            inst["memory"] = mem
+        if mode == "per_stage":
+            inst["memory_limit"] = draw(
+                st.lists(st.sampled_from([3.0, 5.0, 8.0, 20.0]), min_size=k, max_size=k)
+            )
+        else:
+            inst["memory_limit"] = draw(st.sampled_from([2.0, 5.0, 8.0, 14.0, 40.0]))
+    return inst
+
+
+@settings(max_examples=600, deadline=None)
+@given(_instance())
+def test_solve_matches_brute_force(inst: dict) -> None:  # type: ignore[type-arg]
+    kw = {key: inst[key] for key in ("cut_costs", "memory", "memory_limit", "speeds") if key in inst}
+    expected = _brute(inst["costs"], inst["k"], **kw)
+    if expected is None:
+        with pytest.raises(ValueError, match="too small"):
+            solve(inst["costs"], inst["k"], **kw)
+        return
+    got = solve(inst["costs"], inst["k"], **kw)
+    assert got == expected[1]
+    assert (
+        max(stage_costs(inst["costs"], got, cut_costs=kw.get("cut_costs"), speeds=kw.get("speeds")))
+        == expected[0]
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=60),
+    st.integers(1, 60),
+    st.one_of(st.none(), st.floats(1.0, 1e7)),
+)
+def test_probe_search_agrees_with_dp(costs: list[float], k: int, limit: float | None) -> None:
+    # Larger instances than brute force allows: the two exact algorithms must agree to the bit.
+    k = min(k, len(costs))
+    mem = [c % 997.0 for c in costs]
+    prefix = solve_mod._prefix(costs)
+    rows, limits = solve_mod._check_memory(mem if limit else None, limit, len(costs), k)
+    probe = solve_mod._probe_search(prefix, k, 1.0, None if rows is None else (rows[0], limits[0]))
+    dp = solve_mod._dp(prefix, k, None, None, rows, limits)
+    assert probe == dp
+
+
+def test_known_answer_and_tie_rule() -> None:
+    assert solve([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]  # 15 | 13 | 17
+    assert solve([1.0] * 4, 3) == [2, 1, 1]  # ties: earlier stages take the extra layer
+    assert solve([0.0] * 5, 2) == [4, 1]
+    assert solve([5.0], 1) == [1]
+
+
+def test_cut_costs_move_the_boundary() -> None:
+    # Without cuts the best is [2, 2]; sending layer 1's output costs 10, layer 2's output nothing.
+    assert solve([1.0, 1.0, 1.0, 1.0], 2) == [2, 2]
+    assert solve([1.0, 1.0, 1.0, 1.0], 2, cut_costs=[0.0, 10.0, 0.0, 0.0]) == [3, 1]
+
+
+def test_speeds_give_fast_stages_more_layers() -> None:
+    assert solve([1.0] * 6, 2, speeds=[2.0, 1.0]) == [4, 2]
+
+
+def test_exact_where_rounding_matters() -> None:
+    # 0.1 + 0.2 != 0.3 in floats; the stage cost is the correctly rounded exact sum, no epsilon.
+    costs = [0.1, 0.2, 0.3]
+    bal = solve(costs, 2)
+    assert bal == _brute(costs, 2)[1]  # type: ignore[index]
+    assert stage_costs([0.1, 0.2], [2]) == [0.30000000000000004]
+    tiny = [1e-300, 1e300, 1e-300]
+    assert solve(tiny, 3) == [1, 1, 1]
+
+
+def test_memory_infeasible_states_smallest_limit() -> None:
+    mem = [4.0, 4.0, 4.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match=r"smallest limit that fits is 12\.0"):
+        solve([1.0] * 5, 2, memory=mem, memory_limit=11.0)
+    assert solve([1.0] * 5, 2, memory=mem, memory_limit=12.0) == [3, 2]
+    with pytest.raises(ValueError, match=r"factor of at least 1\.5"):
+        solve([1.0] * 5, 2, memory=mem, memory_limit=[8.0, 8.0])
+
+
+def test_memory_limit_overrides_time_balance() -> None:
+    # Time wants [3, 1], memory only fits two heavy layers per stage.
+    assert solve([1.0, 1.0, 1.0, 3.0], 2) == [3, 1]
+    assert solve([1.0, 1.0, 1.0, 3.0], 2, memory=[5.0, 5.0, 5.0, 0.0], memory_limit=10.0) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("costs", "k", "kw", "match"),
+    [
+        ([], 1, {}, "empty"),
+        ([1.0, 2.0], 0, {}, r"n_stages \(0\)"),
+        ([1.0, 2.0], 3, {}, r"n_stages \(3\).*\(2\)"),
+        ([1.0, math.nan], 1, {}, r"costs\[1\] is nan"),
+        ([1.0, math.inf], 1, {}, r"costs\[1\] is inf"),
+        ([1.0, -1.0], 1, {}, r"costs\[1\] is -1.0"),
+        ([1.0, 1.0], 2, {"cut_costs": [1.0]}, "cut_costs has 1 entries"),
+        ([1.0, 1.0], 2, {"speeds": [1.0, 0.0]}, r"speeds\[1\] is 0.0"),
+        ([1.0, 1.0], 2, {"memory_limit": 3.0}, "without memory"),
+        ([1.0, 1.0], 2, {"memory": [1.0, 1.0], "memory_limit": [1.0]}, "memory_limit has 1 entries"),
+    ],
+)
+def test_bad_input(costs: list[float], k: int, kw: dict, match: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=match):
+        solve(costs, k, **kw)
+
+
+def test_deterministic_on_random_profiles() -> None:
+    rng = random.Random(7)
+    costs = [rng.choice([1.0, 2.0, 3.0]) for _ in range(200)]
+    assert len({tuple(solve(costs, 16)) for _ in range(3)}) == 1
+    assert solve(costs, 16) == solve(costs, 16, speeds=[1.0] * 15 + [1.0])
