@@ -6,16 +6,23 @@
 
 from pipeline.actions import Action, Kind, format_action, parse_action
 from pipeline.launch import DistInfo, RankError, init_distributed, launch
-from pipeline.schedule import SCHEDULES, Schedule, ScheduleError, schedule
+from pipeline.p2p import PeerFailure, PipelineTimeout
+from pipeline.pipe import Pipeline
+from pipeline.recompute import CHECKPOINT_MODES
+from pipeline.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
 from pipeline.simulate import TimedAction, Timeline, simulate
 from pipeline.trace import chrome_trace, render_grid, write_chrome_trace
 from pipeline.validate import validate
 
 __all__ = [
+    "CHECKPOINT_MODES",
     "SCHEDULES",
     "Action",
     "DistInfo",
     "Kind",
+    "PeerFailure",
+    "Pipeline",
+    "PipelineTimeout",
     "RankError",
     "Schedule",
     "ScheduleError",
@@ -23,6 +30,7 @@ __all__ = [
     "Timeline",
     "chrome_trace",
     "format_action",
+    "forward_only",
     "init_distributed",
     "launch",
     "parse_action",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pipeline import generators
 from pipeline.actions import Action, Kind, parse_action
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "schedule"]
+__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "forward_only", "schedule"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
@@ -172,3 +172,20 @@ def schedule(name: str, n_stages: int, n_microbatches: int, *, n_virtual: int = 
 
     validate(sched)
     return sched
+
+
+def forward_only(sched: Schedule) -> Schedule:
+    """The forwards of ``sched`` alone, for evaluation: each rank runs its stages in order.
+
+    Stage order on every rank (then micro-batch order) cannot deadlock: every
+    forward waits only for a lower stage, and lower stages never wait for higher
+    ones. The result has no backward, so it is not a training schedule and
+    ``validate`` (which demands every B) does not apply to it.
+    """
+    compute = tuple(
+        tuple(Action(s, Kind.F, i) for s in sched.stages_of(r) for i in range(sched.n_microbatches))
+        for r in range(sched.n_ranks)
+    )
+    return Schedule(
+        f"{sched.name}/forward", sched.n_stages, sched.n_ranks, sched.n_microbatches, False, compute
+    )

@@ -157,3 +157,15 @@ def test_schedule_is_plain_data() -> None:
     with pytest.raises(AttributeError):
         sched.name = "other"  # type: ignore[misc]
     assert hash(sched) == hash(Schedule.from_text(sched.to_text(), name="1f1b"))
+
+
+def test_forward_only_keeps_the_forwards_in_stage_order() -> None:
+    from pipeline.schedule import forward_only
+
+    fwd = forward_only(schedule("interleaved-1f1b", 4, 2, n_virtual=2))
+    assert fwd.to_text() == "0F0 0F1 2F0 2F1\n1F0 1F1 3F0 3F1"
+    assert not fwd.split_backward and fwd.n_microbatches == 2
+    assert [str(a) for a in fwd.lowered()[1]] == [
+        "1RECV_F0", "1F0", "1SEND_F0", "1RECV_F1", "1F1", "1SEND_F1",
+        "3RECV_F0", "3F0", "3RECV_F1", "3F1",
+    ]  # fmt: skip

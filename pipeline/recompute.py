@@ -1,0 +1,58 @@
+"""Activation checkpointing: which micro-batches recompute their forward in backward.
+
+    # i: micro-batch, m: micro-batches
+
+    "never"        every micro-batch keeps its activations from F to backward
+    "except_last"  all but the last micro-batch (i < m - 1) recompute: the last one's
+                   backward follows its forward at once, so saving it costs little
+    "always"       every micro-batch recomputes
+
+A checkpointed forward runs under ``no_grad`` and keeps only its input and the
+random-number state; the backward replays the forward with the same state, so
+dropout and friends draw the same numbers and the gradients are identical to
+those without checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CHECKPOINT_MODES", "RNGState", "check_mode", "recomputes"]
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown checkpoint mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}")
+    return mode
+
+
+def recomputes(mode: str, microbatch: int, n_microbatches: int) -> bool:
+    """True when micro-batch ``microbatch`` recomputes its forward under ``mode``."""
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch < n_microbatches - 1
+    return False
+
+
+@dataclass
+class RNGState:
+    """The CPU generator's state, and the device's when it is a GPU, at capture time."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: torch.device
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RNGState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda, device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)

@@ -1,0 +1,248 @@
+"""One stage's runtime: forward, backward, weight-gradient and the state saved per micro-batch.
+
+    # i: micro-batch, m: micro-batches, l: layer of the stage, L: layers
+
+A stage is a slice of the model's ``nn.Sequential``. Its input arrives detached
+(a graph boundary: gradients stop here and travel back as tensors). The state
+of micro-batch i lives from its F to its last backward action and is then
+dropped, so ``live`` counts the micro-batches whose activations are held.
+
+Unsplit backward (gpipe, 1f1b, interleaved): F saves input and output, B runs one
+``autograd.backward`` that fills parameter grads and the input's grad.
+
+Split backward (zb-h1): F runs layer by layer, each layer's input detached, so
+that the stage is a chain of small graphs::
+
+    a_0 -> [layer 0] -> o_0 ~> a_1 -> [layer 1] -> o_1 ~> ... -> o_L (or the loss)
+                  (~> : detach, a graph boundary)
+
+B walks the chain backwards with ``autograd.grad(o_l, a_l, g_l, retain_graph=True)``,
+which computes only input gradients, and keeps every g_l (grad of o_l). W then
+runs ``autograd.backward(o_l, g_l, inputs=params_l)`` per layer: the weight
+gradients, from the same graphs, after which everything is freed. The sums are
+those of one whole backward, so the gradients equal the unsplit ones.
+
+Checkpointed micro-batches (see recompute.py) run F under ``no_grad`` keeping
+only the input and the RNG state, and rebuild the graphs at the start of B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.microbatch import Batch, Signature, as_tuple, from_tuple
+from pipeline.recompute import RNGState, recomputes
+
+__all__ = ["Grads", "StageRuntime"]
+
+# a gradient per tensor of a batch; None where the tensor takes none (integers)
+Grads = tuple[torch.Tensor | None, ...]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class _Saved:
+    inputs: Batch  # the stage's input leaves
+    rng: RNGState | None = None  # set when this micro-batch recomputes
+    target: Any = None
+    outputs: Batch | None = None  # unsplit: the graph's roots (the scaled loss on the last stage)
+    chain: list[tuple[Batch, Batch]] = field(default_factory=list)  # split: (a_l, o_l)
+    grads: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = field(default_factory=list)
+
+
+def _leaves(x: Batch) -> Batch:
+    """Detached copies (no data copy) that start a new graph; floats require grad."""
+    tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x)]
+    return from_tuple(tensors, isinstance(x, tuple))
+
+
+def _roots(outputs: Batch, grads: Grads | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The (tensor, grad) pairs that backward starts from: tensors in the graph only."""
+    outs = as_tuple(outputs)
+    gs: Grads = grads if grads is not None else (None,) * len(outs)
+    keep = [(t, g) for t, g in zip(outs, gs, strict=True) if t.requires_grad]
+    pairs = [(t, g) for t, g in keep if g is not None or grads is None]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
+class StageRuntime:
+    """Stage ``index`` of ``n_stages``: runs F, B and W for micro-batches of one step."""
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Sequential,
+        *,
+        n_stages: int,
+        n_microbatches: int,
+        split_backward: bool,
+        checkpoint: str,
+        loss_fn: LossFn | None,
+        device: torch.device,
+    ) -> None:
+        self.index, self.module, self.device = index, module, device
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.n_microbatches, self.split, self.checkpoint = n_microbatches, split_backward, checkpoint
+        self.loss_fn = loss_fn
+        self.layers = list(module)
+        self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        self.recompute = [recomputes(checkpoint, i, n_microbatches) for i in range(n_microbatches)]
+        self.scale = 1.0 / n_microbatches
+        self._saved: dict[int, _Saved] = {}
+        self.losses: list[torch.Tensor] = []  # last stage: unscaled micro-batch losses of this step
+        self.live = 0  # micro-batches whose state is held
+        self.peak = 0  # the most held at once since reset_peak()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    # ---- forward
+
+    def _run(
+        self, x: Batch, target: Any, chain: list[tuple[Batch, Batch]] | None, record: bool = True
+    ) -> Batch:
+        """The stage's layers (and the scaled loss on the last stage); ``chain`` collects (a_l, o_l)."""
+        if chain is None:
+            out: Batch = self.module(x)
+        else:
+            out = x
+            for k, layer in enumerate(self.layers):
+                a = out if k == 0 else _leaves(out)
+                out = layer(a)
+                chain.append((a, out))
+        if self.is_last:
+            out = self._loss(out, target, record)
+            if chain is not None:  # the loss closes the last layer's graph
+                chain[-1] = (chain[-1][0], out)
+        return out
+
+    def _loss(self, out: Batch, target: Any, record: bool) -> torch.Tensor:
+        assert self.loss_fn is not None
+        loss = self.loss_fn(out, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it, e.g. with .mean()"
+            )
+        if record:
+            self.losses.append(loss.detach())
+        return loss * self.scale
+
+    def forward(self, i: int, x: Batch, target: Any = None) -> Batch | None:
+        """F of micro-batch ``i``: the output for the next stage (None on the last stage)."""
+        x = x if self.is_first else _leaves(x)
+        saved = _Saved(inputs=x, target=target)
+        if self.recompute[i]:
+            saved.rng = RNGState.capture(self.device)
+            with torch.no_grad():
+                out = self._run(x, target, None)
+        else:
+            chain = saved.chain if self.split else None
+            out = self._run(x, target, chain)
+            saved.outputs = out if not self.split else None
+        self._saved[i] = saved
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        return None if self.is_last else out
+
+    def _replay(self, saved: _Saved) -> None:
+        """Rebuild a checkpointed micro-batch's graph with the RNG state of its F."""
+        assert saved.rng is not None
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            saved.rng.restore()
+            with torch.enable_grad():
+                out = self._run(saved.inputs, saved.target, saved.chain if self.split else None, record=False)
+        saved.outputs = None if self.split else out
+
+    # ---- backward
+
+    def backward(self, i: int, grads: Grads | None) -> Grads | None:
+        """B of micro-batch ``i`` given the grads of its outputs (None on the last stage).
+
+        Returns the grads of the stage's inputs (None on the first stage). Unsplit,
+        it also accumulates the weight gradients and frees the micro-batch.
+        """
+        saved = self._saved[i]
+        if saved.rng is not None:
+            self._replay(saved)
+        if self.split:
+            return self._input_grads(saved, grads)
+        assert saved.outputs is not None
+        outs, gs = _roots(saved.outputs, grads)
+        torch.autograd.backward(outs, gs)
+        result = None if self.is_first else self._grads_of(saved.inputs)
+        self._free(i)
+        return result
+
+    @staticmethod
+    def _grads_of(inputs: Batch) -> Grads:
+        return tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
+            for t in as_tuple(inputs)
+        )
+
+    def _input_grads(self, saved: _Saved, grads: Grads | None) -> Grads | None:
+        g: Grads | None = grads
+        saved.grads = [([], [])] * len(saved.chain)
+        for k in range(len(saved.chain) - 1, -1, -1):
+            a, o = saved.chain[k]
+            outs, gs = _roots(o, g)
+            saved.grads[k] = (outs, gs)
+            if k == 0 and self.is_first:
+                return None
+            wanted = [t for t in as_tuple(a) if t.requires_grad]
+            got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True) if outs else ()
+            it = iter(got)
+            g = tuple(
+                (_or_zeros(next(it, None), t) if outs else torch.zeros_like(t)) if t.requires_grad else None
+                for t in as_tuple(a)
+            )
+        return g
+
+    def weight(self, i: int) -> None:
+        """W of micro-batch ``i`` (split backward only): weight gradients, then free it."""
+        saved = self._saved[i]
+        for (outs, gs), params in zip(saved.grads, self.layer_params, strict=True):
+            if outs and params:
+                torch.autograd.backward(outs, gs, inputs=params)
+        self._free(i)
+
+    def discard(self) -> None:
+        """Drop every held micro-batch: after a forward-only (evaluation) pass."""
+        self._saved.clear()
+        self.live = 0
+
+    def _free(self, i: int) -> None:
+        del self._saved[i]
+        self.live -= 1
+
+    # ---- shapes
+
+    def infer(self, sig: Signature) -> Signature:
+        """The output signature for an input signature, without computing (fake tensors).
+
+        Buffers are restored afterwards: a fake forward still bumps counters such
+        as BatchNorm's ``num_batches_tracked``.
+        """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+                empty = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig]
+                fake = [mode.from_tensor(t) for t in empty]
+                out = self.module(from_tuple(fake, len(fake) > 1))
+        finally:
+            with torch.no_grad():
+                for b, copy in buffers:
+                    b.copy_(copy)
+        return tuple((tuple(t.shape), t.dtype) for t in as_tuple(out))
+
+
+def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return g if g is not None else torch.zeros_like(like)

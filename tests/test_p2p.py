@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline.p2p import HEADER_LEN, Comm, PeerFailure, PipelineTimeout, decode, encode
+from tests.dist import run_ranks
+
+
+def test_header_round_trip() -> None:
+    sig = (((2, 3, 4), torch.float32), ((2,), torch.int64), ((), torch.bfloat16))
+    header = encode(sig, 7)
+    assert header.shape == (HEADER_LEN,) and header.dtype == torch.int64
+    assert decode(header) == (sig, 7)
+
+
+def test_header_rejects_unknown_dtype_and_overflow() -> None:
+    with pytest.raises(ValueError, match=r"cannot send tensors of dtype torch.complex64"):
+        encode((((1,), torch.complex64),), 0)
+    with pytest.raises(ValueError, match=r"needs 65 header words, more than 64"):
+        encode(tuple(((1,), torch.float32) for _ in range(21)), 0)
+
+
+def _exchange() -> list[Any]:
+    """Batched exchange, a timeout, then a published failure seen by a waiting rank."""
+    rank, out = dist.get_rank(), []
+    comm = Comm(None, "test", timeout=0.5)
+    peer = 1 - rank
+    send, recv = torch.full((3,), float(rank)), torch.zeros(3)
+    works = comm.post([comm.op(True, send, peer), comm.op(False, recv, peer)], "exchange")
+    comm.wait(comm.watch(works), "exchange")
+    out.append(recv.tolist())
+    # rank 0 waits for a message rank 1 never sends: a timeout naming the action
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            works = comm.post([comm.op(False, torch.zeros(1), 1)], "0RECV_F9 from rank 1")
+            comm.wait(comm.watch(works), "0RECV_F9 from rank 1")
+        except PipelineTimeout as exc:
+            out.append((str(exc), time.monotonic() - start))
+    dist.barrier()
+    # rank 1 publishes a failure; rank 0, waiting on a store key, sees it at once
+    comm.timeout = 30.0
+    if rank == 1:
+        comm.publish("ValueError: bad things")
+        comm.publish("a later failure is not recorded")
+        return out
+    start = time.monotonic()
+    try:
+        comm.wait_key("never-set", "stage 3's output signature")
+    except PeerFailure as exc:
+        out.append((str(exc), time.monotonic() - start))
+    return out
+
+
+def test_exchange_timeout_and_failure(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(tmp_path, _exchange, 2)
+    assert r0[0] == [1.0, 1.0, 1.0] and r1[0] == [0.0, 0.0, 0.0]
+    message, elapsed = r0[1]
+    assert message == "rank 0 timed out after 0.5 s waiting for 0RECV_F9 from rank 1"
+    assert 0.4 < elapsed < 2.0
+    message, elapsed = r0[2]
+    assert message == (
+        "rank 1 failed while rank 0 waited for stage 3's output signature: ValueError: bad things"
+    )
+    assert elapsed < 1.0

@@ -1,0 +1,91 @@
+"""One stage at a time, no processes: each mode's gradients against one plain backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.microbatch import split
+from pipeline.models import mlp
+from pipeline.stage import StageRuntime
+
+M = 4
+cpu = torch.device("cpu")
+
+
+def _reference(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _two_stages(model: nn.Sequential, split_backward: bool, checkpoint: str) -> list[StageRuntime]:
+    kw = dict(n_stages=2, n_microbatches=M, split_backward=split_backward, checkpoint=checkpoint, device=cpu)
+    return [
+        StageRuntime(0, model[:2], loss_fn=None, **kw),  # type: ignore[arg-type]
+        StageRuntime(1, model[2:], loss_fn=nn.functional.mse_loss, **kw),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_gradients_equal_one_backward(split_backward: bool, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model, x = mlp(width=16, depth=4, batch_size=8)
+    y = torch.randn(8, 16)
+    loss_ref, grads_ref = _reference(model, x, y)
+    model.zero_grad()
+    s0, s1 = _two_stages(model, split_backward, checkpoint)
+    for i, (xi, yi) in enumerate(zip(split(x, M), split(y, M), strict=True)):
+        out = s0.forward(i, xi)
+        assert isinstance(out, torch.Tensor) and s1.forward(i, out, yi) is None
+    assert (s0.live, s1.live, s0.peak) == (M, M, M)
+    for i in reversed(range(M)):  # any order of micro-batches works
+        g = s1.backward(i, None)
+        assert g is not None and g[0] is not None and g[0].shape == (2, 16)
+        assert s0.backward(i, g) is None  # the first stage sends no gradient
+        if split_backward:
+            assert s0.live == i + 1  # split: state lives on until W
+            s1.weight(i)
+            s0.weight(i)
+        assert s0.live == i and s1.live == i
+    assert abs(sum(float(v) for v in s1.losses) / M - loss_ref) < 1e-6
+    for p, ref in zip(model.parameters(), grads_ref, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_split_b_computes_no_weight_gradients() -> None:
+    model, x = mlp(width=8, depth=3, batch_size=2)
+    stage = StageRuntime(
+        1, model, n_stages=2, n_microbatches=1, split_backward=True, checkpoint="never",
+        loss_fn=lambda out, _: out.sum(), device=cpu,
+    )  # fmt: skip
+    stage.forward(0, x, None)
+    g = stage.backward(0, None)
+    assert g is not None and g[0] is not None
+    assert all(p.grad is None for p in model.parameters())  # B: input gradient only
+    stage.weight(0)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_loss_must_be_scalar() -> None:
+    model, x = mlp(width=4, depth=2, batch_size=4)
+    stage = StageRuntime(
+        0, model, n_stages=1, n_microbatches=1, split_backward=False, checkpoint="never",
+        loss_fn=lambda out, _: out, device=cpu,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar \(0-dim\) tensor, got \(4, 4\)"):
+        stage.forward(0, x, None)
+
+
+def test_infer_does_not_compute_or_touch_buffers() -> None:
+    layer = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
+    stage = StageRuntime(
+        0, layer, n_stages=2, n_microbatches=1, split_backward=False, checkpoint="never",
+        loss_fn=None, device=cpu,
+    )  # fmt: skip
+    assert stage.infer((((7, 3), torch.float32),)) == (((7, 5), torch.float32),)
+    assert int(layer[1].num_batches_tracked) == 0  # type: ignore[arg-type]

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline import stream
+from pipeline.stream import CPUStream
+
+cpu = torch.device("cpu")
+
+
+def test_cpu_stand_in() -> None:
+    assert stream.new_stream(cpu) is CPUStream
+    assert stream.current_stream(cpu) is CPUStream
+    assert stream.default_stream(cpu) is CPUStream
+    assert not stream.is_cuda(CPUStream)
+    with stream.use_stream(CPUStream):
+        x = torch.ones(2) * 2
+    stream.wait_stream(CPUStream, CPUStream)
+    stream.record_stream(x, CPUStream)  # no-op on CPU
+    assert stream.to_device(x, cpu, CPUStream, CPUStream) is x
+
+
+def test_pin_without_cuda_is_identity() -> None:
+    x = torch.ones(3)
+    if torch.cuda.is_available():
+        assert stream.pin(x).is_pinned()
+    else:
+        assert stream.pin(x) is x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.py runs this)")
+def test_cuda_copy_is_ordered_before_compute() -> None:
+    dev = torch.device("cuda")
+    copy, compute = stream.new_stream(dev), stream.current_stream(dev)
+    host = stream.pin(torch.arange(1 << 20, dtype=torch.float32))
+    out = stream.to_device(host, dev, copy, compute)
+    assert torch.equal(out.sum().cpu(), host.sum())
