@@ -168,6 +168,7 @@ def plan_for(
         schedule=schedule,
         n_microbatches=m,
         cost=cost,
+        n_virtual=v,
         prediction=source,
     )
 

@@ -43,6 +43,7 @@ class Plan:
     schedule: str
     n_microbatches: int
     cost: str
+    n_virtual: int = 1  # stages per rank: len(balance) // n_virtual ranks
     prediction: str = "closed form"  # or "simulator"
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -19,7 +19,18 @@ Two exact algorithms, one answer:
            A failed probe also returns the smallest T' > T that could change its result, so the
            search jumps between attained stage costs; ~log2(range) probes of k bisections each.
     otherwise (cut costs, per-stage speeds or limits)
-        -> backward DP over (stage, start) with numpy, min/max only (no rounding).
+        -> backward DP over (stage, start) with numpy, min/max only (no rounding), banded:
+
+           A greedy balance priced under the full model gives UB >= opt. A stage costs at least
+           (P[b] - P[a]) / max(speeds), so one with cost <= UB holds at most w layers, and the DP
+           looks only at ends b = a+1 .. a+w (entries past n are inf) and at starts a that j
+           earlier and k-j later stages of 1..w layers allow. Every stage of an optimal balance
+           costs <= opt <= UB, so it lies in the band: the answer, ties included, is unchanged.
+
+                 b ->  1 2 3 4 5 6 7 8          # window row a: C_j[a, a+1 .. a+w], here w = 3
+            a = 0      # # #                    work per stage O(n * w), not O(n^2)
+            a = 1        # # #
+            a = 2          # # #
 
 Tie rule: among balances with the minimal bottleneck, return the one whose stage boundaries all lie
 as late as possible (such a balance exists, the feasible boundary vectors being closed under
@@ -35,6 +46,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 __all__ = ["solve", "stage_costs", "stage_memory"]
 
@@ -169,76 +181,143 @@ def _probe_search(
     return ends
 
 
-def _dp(
-    prefix: list[float],
-    k: int,
-    cut: list[float] | None,
-    speed: list[float] | None,
-    rows: list[list[float]] | None,
-    limits: list[float],
-) -> list[int] | None:
-    """Exact backward DP over (stage, start); returns the stage ends, or None if memory never fits."""
+def _dp(prefix: list[float], k: int, cut: list[float] | None, speed: list[float] | None,
+        rows: list[list[float]] | None, limits: list[float], ub: float | None = None) -> list[int] | None:
+    """Exact banded DP over (stage, start); returns the stage ends, or None if no balance costs <= ub.
+
+    ``ub`` defaults to ``_upper_bound``, the price of a real balance (inf if that one overflows
+    memory): that balance lies in the band, so None then means that memory never fits.
+    """
     n = len(prefix) - 1
+    if ub is None:
+        ub = _upper_bound(prefix, k, cut, speed, rows, limits)
     p = np.asarray(prefix)
-    span = np.where(_empty(n), _INF, p[None, :] - p[:, None])  # (n+1, n+1): [a, b] = P[b] - P[a]
-    cut_at_end = None if cut is None else np.asarray([0.0, *cut])  # [b] = cut_costs[b - 1]
+    w = _width(p, ub, 1.0 if speed is None else max(speed))
+    starts = max(0, min(n - 2, (k - 2) * w) + 1)  # every stage but the last starts at a < starts
+    span = _band(p, w, starts)  # (starts, w): [a, d] = P[b] - P[a] for the stage [a, b = a+1+d)
+    cut_at_end = None if cut is None else _band(np.asarray([0.0, *cut]), w, starts, diff=False)
     mrows = None if rows is None else [np.asarray(r) for r in rows]
-    cache: dict[tuple[float, bool, int, float], np.ndarray] = {}
+    mem = None if mrows is None else [_band(m, w, starts) for m in mrows]
 
-    def matrix(j: int) -> np.ndarray:
-        last = j == k - 1
-        s = 1.0 if speed is None else speed[j]
-        r = 0 if mrows is None or len(mrows) == 1 else j
-        key = (s, last, r, limits[j] if mrows is not None else 0.0)
-        if key not in cache:
-            c = span if speed is None else span / s
-            if cut_at_end is not None and not last:
-                c = c + cut_at_end[None, :]
-            if mrows is not None:
-                mp = mrows[r]
-                c = np.where(mp[None, :] - mp[:, None] <= limits[j], c, _INF)
-            cache[key] = c
-        return cache[key]
+    def stage(j: int, lo: int, hi: int) -> np.ndarray:  # (hi-lo, w): C_j for starts lo .. hi-1, j < k-1
+        c = span[lo:hi] if speed is None else span[lo:hi] / speed[j]
+        if cut_at_end is not None:
+            c = c + cut_at_end[lo:hi]  # [a, d] = cut_costs[b - 1]
+        if mem is not None:
+            c = np.where(mem[_row(mem, j)][lo:hi] <= limits[j], c, _INF)
+        return c
 
-    opt, g = _dp_core(n, k, matrix)
-    if opt == _INF:
+    def last(lo: int, hi: int) -> np.ndarray:  # (hi-lo,): C_{k-1}[a, n], no cut after the last stage
+        c: np.ndarray = p[n] - p[lo:hi] if speed is None else (p[n] - p[lo:hi]) / speed[k - 1]
+        if mrows is not None:
+            m = mrows[_row(mrows, k - 1)]
+            c = np.where(m[n] - m[lo:hi] <= limits[k - 1], c, _INF)
+        return c
+
+    opt, g = _dp_core(n, k, w, stage, last)
+    if opt == _INF or opt > ub:  # the banded value is never below the optimum, so that exceeds ub
         return None
     ends, a = [], 0
     for j in range(k - 1):
-        ok = (matrix(j)[a] <= opt) & (g[j + 1] <= opt)
-        a = int(np.flatnonzero(ok)[-1])  # the latest boundary that still allows the optimum
+        ok = (stage(j, a, a + 1)[0] <= opt) & (g[j + 1][a + 1 : a + 1 + w] <= opt)
+        a += 1 + int(np.flatnonzero(ok)[-1])  # the latest boundary that still allows the optimum
         ends.append(a)
     ends.append(n)
     return ends
 
 
-def _dp_core(n: int, k: int, matrix: Callable[[int], np.ndarray]) -> tuple[float, list[np.ndarray]]:
-    # g[j][a] = the best bottleneck of stages j..k-1 covering layers [a, n); inf where impossible.
+def _dp_core(n: int, k: int, w: int, stage: Callable[[int, int, int], np.ndarray],
+             last: Callable[[int, int], np.ndarray]) -> tuple[float, list[np.ndarray]]:
+    # g[j][a] = the best bottleneck of stages j..k-1 covering layers [a, n) with stages of <= w
+    # layers; inf where impossible, and on a tail of w entries past n so windows need no bounds.
     #   g[k-1][a] = C_{k-1}[a, n]
-    #   g[j][a]   = min over b > a of max(C_j[a, b], g[j+1][b])
-    g = [np.full(n + 1, _INF) for _ in range(k)]
-    g[k - 1] = matrix(k - 1)[:, n].copy()
-    for j in range(k - 2, -1, -1):
-        g[j] = np.maximum(matrix(j), g[j + 1][None, :]).min(axis=1)
+    #   g[j][a]   = min over b in a+1 .. a+w of max(C_j[a, b], g[j+1][b])
+    g = [np.full(n + 1 + w, _INF) for _ in range(k)]
+    for j in range(k - 1, -1, -1):
+        # stage j starts after j stages of 1..w layers and leaves k-j stages of 1..w layers
+        lo, hi = max(j, n - (k - j) * w), min(n - (k - j), j * w) + 1
+        if lo >= hi:
+            break  # no start fits: g[0][0] stays inf
+        if j == k - 1:
+            g[j][lo:hi] = last(lo, hi)
+        else:
+            after = sliding_window_view(g[j + 1][1:], w)[lo:hi]  # [a, d] = g[j+1][a+1+d], no copy
+            g[j][lo:hi] = np.maximum(stage(j, lo, hi), after).min(axis=1)
     return float(g[0][0]), g
 
 
-def _empty(n: int) -> np.ndarray:
-    return np.tril(np.ones((n + 1, n + 1), dtype=bool))  # [a, b] with a >= b is no stage
+def _upper_bound(prefix: list[float], k: int, cut: list[float] | None, speed: list[float] | None,
+                 rows: list[list[float]] | None, limits: list[float]) -> float:
+    """The bottleneck of a good balance, priced as the DP prices it; inf if none of those tried fits.
+
+    Greedy fill for a time threshold t (each stage takes the most layers within t and its memory),
+    t bisected between the perfect split and anything-goes; the cheapest balance seen wins.
+    """
+    n = len(prefix) - 1
+    s = [1.0] * k if speed is None else speed
+
+    def greedy(t: float) -> tuple[float, bool]:  # (price of the greedy balance, whether it fit t)
+        a, fits, worst = 0, True, 0.0
+        for j in range(k):
+            cap = n - (k - 1 - j)  # leave one layer for each later stage
+            b = bisect.bisect_right(prefix, prefix[a] + t * s[j], a + 1, cap + 1) - 1
+            if rows is not None:
+                m = rows[_row(rows, j)]
+                b = min(b, bisect.bisect_right(m, m[a] + limits[j], a + 1, cap + 1) - 1)
+            if b <= a or (j == k - 1 and b < n):
+                fits, b = False, (n if j == k - 1 else a + 1)
+            c = prefix[b] - prefix[a] if speed is None else (prefix[b] - prefix[a]) / speed[j]
+            if cut is not None and j < k - 1:
+                c = c + cut[b - 1]
+            if rows is not None and m[b] - m[a] > limits[j]:
+                c = _INF
+            worst, a = max(worst, c), b
+        return worst, fits
+
+    lo, hi = prefix[n] / sum(s), prefix[n] / min(s)
+    best = greedy(hi)[0]
+    for _ in range(16):
+        mid = lo + (hi - lo) / 2
+        worst, fits = greedy(mid)
+        best = min(best, worst)
+        lo, hi = (lo, mid) if fits else (mid, hi)
+    return best
+
+
+def _width(p: np.ndarray, ub: float, smax: float) -> int:
+    """The band width w: the most layers of a stage whose summed cost at the fastest speed is <= ub."""
+    n = len(p) - 1
+    a = np.arange(n + 1)
+    lo, hi = a.copy(), np.full(n + 1, n + 1)  # per start a: [a, lo) fits (or lo = a), [a, hi) does not
+    while np.any(hi - lo > 1):  # bisection on the exact float test, for every start at once
+        mid = (lo + hi) // 2
+        fits = (p[np.minimum(mid, n)] - p) / smax <= ub
+        lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid)
+    return max(1, int((lo - a).max()))
+
+
+def _band(values: np.ndarray, w: int, starts: int, diff: bool = True) -> np.ndarray:
+    """(starts, w) over stage ends b = a+1+d: values[b] - values[a] (or values[b]); inf past layer n."""
+    n = len(values) - 1
+    b = np.arange(starts)[:, None] + np.arange(1, w + 1)[None, :]
+    at = values[np.minimum(b, n)]
+    return np.where(b <= n, at - values[:starts, None] if diff else at, _INF)
+
+
+def _row(rows: Sequence[object], j: int) -> int:
+    return j if len(rows) > 1 else 0  # one memory row per stage, or one for all
 
 
 def _min_max_memory(rows: list[list[float]], scale: list[float], k: int) -> float:
-    """min over balances of max_j memory_j / scale_j: the same DP on memory differences."""
+    """min over balances of max_j memory_j / scale_j: the same DP on memory differences, unbanded."""
     n = len(rows[0]) - 1
     mats = [np.asarray(r) for r in rows]
-    empty = _empty(n)
+    bands, m = [_band(r, n, n + 1) for r in mats], mats[_row(mats, k - 1)]
 
-    def matrix(j: int) -> np.ndarray:
-        mp = mats[j if len(mats) > 1 else 0]
-        d = mp[None, :] - mp[:, None]
-        return np.where(empty, _INF, d if scale[j] == 1.0 else d / scale[j])
+    def stage(j: int, lo: int, hi: int) -> np.ndarray:
+        return bands[_row(bands, j)][lo:hi] / scale[j]
 
-    return _dp_core(n, k, matrix)[0]
+    return _dp_core(n, k, n, stage, lambda lo, hi: (m[n] - m[lo:hi]) / scale[k - 1])[0]
 
 
 def _memory_message(

@@ -3,6 +3,7 @@
     python scripts/profile_balance.py --model gpt --stages 4
     python scripts/profile_balance.py --model resnet --stages 2 --schedule gpipe --microbatches 8
     python scripts/profile_balance.py --model mypkg.models:build --stages 4 --json plan.json --plot plan.png
+    python scripts/profile_balance.py --model gpt --stages 2 --measure     # run the plan, time each stage
 
 ``--model`` is a built-in (gpt, resnet, mlp from ``pipeline.models``) or ``module:function`` returning
 ``(nn.Sequential, sample)``; the sample is one micro-batch. All three splits use the same per-layer
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from partitioner import COSTS, Plan, layer_costs, partition, plan_for, profile
@@ -92,6 +94,71 @@ def plot(plans: dict[str, Plan], path: str) -> None:
     fig.savefig(path)
 
 
+# -- --measure: the plan run for real, one process per rank ----------------------------------------
+
+
+def _square_loss(output: Any, target: Any) -> Any:
+    # Any scalar will do for timing: a backward costs the same whatever the loss.
+    return output.float().square().mean()
+
+
+def _measured_rank(spec: str, balance: list[int], schedule: str, m: int, n_virtual: int, steps: int) -> Any:
+    import statistics
+    import time
+
+    import torch
+
+    from pipeline import Pipeline
+
+    torch.manual_seed(0)  # every rank builds the same model
+    model, sample = load_model(spec, argparse.ArgumentParser())
+    batch = torch.cat([sample] * m)  # the sample is one micro-batch
+    targets = torch.zeros(batch.shape[0])
+    pipe = Pipeline(
+        model, balance, schedule=schedule, n_microbatches=m, n_virtual=n_virtual, loss_fn=_square_loss
+    )
+    walls, busy = [], []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        pipe.step(batch, targets)
+        for t in pipe.parameters():
+            t.grad = None
+        if step > 0:  # the first step sets up shapes and buffers
+            walls.append(time.perf_counter() - start)
+            busy.append(pipe.busy_time)
+    return statistics.median(walls), statistics.median(busy)
+
+
+def measure(spec: str, plan: Plan, steps: int) -> str:
+    """Per rank: the plan's predicted busy time beside the measured one, and the step times."""
+    from pipeline import launch
+
+    n_virtual = plan.n_virtual
+    n_ranks = len(plan.balance) // n_virtual
+    results = launch(
+        _measured_rank, n_ranks, spec, plan.balance, plan.schedule, plan.n_microbatches, n_virtual, steps
+    )
+    m = plan.n_microbatches
+    lines = [
+        f"== measured: {steps} steps after a warm-up, {n_ranks} processes (gloo, 1 thread each), "
+        f"{plan.schedule}, m={m}",
+        f"{'rank':>4}  {'stages':<8} {'predicted busy ms':>17} {'measured busy ms':>16} "
+        f"{'measured/pred':>13}",
+    ]
+    for r, (_, busy) in enumerate(results):
+        stages = list(range(r, len(plan.balance), n_ranks))
+        pred = m * sum(plan.stages[s].forward_time + plan.stages[s].backward_time for s in stages)
+        ratio = busy / pred if pred > 0 else float("nan")
+        names = ",".join(map(str, stages))
+        lines.append(f"{r:>4}  {names:<8} {pred * 1e3:>17.2f} {busy * 1e3:>16.2f} {ratio:>13.3f}")
+    wall = max(w for w, _ in results)
+    lines.append(
+        f"step time: predicted {plan.step_time * 1e3:.2f} ms, measured {wall * 1e3:.2f} ms "
+        f"({wall / plan.step_time:.3f}x the prediction)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,15 +169,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=None, help="default: one per rank")
     parser.add_argument("--cost", default="time", choices=COSTS)
     parser.add_argument("--device", default=None, help="where to profile (default: the model's device)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU intra-op threads (default 1, as each launched rank)"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="save our plan as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="draw per-stage cost bars (matplotlib)")
-    # -- --measure (run the split and time it) is added here by the executor work; not implemented yet --
+    parser.add_argument(
+        "--measure", action="store_true", help="run a few real steps of our plan and time each rank"
+    )
+    parser.add_argument("--measure-steps", type=int, default=3, help="timed steps after one warm-up step")
     args = parser.parse_args(argv)
     if args.stages < 1:
         parser.error(f"--stages ({args.stages}) must be >= 1")
+    if args.measure_steps < 1:
+        parser.error(f"--measure-steps ({args.measure_steps}) must be >= 1")
     if args.microbatches is not None and args.microbatches < 1:
         parser.error(f"--microbatches ({args.microbatches}) must be >= 1")
 
+    if args.threads < 1:
+        parser.error(f"--threads ({args.threads}) must be >= 1")
+    torch.set_num_threads(args.threads)  # profile each layer as a rank will run it
     model, sample = load_model(args.model, parser)
     if args.stages > len(model):
         parser.error(f"--stages ({args.stages}) must be at most the model's {len(model)} layers")
@@ -134,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, p in plans.items():
         print()
         print(p.table(f"== {label}", reference=ours.bottleneck))
+    if args.measure:
+        print()
+        print(measure(args.model, ours, args.measure_steps))
     if args.json:
         with open(args.json, "w") as f:
             f.write(ours.to_json())

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,6 +104,98 @@ def test_probe_search_agrees_with_dp(costs: list[float], k: int, limit: float | 
     probe = solve_mod._probe_search(prefix, k, 1.0, None if rows is None else (rows[0], limits[0]))
     dp = solve_mod._dp(prefix, k, None, None, rows, limits)
     assert probe == dp
+
+
+def _unbanded_dp(prefix, k, cut, speed, rows, limits):  # type: ignore[no-untyped-def]
+    """The DP before banding: every (a, b) pair of every stage, then the latest optimal boundaries."""
+    n = len(prefix) - 1
+    p = np.asarray(prefix)
+    a, b = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # (n+1, n+1) each
+
+    def matrix(j):  # type: ignore[no-untyped-def]
+        c = np.where(b > a, p[b] - p[a], math.inf)
+        c = c if speed is None else c / speed[j]
+        if cut is not None and j < k - 1:
+            c = c + np.asarray([0.0, *cut])[b]
+        if rows is not None:
+            m = np.asarray(rows[j if len(rows) > 1 else 0])
+            c = np.where(m[b] - m[a] <= limits[j], c, math.inf)
+        return c
+
+    g = [np.empty(0)] * (k - 1) + [matrix(k - 1)[:, n]]
+    for j in range(k - 2, -1, -1):
+        g[j] = np.maximum(matrix(j), g[j + 1][None, :]).min(axis=1)
+    opt = float(g[0][0])
+    if opt == math.inf:
+        return None, opt
+    ends = [0]
+    for j in range(k - 1):
+        ends.append(int(np.flatnonzero((matrix(j)[ends[-1]] <= opt) & (g[j + 1] <= opt))[-1]))
+    return [*ends[1:], n], opt
+
+
+def _dp_instance(seed: int, n: int, k: int):  # type: ignore[no-untyped-def]
+    """Validated DP inputs for n layers: ties (small integers) or floats, every term on or off."""
+    rng = random.Random(seed)
+    draw = (lambda: float(rng.randint(0, 3))) if rng.random() < 0.5 else (lambda: rng.lognormvariate(0, 1))
+    costs = [draw() for _ in range(n)]
+    cut = [draw() * rng.choice([0.1, 1.0]) for _ in range(n)] if rng.random() < 0.7 else None
+    speed = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(k)] if rng.random() < 0.5 else None
+    mode = rng.choice(["none", "scalar", "per_stage", "rows"])
+    mem = [float(rng.randint(0, 4)) for _ in range(n)]
+    lim = sum(mem) / k * rng.choice([0.9, 1.2, 2.0, 4.0])  # from often infeasible to loose
+    memory = [[x * (1 + (k - j)) for x in mem] for j in range(k)] if mode == "rows" else mem
+    if mode == "rows":
+        limit: float | list[float] = [lim * (1 + (k - j)) * rng.choice([1.0, 1.5]) for j in range(k)]
+    else:
+        limit = [lim * rng.choice([1, 2, 3]) for _ in range(k)] if mode == "per_stage" else lim
+    on = mode != "none"
+    rows, limits = solve_mod._check_memory(memory if on else None, limit if on else None, n, k)
+    return solve_mod._prefix(costs), k, cut, speed, rows, limits
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 200), st.integers(1, 64))
+def test_banded_dp_matches_unbanded(seed: int, n: int, k: int) -> None:
+    args = _dp_instance(seed, n, min(k, n))
+    expected, opt = _unbanded_dp(*args)
+    assert solve_mod._dp(*args) == expected  # the bound from _upper_bound
+    assert solve_mod._dp(*args, ub=math.inf) == expected  # no band at all
+    if expected is not None:  # the tightest bounds: exactly opt still finds it, anything below does not
+        assert solve_mod._dp(*args, ub=opt) == expected
+        assert solve_mod._dp(*args, ub=math.nextafter(opt, -math.inf)) is None
+        assert solve_mod._upper_bound(*args) >= opt
+
+
+def test_band_is_narrow_and_tight_bounds_occur() -> None:
+    # The band must really prune (w well below n) and the heuristic bound must often be the optimum.
+    tight = narrow = 0
+    for seed in range(40):
+        args = _dp_instance(seed, 200, 16)
+        expected, opt = _unbanded_dp(*args)
+        ub = solve_mod._upper_bound(*args)
+        speed = args[3]
+        w = solve_mod._width(np.asarray(args[0]), ub, 1.0 if speed is None else max(speed))
+        assert solve_mod._dp(*args) == expected
+        tight += ub == opt
+        narrow += w <= 200 // 4
+    assert tight >= 5 and narrow >= 20, (tight, narrow)
+
+
+def test_tight_bound_with_cuts_speeds_and_memory() -> None:
+    # Memory caps stages at 3, 3, 4, 3 layers; [3, 3, 3, 3] and [3, 3, 4, 2] tie at 3.5 (stage 2 is
+    # fast), the tie rule takes the later boundary, and the greedy bound is exactly the optimum.
+    costs, cut, mem = [1.0] * 12, [0.5] * 12, [1.0] * 12
+    speeds, lim = [1.0, 1.0, 2.0, 1.5], [3.0, 3.0, 4.0, 3.0]
+    prefix = solve_mod._prefix(costs)
+    rows, limits = solve_mod._check_memory(mem, lim, 12, 4)
+    args = (prefix, 4, cut, speeds, rows, limits)
+    expected, opt = _unbanded_dp(*args)
+    assert expected == [3, 6, 10, 12] and opt == 3.5
+    assert solve_mod._upper_bound(*args) == opt
+    assert solve_mod._width(np.asarray(prefix), opt, 2.0) == 7  # 7 layers cost 3.5 at speed 2
+    assert solve_mod._dp(*args) == expected
+    assert solve(costs, 4, cut_costs=cut, speeds=speeds, memory=mem, memory_limit=lim) == [3, 3, 4, 2]
 
 
 def test_known_answer_and_tie_rule() -> None:
