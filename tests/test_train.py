@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
+
+import train  # noqa: E402
+
+# a model that trains a step in milliseconds: 2 blocks + embedding, norm, head = 5 layers
+TINY = ["--layers", "2", "--width", "16", "--seq-len", "16", "--batch-size", "8", "--microbatches", "4"]
+QUIET = ["--quiet", "--sample-chars", "0", "--eval-every", "2"]
+
+
+def _run(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+    return train.main([*TINY, *QUIET, *args])
+
+
+def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
+    """A folder holding only checkpoint ``step`` of ``src``: the state of a run stopped there."""
+    name = f"step-{step:08d}"
+    shutil.copytree(src / name, dst / name)
+    (dst / "latest").write_text(name + "\n")
+
+
+# ---- bad flags: one line on stderr, exit code 2, before any rank starts
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stages", "6", "--layers", "2"], "6 stages (6 ranks x 1 virtual) exceed the model's 5 layers"),
+        (["--schedule", "2f2b"], "invalid choice: '2f2b'"),
+        (["--data", "/nonexistent/corpus"], "--data '/nonexistent/corpus' does not exist"),
+        (["--batch-size", "10", "--microbatches", "4"], "--batch-size (10) must be divisible by --m"),
+        (["--balance", "4,4"], "--balance '4,4' must give 2 positive layer counts summing to 7"),
+        (["--balance", "a,b"], "must be comma-separated layer counts"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--width", "30"], "--width (30) must be a multiple of 4"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (
+            ["--schedule", "interleaved-1f1b", "--microbatches", "3", "--batch-size", "6"],
+            "must be a multiple of the number of ranks (2)",
+        ),
+        (["--virtual", "2"], "--virtual 2 needs --schedule interleaved-1f1b"),
+        (["--trace", "/nonexistent/dir/t.json"], "folder '/nonexistent/dir' does not exist"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+
+
+def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        train.parse_args(["--resume", "--checkpoint-dir", str(tmp_path)])
+    assert "no complete checkpoint in" in capsys.readouterr().err
+    if not train.torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            train.parse_args(["--device", "cuda"])
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_too_short_data_file_is_a_flag_error(tmp_path: Path, capsys: Any) -> None:
+    (tmp_path / "tiny.txt").write_text("abc" * 10)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--data", str(tmp_path / "tiny.txt"), "--seq-len", "64"])
+    assert "fewer than seq_len + 1 = 65" in capsys.readouterr().err
+
+
+def test_script_reports_a_bad_flag_without_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "train.py"), "--stages", "9"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+    assert "9 stages (9 ranks x 1 virtual) exceed the model's 7 layers" in proc.stderr
+
+
+# ---- runs
+
+
+def test_end_to_end_two_stages_partitioned_with_trace_and_sample(tmp_path: Path) -> None:
+    trace = tmp_path / "step.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "train.py"), *TINY, "--steps", "6", "--eval-every", "3",
+         "--dtype", "bf16", "--sample-chars", "40", "--trace", str(trace),
+         "--checkpoint-dir", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "fwd ms" in out and "balance [" in out  # the partitioner's stage table
+    evals = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in evals] == ["step 3", "step 6"]
+    assert all(" | train loss " in e and " | val loss " in e and " | tokens/s " in e for e in evals)
+    assert "predicted ms" in out and "measured ms" in out
+    assert "---- generated text ----\ndef " in out
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+             if e["name"] == "process_name"}  # fmt: skip
+    assert names == {0: "simulated", 1: "measured"}
+    measured = [e for e in events if e["pid"] == 1]
+    assert {e["tid"] for e in measured} == {0, 1}  # both ranks in one file
+    assert sorted(e["name"] for e in measured if e["tid"] == 1 and e["cat"] == "compute") == sorted(
+        f"1{k}{i}" for k in "FB" for i in range(4)
+    )  # every forward and backward of stage 1's four micro-batches
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000006\n"
+    assert "6/6" in proc.stderr  # the progress bar of the last stage
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path) -> None:
+    ckpt = ["--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "3"]
+    straight = _run(tmp_path, "--steps", "6", *ckpt)
+    losses = straight[0]["losses"]
+    assert len(losses) == 6 and all(r["losses"] == losses for r in straight)  # every rank has the loss
+    assert losses[-1] < losses[0]
+    _copy_checkpoint(tmp_path / "a", 3, tmp_path / "b")
+    resumed = _run(tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert resumed[0]["start"] == 3
+    assert resumed[0]["losses"] == losses[3:]  # exactly, not approximately
+    assert resumed[0]["evals"][-1][2] == straight[0]["evals"][-1][2]  # the same final validation loss
+
+
+def test_four_stage_checkpoint_resumes_on_two_stages(tmp_path: Path) -> None:
+    four = _run(tmp_path, "--stages", "4", "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"),
+                "--checkpoint-every", "2")  # fmt: skip
+    _copy_checkpoint(tmp_path / "a", 2, tmp_path / "b")
+    two = _run(tmp_path, "--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert two[0]["start"] == 2
+    assert two[0]["losses"] == pytest.approx(four[0]["losses"][2:], rel=1e-6)
+
+
+def test_fp16_with_grad_scaler_trains(tmp_path: Path) -> None:
+    # (bf16 runs in the end-to-end test)
+    losses = _run(tmp_path, "--steps", "4", "--dtype", "fp16", "--balance", "3,2")[0]["losses"]
+    assert len(losses) == 4 and all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
