@@ -4,6 +4,7 @@
 >>> print(plan); stages = plan.split(model)
 """
 
+from partitioner.baselines import equal_balance, torchgpipe_balance
 from partitioner.graph import cut_bytes, layer_graph
 from partitioner.memory import in_flight, layer_memory
 from partitioner.partition import COSTS, layer_costs, partition, plan_for
@@ -19,6 +20,7 @@ __all__ = [
     "Profile",
     "StagePlan",
     "cut_bytes",
+    "equal_balance",
     "in_flight",
     "layer_costs",
     "layer_graph",
@@ -30,4 +32,5 @@ __all__ = [
     "solve",
     "stage_costs",
     "stage_memory",
+    "torchgpipe_balance",
 ]

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from partitioner import layer_costs, profile, solve, stage_costs
+from partitioner.baselines import equal_balance, torchgpipe_balance
 from pipeline import models
 
 N_SYNTH = 128
@@ -45,18 +46,6 @@ def synthetic(name: str, n: int, rng: random.Random) -> list[float]:
 
 
 SYNTHETIC = ("uniform+noise", "lognormal", "transformer", "widening-cnn", "hourglass")
-
-
-def torchgpipe_balance(costs: list[float], k: int) -> list[int]:
-    # What torchgpipe.balance.balance_by_time does after profiling: blockpartition.solve on the costs.
-    from torchgpipe.balance import blockpartition
-
-    return [len(part) for part in blockpartition.solve(costs, k)]
-
-
-def equal_balance(n: int, k: int) -> list[int]:
-    base, extra = divmod(n, k)
-    return [base + (1 if j < extra else 0) for j in range(k)]
 
 
 def bottleneck(costs: list[float], balance: list[int]) -> float:

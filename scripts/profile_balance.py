@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from partitioner import COSTS, Plan, layer_costs, partition, plan_for, profile
+from partitioner.baselines import equal_balance, torchgpipe_balance
 from partitioner.memory import SCHEDULE_NAMES
 from pipeline import models
 
@@ -30,19 +31,6 @@ BUILT_IN: dict[str, Callable[[], tuple[nn.Sequential, Any]]] = {
     "resnet": models.resnet,
     "mlp": models.mlp,
 }
-
-
-def torchgpipe_balance(costs: list[float], n_stages: int) -> list[int]:
-    # torchgpipe.balance.balance_by_time profiles per-layer times, then calls
-    # torchgpipe.balance.blockpartition.solve on them (balance_cost); we call it on our costs.
-    from torchgpipe.balance import blockpartition
-
-    return [len(part) for part in blockpartition.solve(costs, n_stages)]
-
-
-def equal_balance(n_layers: int, n_stages: int) -> list[int]:
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if j < extra else 0) for j in range(n_stages)]
 
 
 def load_model(spec: str, parser: argparse.ArgumentParser) -> tuple[nn.Sequential, Any]:
