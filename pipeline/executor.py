@@ -16,15 +16,19 @@ inside the step; their works and tensors are reaped when complete and drained
 at the step's end.
 
 Metadata (shapes and dtypes between stages). At every step, the rank of stage 0
-sends a (64,) int64 header with the input micro-batch's signature down the
-chain of ranks 0 -> 1 -> ... -> p-1, before any other message on each link: one
-tiny one-way message per link per step, which arrives while the previous rank
-computes its first forward, so it is off the critical path. When it differs
-from the previous step's (or at the first step), every rank derives its
-stages' input and output signatures in stage order, with fake tensors (no
-compute), passing them on through the store. Receive buffers are then
-allocated from these signatures without further messages; a stage output that
-does not match them fails before it is sent.
+sends a (64,) int64 header with the input micro-batch's signature and its
+autocast state (off, or on with a dtype, for the pipeline's device type) down
+the chain of ranks 0 -> 1 -> ... -> p-1, before any other message on each link:
+one tiny one-way message per link per step, which arrives while the previous
+rank computes its first forward, so it is off the critical path. Every rank
+must run the step under the same autocast state (it decides the dtypes between
+stages), and one that does not fails at once. When the header differs from the
+previous step's (or at the first step), every rank derives its stages' input
+and output signatures in stage order, with fake tensors (no compute, under the
+step's autocast), passing them on through the store. Receive buffers are then
+allocated from these signatures without further messages; a stage output or
+input gradient that does not match them fails before it is sent (gloo fills
+a larger buffer silently and aborts the process on a smaller one).
 
 Lookahead posting of receives is on for gloo and off for NCCL: NCCL runs a
 process group's transfers on one stream in post order, so a receive posted
@@ -88,8 +92,8 @@ class Executor:
         self._out_b: dict[tuple[int, int], Grads] = {}
         self._posted: dict[Action, _Recv] = {}
         self._inflight: list[tuple[Job, str]] = []
-        # signatures, derived at the first step and when the input signature changes
-        self._input_sig: Signature | None = None
+        # signatures, derived at the first step and when the input signature or autocast state changes
+        self._input_key: tuple[Signature, int] | None = None
         self._version = 0
         self.in_sig: dict[int, Signature] = {}
         self.out_sig: dict[int, Signature] = {}
@@ -222,8 +226,16 @@ class Executor:
                     "must depend only on its input's"
                 )
             return [t.detach().contiguous() for t in as_tuple(out)]
-        grads = self._out_b.pop(key)
-        return [g.contiguous() for g in grads if g is not None]
+        grads = [g.contiguous() for g in self._out_b.pop(key) if g is not None]
+        expected = tuple((sh, dt) for sh, dt in self.in_sig[a.stage] if dt.is_floating_point)
+        got = signature(tuple(grads))
+        if got != expected:
+            raise ValueError(
+                f"stage {a.stage} produced input gradients {_fmt(got)} for micro-batch {a.microbatch}, but "
+                f"stage {a.stage - 1} expects {_fmt(expected)} (its floating-point outputs); this is a bug "
+                "in the stage's backward, please report it"
+            )
+        return grads
 
     def _alloc(self, a: Action) -> _Recv:
         if a.kind is Kind.RECV_F:
@@ -254,23 +266,30 @@ class Executor:
 
     # ---- metadata
 
-    def _exchange_header(self) -> Signature:
-        """Pass the input signature down the ranks; see the module docstring."""
+    def _exchange_header(self) -> tuple[Signature, int]:
+        """Pass the input signature and autocast state down the ranks; see the module docstring."""
+        mode = _autocast_mode(self.device)
         if self.rank == 0:
             sig = signature(self.inputs[0])
         if self.comm is None or self.p == 1:
-            return sig
+            return sig, mode
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         if self.rank > 0:
             what = f"the step's input signature header from rank {self.rank - 1}"
             works = self.comm.post([self.comm.op(False, header, self.rank - 1)], what)
             self.comm.wait(self.comm.watch(works), what)
-            sig, _ = decode(header)
+            sig, theirs = decode(header)
+            if theirs != mode:
+                raise ValueError(
+                    f"rank {self.rank} runs the step with {_fmt_mode(mode, self.device)} but rank 0 with "
+                    f"{_fmt_mode(theirs, self.device)}; wrap the step in the same torch.autocast (or none) "
+                    "on every rank"
+                )
         if self.rank < self.p - 1:
-            out, what = encode(sig, 0), f"the input signature header to rank {self.rank + 1}"
+            out, what = encode(sig, mode), f"the input signature header to rank {self.rank + 1}"
             works = self.comm.post([self.comm.op(True, out, self.rank + 1)], what)
             self._inflight.append((self.comm.watch(works, [out]), what))
-        return sig
+        return sig, mode
 
     def _setup(self, sig: Signature) -> None:
         """Every local stage's input and output signatures, in stage order."""
@@ -302,10 +321,10 @@ class Executor:
         for st in self.stages.values():
             st.losses = []
             st.reset_peak()
-        sig = self._exchange_header()
-        if sig != self._input_sig:
-            self._setup(sig)
-            self._input_sig = sig
+        key = self._exchange_header()
+        if key != self._input_key:  # the autocast state changes the dtypes between stages too
+            self._setup(key[0])
+            self._input_key = key
         if self._first_recvs:
             self._post([], self._first_recvs)
         busy = 0.0
@@ -336,3 +355,21 @@ class Executor:
 def _fmt(sig: Signature) -> str:
     parts = [f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in sig]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+
+# autocast state as one header word: 0 off, else 1 + the index of its dtype here
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _autocast_mode(device: torch.device) -> int:
+    if not torch.is_autocast_enabled(device.type):
+        return 0
+    dtype = torch.get_autocast_dtype(device.type)
+    return 1 + (_AUTOCAST_DTYPES.index(dtype) if dtype in _AUTOCAST_DTYPES else len(_AUTOCAST_DTYPES))
+
+
+def _fmt_mode(mode: int, device: torch.device) -> str:
+    if mode == 0:
+        return f"autocast off on {device.type}"
+    dtype = _AUTOCAST_DTYPES[mode - 1] if mode <= len(_AUTOCAST_DTYPES) else "another dtype"
+    return f"autocast({str(dtype).replace('torch.', '')}) on {device.type}"

@@ -20,7 +20,7 @@ closes the connection to the peer ("Application timeout caused pair
 closure"), so short timed waits cannot be retried; a send completes only once
 the peer has posted its receive; and ``abort()`` of a group does not close its
 connections while the group object lives, so peers are not woken that way.
-Hence one waiter thread per rank calls the blocking ``wait(timeout)`` (which
+Hence one waiter thread per rank (per ``Comm``) calls the blocking ``wait(timeout)`` (which
 releases the GIL) on every posted work, in post order (receives are consumed
 in post order, so the one the host needs is never queued behind one it does
 not), and sets an event; the host waits on that event in 50 ms slices,
@@ -31,11 +31,22 @@ hangs inside the GPU are bounded by the process group's timeout; the loss
 broadcast at the end of each step goes through the waiter as well, so a
 failed peer still surfaces within seconds.
 
+The waiter belongs to one ``Comm`` (one Pipeline), not to the process: in a
+shared queue, a job of one pipeline could hold back another's that a peer
+needs first (two pipelines stepped from two threads could deadlock). It stops,
+after the jobs already queued, when the ``Comm`` is closed (``Pipeline.close()``)
+or garbage-collected.
+
 Only the first failure is published (``compare_set``), so the error every
 rank reports names the root cause, not a rank that merely lost a connection.
 
 Metadata. Tensor signatures (shapes, dtypes) travel as one fixed-size int64
 tensor (``encode`` / ``decode``); the executor decides when (see executor.py).
+
+A fake tensor (``FakeTensorMode``) has no data: ``isend`` of one dispatches to
+a fake kernel that returns a finished ``FakeWork`` without touching the process
+group, so nothing moves and the peer waits until its timeout. ``op`` refuses
+fake tensors at once.
 """
 
 from __future__ import annotations
@@ -45,11 +56,13 @@ import datetime
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from pipeline.microbatch import Signature
 
@@ -71,9 +84,12 @@ class PeerFailure(RuntimeError):
     """Another rank failed while this one waited for it."""
 
 
-def encode(sig: Signature, version: int) -> torch.Tensor:
-    """``[version, n, (dtype, ndim, *shape) per tensor, 0 ...]`` as a (HEADER_LEN,) int64 tensor."""
-    words = [version, len(sig)]
+def encode(sig: Signature, tag: int) -> torch.Tensor:
+    """``[tag, n, (dtype, ndim, *shape) per tensor, 0 ...]`` as a (HEADER_LEN,) int64 tensor.
+
+    ``tag`` is one word for the caller (the executor sends its autocast state).
+    """
+    words = [tag, len(sig)]
     for shape, dtype in sig:
         if dtype not in _DTYPES:
             raise ValueError(f"cannot send tensors of dtype {dtype} between stages; use one of {_DTYPES}")
@@ -87,15 +103,15 @@ def encode(sig: Signature, version: int) -> torch.Tensor:
 
 
 def decode(header: torch.Tensor) -> tuple[Signature, int]:
-    """Inverse of ``encode``: (signature, version)."""
+    """Inverse of ``encode``: (signature, tag)."""
     words = header.tolist()
-    version, n, k = words[0], words[1], 2
+    tag, n, k = words[0], words[1], 2
     sig = []
     for _ in range(n):
         dtype, ndim = _DTYPES[words[k]], words[k + 1]
         sig.append((tuple(words[k + 2 : k + 2 + ndim]), dtype))
         k += 2 + ndim
-    return tuple(sig), version
+    return tuple(sig), tag
 
 
 def _group_store(group: Any) -> Any:
@@ -115,6 +131,8 @@ class Comm:
         self.timeout = timeout
         # the waiter's own timeout is a backstop: the host gives up first and names the action
         self._waiter = _Waiter(timeout + 5.0)
+        # at close() or when collected; the callback must not hold self, or self would never be collected
+        self._close = weakref.finalize(self, self._waiter.close)
         self.nccl = dist.get_backend(group) == "nccl"
         self.store = _group_store(group)
         self.failure_key = f"{key_prefix}/failed"
@@ -124,14 +142,30 @@ class Comm:
     # ---- posting
 
     def op(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        if isinstance(tensor, FakeTensor):
+            raise ValueError(
+                f"rank {self.rank} was to {'send' if send else 'receive'} a fake tensor "
+                f"({list(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}) "
+                f"{'to' if send else 'from'} rank {peer}; fake tensors hold no data, so nothing would "
+                "move and the peer would wait: run the step outside FakeTensorMode and keep fake "
+                "values out of the model"
+            )
         return dist.P2POp(dist.isend if send else dist.irecv, tensor, self._global[peer], self.group)
 
     def post(self, ops: Sequence[dist.P2POp], what: str) -> list[Any]:
+        self._check_open(what)
         try:
             return list(dist.batch_isend_irecv(list(ops))) if ops else []
         except Exception as exc:  # a peer that is gone already
             self._raise(what, exc)
             raise
+
+    def _check_open(self, what: str) -> None:
+        if not self._close.alive:
+            raise RuntimeError(
+                f"rank {self.rank}: cannot post {what}: this pipeline's communication was closed "
+                "(Pipeline.close()); build a new Pipeline"
+            )
 
     # ---- failure signalling
 
@@ -198,8 +232,13 @@ class Comm:
     def set_key(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
 
+    def close(self) -> None:
+        """Stop the waiter thread once the jobs already handed to it are done; idempotent."""
+        self._close()
+
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """``dist.broadcast`` from group rank ``src``, waited for like a receive."""
+        self._check_open(what)
         work = dist.broadcast(tensor, self._global[src], group=self.group, async_op=True)
         assert work is not None
         if not self.nccl:
@@ -225,26 +264,43 @@ class Job:
 
 
 class _Waiter:
-    """A daemon thread that blocks on works in submission order (gloo releases the GIL)."""
+    """A daemon thread, started at the first job, that blocks on works in submission order.
+
+    gloo's ``wait`` releases the GIL. ``close`` queues a stop after the pending jobs.
+    """
 
     def __init__(self, timeout: float) -> None:
         self._timeout = datetime.timedelta(seconds=timeout)
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = threading.Lock()
 
     def submit(self, job: Job) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="stagewise-p2p-waiter", daemon=True)
-            self._thread.start()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the p2p waiter was closed; build a new Pipeline")
+            if self._thread is None:
+                args = (self._jobs, self._timeout)
+                self._thread = threading.Thread(target=_wait_jobs, args=args, name="stagewise-p2p-waiter",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
         self._jobs.put(job)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                for w in job.works:
-                    w.wait(self._timeout)
-            except BaseException as exc:  # reported by the host thread, never lost here
-                job.error = exc
-            job.keep = []
-            job.done.set()
+    def close(self) -> None:
+        with self._lock:
+            if self._thread is not None and not self._closed:
+                self._jobs.put(None)
+            self._closed = True
+
+
+def _wait_jobs(jobs: queue.SimpleQueue[Job | None], timeout: datetime.timedelta) -> None:
+    """The waiter thread's loop, until a None job; it holds no reference to its Comm."""
+    while (job := jobs.get()) is not None:
+        try:
+            for w in job.works:
+                w.wait(timeout)
+        except BaseException as exc:  # reported by the host thread, never lost here
+            job.error = exc
+        job.keep = []
+        job.done.set()

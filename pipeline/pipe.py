@@ -171,6 +171,14 @@ class Pipeline:
                 init_fn(module)
         return module.to(self.device)
 
+    def close(self) -> None:
+        """Stop this rank's communication thread (also done when the Pipeline is garbage-collected).
+
+        Sends still in flight complete first; ``step`` and ``evaluate`` then raise.
+        """
+        if self.comm is not None:
+            self.comm.close()
+
     # ---- parameters
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

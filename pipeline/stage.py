@@ -226,18 +226,26 @@ class StageRuntime:
     def infer(self, sig: Signature) -> Signature:
         """The output signature for an input signature, without computing (fake tensors).
 
-        Buffers are restored afterwards: a fake forward still bumps counters such
-        as BatchNorm's ``num_batches_tracked``.
+        Runs under the caller's autocast, so the signature has autocast's dtypes,
+        but with autocast's cast cache off: the cache keeps a parameter's low
+        precision copy until the outermost autocast exits, and a copy made here
+        would be fake, so the real forwards after it would silently run on fake
+        weights (fake outputs: no data sent, fake grads). Buffers are restored
+        afterwards: a fake forward still bumps counters such as BatchNorm's
+        ``num_batches_tracked``.
         """
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         try:
             with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
                 empty = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig]
                 fake = [mode.from_tensor(t) for t in empty]
                 out = self.module(from_tuple(fake, len(fake) > 1))
         finally:
+            torch.set_autocast_cache_enabled(cache)
             with torch.no_grad():
                 for b, copy in buffers:
                     b.copy_(copy)
