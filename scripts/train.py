@@ -227,27 +227,6 @@ def build_model(cfg: Config) -> tuple[nn.Sequential, torch.Tensor]:
     )
 
 
-def autocast_layers(model: nn.Sequential, device_type: str, dtype: torch.dtype) -> None:
-    """Run every layer's forward under ``torch.autocast``: mixed precision scoped to compute.
-
-    Hooks on the layers, rather than autocast around ``pipe.step``, keep the
-    pipeline's communication and bookkeeping outside the autocast region.
-    """
-    for layer in model:
-        stack: list[torch.autocast] = []
-
-        def enter(mod: nn.Module, args: Any, stack: list[torch.autocast] = stack) -> None:
-            ctx = torch.autocast(device_type, dtype=dtype)
-            ctx.__enter__()  # type: ignore[no-untyped-call]
-            stack.append(ctx)
-
-        def leave(mod: nn.Module, args: Any, out: Any, stack: list[torch.autocast] = stack) -> None:
-            stack.pop().__exit__(None, None, None)
-
-        layer.register_forward_pre_hook(enter)
-        layer.register_forward_hook(leave)
-
-
 def learning_rate(cfg: Config, step: int) -> float:
     """Linear warmup then cosine decay to a tenth: a pure function of the step, so resume is exact."""
     warmup = max(1, min(100, cfg.steps // 10))
@@ -444,8 +423,9 @@ def train(cfg: Config) -> dict[str, Any]:
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return gpt_loss(logits, targets) * loss_scale[0]
 
-    if amp_dtype is not None:
-        autocast_layers(model, device.type, amp_dtype)
+    # Mixed precision around the whole step, as in one process: the pipeline carries the autocast
+    # state in its step header and checks that every rank agrees.
+    amp = torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
     pipe = Pipeline(
         model,
         balance,
@@ -470,7 +450,8 @@ def train(cfg: Config) -> dict[str, Any]:
         losses = []
         for k in range(_EVAL_BATCHES):
             x, y = batch("val", k)
-            losses.append(float(pipe.evaluate(x, y)) / loss_scale[0])
+            with amp:
+                losses.append(float(pipe.evaluate(x, y)) / loss_scale[0])
         return sum(losses) / len(losses)
 
     from tqdm import tqdm
@@ -494,7 +475,8 @@ def train(cfg: Config) -> dict[str, Any]:
         x, y = batch("train", step)
         t0 = time.perf_counter()
         record = cfg.trace is not None and step == trace_step
-        loss = float(pipe.step(x, y, record=record)) / loss_scale[0]
+        with amp:
+            loss = float(pipe.step(x, y, record=record)) / loss_scale[0]
         busy.append(pipe.busy_time)
         if record:
             assert cfg.trace is not None
