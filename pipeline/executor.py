@@ -1,4 +1,4 @@
-"""Run one rank's lowered action list: bound instructions, batched comm, measured timeline.
+"""Run one rank's lowered action list: bound instructions, direct comm, measured timeline.
 
     # s: stage, i: micro-batch, r: this rank, q: a peer rank, p: ranks
 
@@ -11,9 +11,22 @@ At construction the rank's lowered list is compiled once into bound callables:
 Each compute instruction takes its input from a mailbox, filled either locally
 (the neighbour stage is on this rank: no copy, no comm) or by a receive that it
 waits for only now (posted one block earlier when the backend allows it, so
-the transfer overlaps the compute in between). Sends are never waited for
-inside the step; their works and tensors are reaped when complete and drained
-at the step's end.
+the transfer overlaps the compute in between). Every message of the step is a
+``_Msg`` made at compile time, bound into the instructions that fill, post and
+consume it, with its peer and its description for errors: the step itself does
+no lookups and formats no strings.
+
+Sends are never waited for inside the step except where they are known to be
+done. A send X to rank q is done once q has waited for it; so if q, after the
+compute that consumes X, sends some Y back, X is done by the time Y arrives
+here. At compile time each send is attached to the first such receive (read off
+q's lowered list), and waited for (a no-op that frees its tensors) just after it:
+
+    rank r:  SEND_F(s,i) ......................... RECV_B(s,i) -> reap SEND_F(s,i)
+    rank q:       RECV_F(s+1,i) -> F(s+1,i) ... B(s+1,i) -> SEND_B(s+1,i)
+
+Sends with no such receive (the last ones of the step) are waited for at the
+step's end.
 
 Metadata (shapes and dtypes between stages). At every step, the rank of stage 0
 sends a (64,) int64 header with the input micro-batch's signature and its
@@ -46,22 +59,52 @@ import torch
 from pipeline import stream
 from pipeline.actions import Action, Kind
 from pipeline.microbatch import Batch, Signature, as_tuple, from_tuple, signature
-from pipeline.p2p import HEADER_LEN, Comm, Job, decode, encode
+from pipeline.p2p import HEADER_LEN, Comm, decode, encode
 from pipeline.schedule import Schedule
 from pipeline.simulate import TimedAction
-from pipeline.stage import Grads, StageRuntime
+from pipeline.stage import StageRuntime
 
 __all__ = ["Executor"]
 
 
-class _Recv:
-    """A posted receive: its buffers and works; float_mask marks which tensors arrive (grads)."""
+class _Msg:
+    """One message of the step (or a local hand-over, with ``action`` None), made at compile time.
 
-    __slots__ = ("buffers", "job", "like_tuple", "mask")
+    ``value``: what the producing compute left (a batch or grads); ``tensors``: what
+    was posted (sent tensors or receive buffers); ``works``: their works until
+    waited for; ``spec``: the (shape, dtype) expected or allocated, set at setup;
+    ``mask``: for gradients, which tensors of the batch take one; ``reap``: sends
+    known to be done once this receive is.
+    """
 
-    def __init__(self, buffers: list[torch.Tensor], mask: list[bool], like_tuple: bool) -> None:
-        self.buffers, self.mask, self.like_tuple = buffers, mask, like_tuple
-        self.job: Job | None = None
+    __slots__ = ("action", "like_tuple", "mask", "peer", "reap", "spec", "tensors", "value", "what", "works")
+
+    def __init__(self, action: Action | None, peer: int) -> None:
+        self.action, self.peer = action, peer
+        self.what = ""
+        if action is not None:
+            self.what = f"{action} {'to' if action.kind.is_send else 'from'} rank {peer}"
+        self.value: Any = None
+        self.tensors: list[torch.Tensor] = []
+        self.works: list[Any] | None = None
+        self.spec: Signature = ()
+        self.mask: list[bool] = []
+        self.like_tuple = False
+        self.reap: list[_Msg] = []
+
+
+def _consumer(a: Action) -> Action:
+    """The compute action on the peer that takes what send ``a`` carries."""
+    if a.kind is Kind.SEND_F:
+        return Action(a.stage + 1, Kind.F, a.microbatch)
+    return Action(a.stage - 1, Kind.B, a.microbatch)
+
+
+def _receiver(a: Action) -> Action:
+    """The receive that matches send ``a``, on the peer."""
+    if a.kind is Kind.SEND_F:
+        return Action(a.stage + 1, Kind.RECV_F, a.microbatch)
+    return Action(a.stage - 1, Kind.RECV_B, a.microbatch)
 
 
 class Executor:
@@ -86,12 +129,8 @@ class Executor:
         # per-step state
         self.inputs: list[Batch] = []
         self.targets: list[Any] = []
-        self._acts: dict[tuple[int, int], Batch] = {}
-        self._grads: dict[tuple[int, int], Grads] = {}
-        self._out_f: dict[tuple[int, int], Batch] = {}
-        self._out_b: dict[tuple[int, int], Grads] = {}
-        self._posted: dict[Action, _Recv] = {}
-        self._inflight: list[tuple[Job, str]] = []
+        self._sent: list[_Msg] = []  # sends posted this step, waited for by the step's end
+        self._abandoned: list[list[Any]] = []  # works of a failed step
         # signatures, derived at the first step and when the input signature or autocast state changes
         self._input_key: tuple[Signature, int] | None = None
         self._version = 0
@@ -102,15 +141,30 @@ class Executor:
         self.events: list[TimedAction] = []
         self._record = False
         self._clock = 0.0  # wall time minus perf_counter, for timelines comparable across ranks
-        self._program = self._compile(sched.lowered()[rank])
+        self._msgs: dict[Action, _Msg] = {}
+        self._local: dict[tuple[int, int], _Msg] = {}  # (receiving stage, i) -> hand-over on this rank
+        self._program = self._compile(sched.lowered())
 
     # ---- compile
 
-    def _compile(self, lowered: tuple[Action, ...]) -> list[tuple[Action | None, Callable[[], None]]]:
+    def _msg(self, a: Action) -> _Msg:
+        if a not in self._msgs:
+            self._msgs[a] = _Msg(a, self.sched.rank_of(a.peer_stage))
+        return self._msgs[a]
+
+    def _box(self, s: int, i: int) -> _Msg:
+        if (s, i) not in self._local:
+            self._local[(s, i)] = _Msg(None, self.rank)
+        return self._local[(s, i)]
+
+    def _compile(
+        self, lowered: tuple[tuple[Action, ...], ...]
+    ) -> list[tuple[Action | None, Callable[[], None]]]:
         """(action, callable) per instruction; a comm block's action is None."""
+        mine = lowered[self.rank]
         blocks: list[list[Action]] = []
         program: list[tuple[Action | None, Any]] = []
-        for act in lowered:
+        for act in mine:
             if act.kind.is_compute:
                 program.append((act, self._bind(act)))
             elif program and program[-1][0] is None:
@@ -118,8 +172,9 @@ class Executor:
             else:
                 blocks.append([act])
                 program.append((None, blocks[-1]))
+        self._attach_reaps(mine, lowered)
         # receives of block k+1 are posted with block k (lookahead), the first block's at step start
-        recvs = [[a for a in b if a.kind.is_recv] for b in blocks]
+        recvs = [[self._msg(a) for a in b if a.kind.is_recv] for b in blocks]
         self._first_recvs = recvs[0] if recvs and self.lookahead else []
         out: list[tuple[Action | None, Callable[[], None]]] = []
         k = 0
@@ -129,10 +184,28 @@ class Executor:
                 continue
             ahead = recvs[k + 1] if self.lookahead and k + 1 < len(blocks) else []
             own = [] if self.lookahead else recvs[k]
-            sends = [b for b in blocks[k] if b.kind.is_send]
-            out.append((None, self._bind_block(sends, own + ahead)))
+            sends = [self._msg(b) for b in blocks[k] if b.kind.is_send]
+            if sends or own or ahead:
+                out.append((None, self._bind_block(sends, own + ahead)))
             k += 1
         return out
+
+    def _attach_reaps(self, mine: tuple[Action, ...], lowered: tuple[tuple[Action, ...], ...]) -> None:
+        """Attach each send to the first receive here that proves it done (see the module docstring)."""
+        for a in mine:
+            if not a.kind.is_send:
+                continue
+            q = self.sched.rank_of(a.peer_stage)
+            theirs = lowered[q]
+            consumer = _consumer(a)
+            if consumer not in theirs:
+                continue
+            for b in theirs[theirs.index(consumer) + 1 :]:
+                if b.kind.is_send and self.sched.rank_of(b.peer_stage) == self.rank:
+                    back = _receiver(b)
+                    if back in mine:
+                        self._msg(back).reap.append(self._msg(a))
+                    break
 
     def _bind(self, a: Action) -> Callable[[], None]:
         s, i, stage = a.stage, a.microbatch, self.stages[a.stage]
@@ -140,25 +213,29 @@ class Executor:
         next_local = not last and self.sched.rank_of(s + 1) == self.rank
         prev_local = not first and self.sched.rank_of(s - 1) == self.rank
         if a.kind is Kind.F:
+            src = None if first else self._box(s, i) if prev_local else self._msg(Action(s, Kind.RECV_F, i))
+            dst = (
+                None if last else self._box(s + 1, i) if next_local else self._msg(Action(s, Kind.SEND_F, i))
+            )
 
             def forward() -> None:
-                x = self.inputs[i] if first else self._take(self._acts, (s, i), Action(s, Kind.RECV_F, i))
+                x = self.inputs[i] if src is None else self._take(src)
                 out = stage.forward(i, x, self.targets[i] if last else None)
-                if next_local:
-                    self._acts[(s + 1, i)] = out  # type: ignore[assignment]
-                elif not last:
-                    self._out_f[(s, i)] = out  # type: ignore[assignment]
+                if dst is not None:
+                    dst.value = out
 
             return forward
         if a.kind is Kind.B:
+            gsrc = None if last else self._box(s, i) if next_local else self._msg(Action(s, Kind.RECV_B, i))
+            gdst = (
+                None if first else self._box(s - 1, i) if prev_local else self._msg(Action(s, Kind.SEND_B, i))
+            )
 
             def backward() -> None:
-                g = None if last else self._take(self._grads, (s, i), Action(s, Kind.RECV_B, i))
-                gin = stage.backward(i, g)  # type: ignore[arg-type]
-                if prev_local:
-                    self._grads[(s - 1, i)] = gin  # type: ignore[assignment]
-                elif not first:
-                    self._out_b[(s, i)] = gin  # type: ignore[assignment]
+                g = None if gsrc is None else self._take(gsrc)
+                gin = stage.backward(i, g)
+                if gdst is not None:
+                    gdst.value = gin
 
             return backward
 
@@ -167,102 +244,90 @@ class Executor:
 
         return weight
 
-    def _bind_block(self, sends: list[Action], recvs: list[Action]) -> Callable[[], None]:
+    def _bind_block(self, sends: list[_Msg], recvs: list[_Msg]) -> Callable[[], None]:
+        what = (sends or recvs)[0].what
+
         def block() -> None:
-            self._post(sends, recvs)
+            self._post(sends, recvs, what)
 
         return block
 
     # ---- communication
 
-    def _peer(self, a: Action) -> int:
-        return self.sched.rank_of(a.peer_stage)
-
-    def _what(self, a: Action) -> str:
-        return f"{a} {'to' if a.kind.is_send else 'from'} rank {self._peer(a)}"
-
-    def _post(self, sends: list[Action], recvs: list[Action]) -> None:
-        if not sends and not recvs:  # a block whose receives were posted ahead
-            return
+    def _post(self, sends: list[_Msg], recvs: list[_Msg], what: str) -> None:
         assert self.comm is not None
-        comm, ops, kept = self.comm, [], []
-        for a in sends:
-            tensors = self._send_tensors(a)
-            kept += tensors
-            ops += [comm.op(True, t, self._peer(a)) for t in tensors]
-        new: list[_Recv] = []
-        for a in recvs:
-            r = self._alloc(a)
-            self._posted[a] = r
-            new.append(r)
-            ops += [comm.op(False, t, self._peer(a)) for t in r.buffers]
+        for m in sends:
+            m.tensors = self._send_tensors(m)
+        dev = self.device
+        for m in recvs:
+            m.tensors = [torch.empty(sh, dtype=dt, device=dev) for sh, dt in m.spec]
         if stream.is_cuda(self.comm_stream):
             stream.wait_stream(self.comm_stream, self.compute_stream)
-            for t in kept:
-                stream.record_stream(t, self.comm_stream)
+            for m in sends:
+                for t in m.tensors:
+                    stream.record_stream(t, self.comm_stream)
         start = time.perf_counter()
         with stream.use_stream(self.comm_stream):
-            works = comm.post(ops, self._what((sends or recvs)[0]))
-        if self._record:
+            works = self.comm.post(
+                [(m.tensors, m.peer) for m in sends], [(m.tensors, m.peer) for m in recvs], what
+            )
+        if self._record and sends:
             end = time.perf_counter()
-            self.events += [TimedAction(self.rank, a, start + self._clock, end + self._clock) for a in sends]
-        n_send = len(ops) - sum(len(r.buffers) for r in new)
-        if n_send:  # the waiter drops the sent tensors once they are out
-            self._inflight = [(j, w) for j, w in self._inflight if not j.done.is_set()]
-            self._inflight.append((comm.watch(works[:n_send], kept), self._what(sends[0])))
-        k = n_send
-        for r in new:
-            r.job, k = comm.watch(works[k : k + len(r.buffers)]), k + len(r.buffers)
+            self.events += [
+                TimedAction(self.rank, m.action, start + self._clock, end + self._clock)  # type: ignore[arg-type]
+                for m in sends
+            ]
+        for m, w in zip(sends, works, strict=False):
+            m.works = w
+        for m, w in zip(recvs, works[len(sends) :], strict=True):
+            m.works = w
+        self._sent += sends
 
-    def _send_tensors(self, a: Action) -> list[torch.Tensor]:
-        key = (a.stage, a.microbatch)
+    def _send_tensors(self, m: _Msg) -> list[torch.Tensor]:
+        a, out = m.action, m.value
+        assert a is not None
+        m.value = None
         if a.kind is Kind.SEND_F:
-            out = self._out_f.pop(key)
-            got, expected = signature(out), self.out_sig[a.stage]
-            if got != expected:
+            got = signature(out)
+            if got != m.spec:
                 raise ValueError(
                     f"stage {a.stage} produced {_fmt(got)} for micro-batch {a.microbatch}, but stage "
-                    f"{a.stage + 1} was set up for {_fmt(expected)}; a stage's output shape and dtype "
+                    f"{a.stage + 1} was set up for {_fmt(m.spec)}; a stage's output shape and dtype "
                     "must depend only on its input's"
                 )
             return [t.detach().contiguous() for t in as_tuple(out)]
-        grads = [g.contiguous() for g in self._out_b.pop(key) if g is not None]
-        expected = tuple((sh, dt) for sh, dt in self.in_sig[a.stage] if dt.is_floating_point)
+        grads = [g.contiguous() for g in out if g is not None]
         got = signature(tuple(grads))
-        if got != expected:
+        if got != m.spec:
             raise ValueError(
                 f"stage {a.stage} produced input gradients {_fmt(got)} for micro-batch {a.microbatch}, but "
-                f"stage {a.stage - 1} expects {_fmt(expected)} (its floating-point outputs); this is a bug "
+                f"stage {a.stage - 1} expects {_fmt(m.spec)} (its floating-point outputs); this is a bug "
                 "in the stage's backward, please report it"
             )
         return grads
 
-    def _alloc(self, a: Action) -> _Recv:
-        if a.kind is Kind.RECV_F:
-            sig = self.in_sig[a.stage]
-            mask = [True] * len(sig)
-        else:
-            sig = self.out_sig[a.stage]
-            mask = [dtype.is_floating_point for _, dtype in sig]
-        dev = self.device
-        buffers = [torch.empty(sh, dtype=dt, device=dev) for (sh, dt), m in zip(sig, mask, strict=True) if m]
-        return _Recv(buffers, mask, len(sig) > 1)
-
-    def _take(self, box: dict[tuple[int, int], Any], key: tuple[int, int], a: Action) -> Any:
-        """A compute action's input: from the local mailbox, or the receive posted for it."""
-        if key in box:
-            return box.pop(key)
-        r = self._posted.pop(a)
-        assert self.comm is not None and r.job is not None
+    def _take(self, m: _Msg) -> Any:
+        """A compute action's input: from the local hand-over, or the receive posted for it."""
+        if m.action is None:
+            value, m.value = m.value, None
+            return value
+        comm, works = self.comm, m.works
+        assert comm is not None and works is not None
         start = time.perf_counter()
-        self.comm.wait(r.job, self._what(a))
+        comm.wait(works, m.what)
         if self._record:
             end = time.perf_counter()
-            self.events.append(TimedAction(self.rank, a, start + self._clock, end + self._clock))
-        if a.kind is Kind.RECV_F:
-            return from_tuple(r.buffers, r.like_tuple)
-        it = iter(r.buffers)
-        return tuple(next(it) if m else None for m in r.mask)
+            self.events.append(TimedAction(self.rank, m.action, start + self._clock, end + self._clock))
+        m.works = None
+        for done in m.reap:
+            if done.works is not None:
+                comm.wait(done.works, done.what)
+                done.works, done.tensors = None, []
+        buffers, m.tensors = m.tensors, []
+        if m.action.kind is Kind.RECV_F:
+            return from_tuple(buffers, m.like_tuple)
+        it = iter(buffers)
+        return tuple(next(it) if k else None for k in m.mask)
 
     # ---- metadata
 
@@ -276,8 +341,8 @@ class Executor:
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         if self.rank > 0:
             what = f"the step's input signature header from rank {self.rank - 1}"
-            works = self.comm.post([self.comm.op(False, header, self.rank - 1)], what)
-            self.comm.wait(self.comm.watch(works), what)
+            (works,) = self.comm.post([], [([header], self.rank - 1)], what)
+            self.comm.wait(works, what)
             sig, theirs = decode(header)
             if theirs != mode:
                 raise ValueError(
@@ -286,13 +351,14 @@ class Executor:
                     "on every rank"
                 )
         if self.rank < self.p - 1:
-            out, what = encode(sig, mode), f"the input signature header to rank {self.rank + 1}"
-            works = self.comm.post([self.comm.op(True, out, self.rank + 1)], what)
-            self._inflight.append((self.comm.watch(works, [out]), what))
+            m = _Msg(None, self.rank + 1)
+            m.what, m.tensors = f"the input signature header to rank {self.rank + 1}", [encode(sig, mode)]
+            (m.works,) = self.comm.post([(m.tensors, m.peer)], [], m.what)
+            self._sent.append(m)
         return sig, mode
 
     def _setup(self, sig: Signature) -> None:
-        """Every local stage's input and output signatures, in stage order."""
+        """Every local stage's input and output signatures, in stage order; the messages' specs."""
         self._version += 1
         key = f"{self.key_prefix}/sig{self._version}"
         for s in sorted(self.stages):
@@ -310,6 +376,13 @@ class Executor:
                 if self.sched.rank_of(s + 1) != self.rank:
                     assert self.comm is not None
                     self.comm.set_key(f"{key}/{s}", encode(self.out_sig[s], 0).numpy().tobytes())
+        for a, m in self._msgs.items():
+            # forward messages carry the stage boundary's tensors, backward ones its float grads
+            boundary = self.in_sig[a.stage] if a.kind in (Kind.RECV_F, Kind.SEND_B) else self.out_sig[a.stage]
+            forward = a.kind in (Kind.RECV_F, Kind.SEND_F)
+            m.mask = [forward or dt.is_floating_point for _, dt in boundary]
+            m.spec = tuple(x for x, k in zip(boundary, m.mask, strict=True) if k)
+            m.like_tuple = len(boundary) > 1
 
     # ---- the step
 
@@ -321,35 +394,52 @@ class Executor:
         for st in self.stages.values():
             st.losses = []
             st.reset_peak()
-        key = self._exchange_header()
-        if key != self._input_key:  # the autocast state changes the dtypes between stages too
-            self._setup(key[0])
-            self._input_key = key
-        if self._first_recvs:
-            self._post([], self._first_recvs)
-        busy = 0.0
-        sync = record and self.device.type == "cuda"
-        for a, fn in self._program:
-            if a is None:
+        try:
+            key = self._exchange_header()
+            if key != self._input_key:  # the autocast state changes the dtypes between stages too
+                self._setup(key[0])
+                self._input_key = key
+            if self._first_recvs:
+                self._post([], self._first_recvs, self._first_recvs[0].what)
+            busy = 0.0
+            sync = record and self.device.type == "cuda"
+            for a, fn in self._program:
+                if a is None:
+                    fn()
+                    continue
+                start = time.perf_counter()
                 fn()
-                continue
-            start = time.perf_counter()
-            fn()
-            if sync:
-                torch.cuda.synchronize(self.device)
-            end = time.perf_counter()
-            busy += end - start
-            if record:
-                self.events.append(TimedAction(self.rank, a, start + self._clock, end + self._clock))
-        self.busy = busy
-        self._drain()
+                if sync:
+                    torch.cuda.synchronize(self.device)
+                end = time.perf_counter()
+                busy += end - start
+                if record:
+                    self.events.append(TimedAction(self.rank, a, start + self._clock, end + self._clock))
+            self.busy = busy
+            self._drain()
+        except BaseException:
+            self._reset()
+            raise
 
     def _drain(self) -> None:
-        assert not self._posted, f"receives left unconsumed: {list(self._posted)}"
-        for job, what in self._inflight:
-            assert self.comm is not None
-            self.comm.wait(job, what)
-        self._inflight = []
+        unconsumed = [a for a, m in self._msgs.items() if a.kind.is_recv and m.works is not None]
+        assert not unconsumed, f"receives left unconsumed: {unconsumed}"
+        assert self.comm is not None or not self._sent
+        for m in self._sent:
+            if m.works is not None:
+                self.comm.wait(m.works, m.what)  # type: ignore[union-attr]
+                m.works, m.tensors = None, []
+        self._sent = []
+
+    def _reset(self) -> None:
+        """After a failure: drop the step's tensors and works, so that the next step starts clean."""
+        # works still pending stay referenced (with their tensors) until the next failure: gloo
+        # completes them with an error once the failure has closed the group's connections
+        msgs = (*self._msgs.values(), *self._local.values(), *self._sent)
+        self._abandoned = [m.works for m in msgs if m.works is not None]
+        for m in msgs:
+            m.value, m.tensors, m.works = None, [], None
+        self._sent = []
 
 
 def _fmt(sig: Signature) -> str:

@@ -1,41 +1,47 @@
-"""Point-to-point between ranks that never hangs: batched posts, timed waits, failure signalling.
+"""Point-to-point between ranks that never hangs: direct posts, timed waits, failure signalling.
 
     # r: this rank, q: the peer rank
 
-``Comm`` owns one rank's view of the pipeline's process group. It posts a block
-of sends and receives as one ``batch_isend_irecv`` and waits for their works.
+``Comm`` owns one rank's view of the pipeline's process group. On gloo it posts
+each tensor straight to the group's backend object (``send([t], q, tag)`` /
+``recv([t], q, tag)``, peer ranks local to the group, resolved once), skipping
+``torch.distributed``'s Python wrappers; on NCCL a block of sends and receives
+goes out as one coalesced ``batch_isend_irecv`` (deadlock freedom needs it).
 
 Never hang. Every wait on another process is bounded by ``timeout``, and a
-failure anywhere reaches every rank within milliseconds:
+failure anywhere reaches every rank within a fraction of a second:
 
     rank 1: stage raises -> publish("rank 1 failed: ...") in the store -> re-raise
-    rank 0: waiting for 0RECV_B2 -> reads the store every 50 ms -> PeerFailure("rank 1
-            failed while rank 0 waited for 0RECV_B2 from rank 1: ...")
-    rank 2: waiting on rank 0 or 1 -> the same, naming rank 1 too
+    rank 0: blocked in 0RECV_B2's wait -> its watchdog reads the store every 50 ms,
+            sees the failure, closes rank 0's connections -> the wait raises ->
+            PeerFailure("rank 1 failed while rank 0 waited for 0RECV_B2 from rank 1: ...")
+    rank 2: blocked on rank 0 or 1 -> the same, naming rank 1 too
 
 What gloo does (measured, torch 2.13): ``is_completed()`` of a point-to-point
 work stays False until ``wait()`` is called, even when the data is there, and
 there is no future, so the host cannot poll; ``wait(timeout)`` on expiry
 closes the connection to the peer ("Application timeout caused pair
 closure"), so short timed waits cannot be retried; a send completes only once
-the peer has posted its receive; and ``abort()`` of a group does not close its
-connections while the group object lives, so peers are not woken that way.
-Hence one waiter thread per rank (per ``Comm``) calls the blocking ``wait(timeout)`` (which
-releases the GIL) on every posted work, in post order (receives are consumed
-in post order, so the one the host needs is never queued behind one it does
-not), and sets an event; the host waits on that event in 50 ms slices,
-reading the failure key between slices. A work already done costs one
-``Event.is_set``. NCCL's ``work.wait()`` does not block the host (it orders
-the current stream after the transfer), so there it is called directly and
-hangs inside the GPU are bounded by the process group's timeout; the loss
-broadcast at the end of each step goes through the waiter as well, so a
-failed peer still surfaces within seconds.
+the peer has posted its receive; ``abort()`` and ``shutdown()`` of a backend
+wake neither its own blocked waits nor its peers'. But a pair's closure wakes
+every wait on that pair, on both sides, with an error. Hence the host calls the
+blocking ``wait(timeout)`` itself (it releases the GIL; no thread handoff on the
+critical path), and one watchdog thread per ``Comm``, asleep unless the host is
+blocked, reads the failure key every 50 ms; when it is set, the watchdog closes
+every pair of the group with a receive on an unused tag timed out after 1 ms,
+which wakes the host's wait, and the host raises ``PeerFailure`` naming the
+failed rank. The group is then unusable, as after any failure. NCCL's
+``work.wait()`` does not block the host (it orders the current stream after the
+transfer), so there it is called at once and hangs inside the GPU are bounded by
+the process group's timeout; the loss broadcast at the end of each step is
+polled with the failure key, so a failed peer still surfaces within seconds.
 
-The waiter belongs to one ``Comm`` (one Pipeline), not to the process: in a
-shared queue, a job of one pipeline could hold back another's that a peer
-needs first (two pipelines stepped from two threads could deadlock). It stops,
-after the jobs already queued, when the ``Comm`` is closed (``Pipeline.close()``)
-or garbage-collected.
+Sends are not waited for inside the step: the caller waits for each one where it
+is known to be done (see executor.py) or at the step's end.
+
+The watchdog belongs to one ``Comm`` (one Pipeline), not to the process: it holds
+no reference to its ``Comm`` and stops when the ``Comm`` is closed
+(``Pipeline.close()``) or garbage-collected.
 
 Only the first failure is published (``compare_set``), so the error every
 rank reports names the root cause, not a rank that merely lost a connection.
@@ -45,7 +51,7 @@ tensor (``encode`` / ``decode``); the executor decides when (see executor.py).
 
 A fake tensor (``FakeTensorMode``) has no data: ``isend`` of one dispatches to
 a fake kernel that returns a finished ``FakeWork`` without touching the process
-group, so nothing moves and the peer waits until its timeout. ``op`` refuses
+group, so nothing moves and the peer waits until its timeout. ``post`` refuses
 fake tensors at once.
 """
 
@@ -53,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import queue
 import threading
 import time
 import weakref
@@ -66,7 +71,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from pipeline.microbatch import Signature
 
-__all__ = ["HEADER_LEN", "Comm", "Job", "PeerFailure", "PipelineTimeout", "decode", "encode"]
+__all__ = ["HEADER_LEN", "Comm", "PeerFailure", "PipelineTimeout", "decode", "encode"]
 
 HEADER_LEN = 64
 _DTYPES = (
@@ -74,6 +79,9 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )  # fmt: skip
 _CHECK_STORE_S = 0.05
+_CLOSE_TAG = 2**30 - 7  # never used by a message: a receive on it only ever times out
+# how long a rank that lost a connection waits for the failed peer's published reason
+_LOST_GRACE_S = 1.0
 
 
 class PipelineTimeout(TimeoutError):
@@ -121,6 +129,28 @@ def _group_store(group: Any) -> Any:
     return entry[1] if entry is not None else c10d._get_default_store()
 
 
+def _backend(group: Any) -> Any:
+    """The gloo ``ProcessGroupGloo`` behind ``group``: its send / recv take group-local ranks."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu"))
+
+
+def _refuse_fake(tensor: torch.Tensor, send: bool, rank: int, peer: int) -> None:
+    raise ValueError(
+        f"rank {rank} was to {'send' if send else 'receive'} a fake tensor "
+        f"({list(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}) "
+        f"{'to' if send else 'from'} rank {peer}; fake tensors hold no data, so nothing would "
+        "move and the peer would wait: run the step outside FakeTensorMode and keep fake "
+        "values out of the model"
+    )
+
+
+# a posted block: per entry (tensors, group-local peer rank)
+Entries = Sequence[tuple[Sequence[torch.Tensor], int]]
+
+
 class Comm:
     """One rank's point-to-point in ``group``, with timeouts and a shared failure key."""
 
@@ -129,43 +159,52 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout = timeout
-        # the waiter's own timeout is a backstop: the host gives up first and names the action
-        self._waiter = _Waiter(timeout + 5.0)
-        # at close() or when collected; the callback must not hold self, or self would never be collected
-        self._close = weakref.finalize(self, self._waiter.close)
         self.nccl = dist.get_backend(group) == "nccl"
         self.store = _group_store(group)
         self.failure_key = f"{key_prefix}/failed"
         n = self.world_size
         self._global = [dist.get_global_rank(group, q) if group is not None else q for q in range(n)]
+        self._be: Any = None if self.nccl else _backend(group)
+        self._watchdog = _Watchdog(self.store, self.failure_key, self._be, self.rank, n)
+        # at close() or when collected; the callback must not hold self, or self would never be collected
+        self._close = weakref.finalize(self, self._watchdog.close)
 
     # ---- posting
 
-    def op(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.P2POp:
-        if isinstance(tensor, FakeTensor):
-            raise ValueError(
-                f"rank {self.rank} was to {'send' if send else 'receive'} a fake tensor "
-                f"({list(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}) "
-                f"{'to' if send else 'from'} rank {peer}; fake tensors hold no data, so nothing would "
-                "move and the peer would wait: run the step outside FakeTensorMode and keep fake "
-                "values out of the model"
-            )
-        return dist.P2POp(dist.isend if send else dist.irecv, tensor, self._global[peer], self.group)
-
-    def post(self, ops: Sequence[dist.P2POp], what: str) -> list[Any]:
-        self._check_open(what)
-        try:
-            return list(dist.batch_isend_irecv(list(ops))) if ops else []
-        except Exception as exc:  # a peer that is gone already
-            self._raise(what, exc)
-            raise
-
-    def _check_open(self, what: str) -> None:
+    def post(self, sends: Entries, recvs: Entries, what: str) -> list[list[Any]]:
+        """Post every entry's tensors (``recvs`` fill theirs); the works per entry, sends first."""
         if not self._close.alive:
             raise RuntimeError(
                 f"rank {self.rank}: cannot post {what}: this pipeline's communication was closed "
                 "(Pipeline.close()); build a new Pipeline"
             )
+        for entries, send in ((sends, True), (recvs, False)):
+            for tensors, q in entries:
+                for t in tensors:
+                    if isinstance(t, FakeTensor):
+                        _refuse_fake(t, send, self.rank, q)
+        try:
+            if self.nccl:
+                return self._post_coalesced(sends, recvs)
+            be = self._be
+            out = [[be.send([t], q, 0) for t in tensors] for tensors, q in sends]
+            out += [[be.recv([t], q, 0) for t in tensors] for tensors, q in recvs]
+            return out
+        except Exception as exc:  # a peer that is gone already
+            self._raise(what, exc)
+            raise
+
+    def _post_coalesced(self, sends: Entries, recvs: Entries) -> list[list[Any]]:
+        ops = [dist.P2POp(dist.isend, t, self._global[q], self.group) for ts, q in sends for t in ts]
+        ops += [dist.P2POp(dist.irecv, t, self._global[q], self.group) for ts, q in recvs for t in ts]
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+        for w in works:
+            w.wait()  # orders the current stream after the transfer; the host does not block
+        out, k = [], 0
+        for ts, _ in (*sends, *recvs):
+            out.append(works[k : k + len(ts)])
+            k += len(ts)
+        return out
 
     # ---- failure signalling
 
@@ -186,39 +225,41 @@ class Comm:
         return int(rank), message
 
     def _raise(self, what: str, exc: BaseException | None) -> None:
+        timed_out = exc is None or "Timed out" in str(exc)
         failed = self.failure()
-        if failed is None and exc is not None and "Timed out" not in str(exc):
-            time.sleep(0.05)  # a lost connection: give the failed peer's publish a moment to land
+        deadline = time.monotonic() + _LOST_GRACE_S
+        while failed is None and not timed_out and time.monotonic() < deadline:
+            time.sleep(0.01)  # a lost connection: give the failed peer's publish a moment to land
             failed = self.failure()
         if failed is not None:
             q, message = failed
             raise PeerFailure(f"rank {q} failed while rank {self.rank} waited for {what}: {message}") from exc
-        if exc is not None and "Timed out" not in str(exc):
+        if not timed_out:
             raise RuntimeError(f"rank {self.rank}: error while waiting for {what}: {exc}") from exc
         raise PipelineTimeout(f"rank {self.rank} timed out after {self.timeout:.1f} s waiting for {what}")
 
     # ---- waiting
 
-    def watch(self, works: Sequence[Any], keep: Sequence[torch.Tensor] = ()) -> Job:
-        """Hand ``works`` to the waiter thread; ``keep`` stays referenced until they complete."""
-        job = Job(list(works), list(keep))
+    def wait(self, works: Sequence[Any], what: str) -> None:
+        """Block until ``works`` are done; ``what`` names the awaited action and peer for errors."""
         if self.nccl:
-            for w in job.works:
-                w.wait()  # orders the current stream after the transfer; the host does not block
-            job.done.set()
-        else:
-            self._waiter.submit(job)
-        return job
-
-    def wait(self, job: Job, what: str) -> None:
-        """Block until ``job`` is done; ``what`` names the awaited action and peer for errors."""
-        if not job.done.is_set():
+            return  # waited for at post: the stream is ordered, the host never blocks
+        dog = self._watchdog
+        if dog.thread is None:
+            dog.start()
+        dog.blocked += 1
+        try:
             deadline = time.monotonic() + self.timeout
-            while not job.done.wait(_CHECK_STORE_S):
-                if self.store.check([self.failure_key]) or time.monotonic() > deadline:
+            for w in works:
+                left = deadline - time.monotonic()
+                if left <= 0 or not w.wait(datetime.timedelta(seconds=left)):
                     self._raise(what, None)
-        if job.error is not None:
-            self._raise(what, job.error)
+        except (PeerFailure, PipelineTimeout):
+            raise
+        except Exception as exc:
+            self._raise(what, exc)
+        finally:
+            dog.blocked -= 1
 
     def wait_key(self, key: str, what: str) -> bytes:
         """A store value another rank sets, with the same timeout and failure watch."""
@@ -233,16 +274,17 @@ class Comm:
         self.store.set(key, value)
 
     def close(self) -> None:
-        """Stop the waiter thread once the jobs already handed to it are done; idempotent."""
+        """Stop the watchdog thread; later posts raise. Idempotent."""
         self._close()
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """``dist.broadcast`` from group rank ``src``, waited for like a receive."""
-        self._check_open(what)
+        if not self._close.alive:
+            self.post([], [], what)  # raises: closed
         work = dist.broadcast(tensor, self._global[src], group=self.group, async_op=True)
         assert work is not None
         if not self.nccl:
-            self.wait(self.watch([work]), what)
+            self.wait([work], what)
             return
         start = time.monotonic()
         while not work.is_completed():  # NCCL polls without blocking
@@ -252,55 +294,42 @@ class Comm:
         work.wait()
 
 
-class Job:
-    """Works handed to the waiter thread: ``done`` is set when all completed (or one failed)."""
+class _Watchdog:
+    """A daemon thread, started at the first blocking wait, that wakes the host on a peer's failure.
 
-    __slots__ = ("done", "error", "keep", "works")
-
-    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
-        self.works, self.keep = works, keep
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class _Waiter:
-    """A daemon thread, started at the first job, that blocks on works in submission order.
-
-    gloo's ``wait`` releases the GIL. ``close`` queues a stop after the pending jobs.
+    ``blocked`` counts the host's waits in progress (the thread only reads it:
+    a stale read costs at most one extra store read). It holds no reference to its ``Comm``.
     """
 
-    def __init__(self, timeout: float) -> None:
-        self._timeout = datetime.timedelta(seconds=timeout)
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._lock = threading.Lock()
+    def __init__(self, store: Any, key: str, backend: Any, rank: int, world_size: int) -> None:
+        self.blocked = 0
+        self._args = (store, key, backend, rank, world_size)
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
 
-    def submit(self, job: Job) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the p2p waiter was closed; build a new Pipeline")
-            if self._thread is None:
-                args = (self._jobs, self._timeout)
-                self._thread = threading.Thread(target=_wait_jobs, args=args, name="stagewise-p2p-waiter",
-                                                daemon=True)  # fmt: skip
-                self._thread.start()
-        self._jobs.put(job)
+    def start(self) -> None:
+        self.thread = threading.Thread(
+            target=_watch, args=(self, *self._args), name="stagewise-p2p-watchdog", daemon=True
+        )
+        self.thread.start()
 
     def close(self) -> None:
-        with self._lock:
-            if self._thread is not None and not self._closed:
-                self._jobs.put(None)
-            self._closed = True
+        self._stop.set()
 
 
-def _wait_jobs(jobs: queue.SimpleQueue[Job | None], timeout: datetime.timedelta) -> None:
-    """The waiter thread's loop, until a None job; it holds no reference to its Comm."""
-    while (job := jobs.get()) is not None:
+def _watch(dog: _Watchdog, store: Any, key: str, backend: Any, rank: int, world_size: int) -> None:
+    """The watchdog's loop, until closed: on a published failure, close this rank's pairs once."""
+    while not dog._stop.wait(_CHECK_STORE_S):
+        if dog.blocked <= 0:
+            continue
         try:
-            for w in job.works:
-                w.wait(timeout)
-        except BaseException as exc:  # reported by the host thread, never lost here
-            job.error = exc
-        job.keep = []
-        job.done.set()
+            failed = store.check([key])
+        except Exception:  # the store is gone: the launcher is tearing the job down
+            return
+        if failed and backend is not None:
+            dummy = torch.empty(1)
+            for q in range(world_size):
+                if q != rank:  # a timed-out receive closes the pair: every wait on it raises
+                    with contextlib.suppress(Exception):
+                        backend.recv([dummy], q, _CLOSE_TAG).wait(datetime.timedelta(milliseconds=1))
+            return

@@ -29,18 +29,20 @@ def test_header_rejects_unknown_dtype_and_overflow() -> None:
 def _exchange() -> list[Any]:
     """Batched exchange, a timeout, then a published failure seen by a waiting rank."""
     rank, out = dist.get_rank(), []
-    comm = Comm(None, "test", timeout=0.5)
+    group = dist.new_group(backend="gloo")  # a timeout closes its connections: keep the world's healthy
+    comm = Comm(group, "test", timeout=0.5)
     peer = 1 - rank
     send, recv = torch.full((3,), float(rank)), torch.zeros(3)
-    works = comm.post([comm.op(True, send, peer), comm.op(False, recv, peer)], "exchange")
-    comm.wait(comm.watch(works), "exchange")
+    sent, got = comm.post([([send], peer)], [([recv], peer)], "exchange")
+    comm.wait(got, "exchange")
+    comm.wait(sent, "exchange")
     out.append(recv.tolist())
     # rank 0 waits for a message rank 1 never sends: a timeout naming the action
     if rank == 0:
         start = time.monotonic()
         try:
-            works = comm.post([comm.op(False, torch.zeros(1), 1)], "0RECV_F9 from rank 1")
-            comm.wait(comm.watch(works), "0RECV_F9 from rank 1")
+            (works,) = comm.post([], [([torch.zeros(1)], 1)], "0RECV_F9 from rank 1")
+            comm.wait(works, "0RECV_F9 from rank 1")
         except PipelineTimeout as exc:
             out.append((str(exc), time.monotonic() - start))
     dist.barrier()

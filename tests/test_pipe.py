@@ -212,7 +212,7 @@ def _autocast_reference(name: str) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _waiters() -> int:
-    return sum(t.name == "stagewise-p2p-waiter" for t in threading.enumerate())
+    return sum(t.name == "stagewise-p2p-watchdog" for t in threading.enumerate())
 
 
 def _settled(expected: int) -> int:
