@@ -141,6 +141,7 @@ class Executor:
         self.events: list[TimedAction] = []
         self._record = False
         self._clock = 0.0  # wall time minus perf_counter, for timelines comparable across ranks
+        self._compute_start = 0.0  # when the running compute action had its input
         self._msgs: dict[Action, _Msg] = {}
         self._local: dict[tuple[int, int], _Msg] = {}  # (receiving stage, i) -> hand-over on this rank
         self._program = self._compile(sched.lowered())
@@ -315,14 +316,15 @@ class Executor:
         assert comm is not None and works is not None
         start = time.perf_counter()
         comm.wait(works, m.what)
-        if self._record:
-            end = time.perf_counter()
-            self.events.append(TimedAction(self.rank, m.action, start + self._clock, end + self._clock))
         m.works = None
         for done in m.reap:
             if done.works is not None:
                 comm.wait(done.works, done.what)
                 done.works, done.tensors = None, []
+        # The compute that asked for this input starts now: waiting is not busy time.
+        self._compute_start = end = time.perf_counter()
+        if self._record:
+            self.events.append(TimedAction(self.rank, m.action, start + self._clock, end + self._clock))
         buffers, m.tensors = m.tensors, []
         if m.action.kind is Kind.RECV_F:
             return from_tuple(buffers, m.like_tuple)
@@ -407,11 +409,12 @@ class Executor:
                 if a is None:
                     fn()
                     continue
-                start = time.perf_counter()
-                fn()
+                self._compute_start = time.perf_counter()
+                fn()  # may wait for its input first, moving _compute_start past the wait
                 if sync:
                     torch.cuda.synchronize(self.device)
                 end = time.perf_counter()
+                start = self._compute_start
                 busy += end - start
                 if record:
                     self.events.append(TimedAction(self.rank, a, start + self._clock, end + self._clock))

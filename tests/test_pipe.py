@@ -183,6 +183,9 @@ def test_measured_trace_has_the_simulated_shape(world: tuple[int, list[Any]], tm
         assert order == [e.action for e in simulated.of_rank(r) if e.action.kind.is_compute]
         waits = [e for e in measured.of_rank(r) if e.action.kind.is_recv]
         assert len(waits) == (M if r in (0, p - 1) else 2 * M)  # every receive waited for, once
+        computes = [e for e in measured.of_rank(r) if e.action.kind.is_compute]
+        for w in waits:  # waiting for an input is idle time, never part of a compute action
+            assert all(c.start >= w.end or c.end <= w.start for c in computes), w
     assert measured.peak_activations == simulated.peak_activations
     for r, res in enumerate(results):
         busy = sum(e.duration for e in measured.of_rank(r) if e.action.kind.is_compute)
