@@ -43,8 +43,10 @@ _TABLE = np.full(128, UNKNOWN_ID, dtype=np.uint8)
 _TABLE[[ord(c) for c in CHARS]] = np.arange(len(CHARS), dtype=np.uint8)
 
 # folders of the standard library that are not representative source (vendored
-# packages, test data with odd encodings, generated codec tables)
-_SKIP_PARTS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings"})
+# packages, test data with odd encodings, generated codec tables, pydoc's generated help text)
+_SKIP_PARTS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"}
+)
 _VAL_FRACTION = 0.1
 _SHUFFLE_SEED = 1234  # fixed: the split must not depend on the training seed
 
