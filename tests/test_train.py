@@ -146,3 +146,13 @@ def test_fp16_with_grad_scaler_trains(tmp_path: Path) -> None:
     # (bf16 runs in the end-to-end test)
     losses = _run(tmp_path, "--steps", "4", "--dtype", "fp16", "--balance", "3,2")[0]["losses"]
     assert len(losses) == 4 and all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
+
+
+def test_seed_and_lr_steer_the_run(tmp_path: Path) -> None:
+    base = _run(tmp_path, "--steps", "3", "--balance", "3,2")[0]["losses"]
+    assert _run(tmp_path, "--steps", "3", "--balance", "3,2")[0]["losses"] == base  # deterministic
+    other_seed = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--seed", "7")[0]["losses"]
+    assert other_seed[0] != base[0]  # another initialisation and other batches
+    frozen = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--lr", "1e-12")[0]["losses"]
+    assert frozen[0] == base[0]  # the first loss is computed before any update
+    assert frozen[1:] != base[1:]  # then the learning rate decides how far the weights move
