@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from partitioner import _dp as dp_mod
+from partitioner import _inputs as inputs_mod
 from partitioner.solve import solve, stage_costs, stage_memory
 
 # partitioner.solve is also the function's name in the package; reach the module itself
@@ -99,10 +101,10 @@ def test_probe_search_agrees_with_dp(costs: list[float], k: int, limit: float | 
     # Larger instances than brute force allows: the two exact algorithms must agree to the bit.
     k = min(k, len(costs))
     mem = [c % 997.0 for c in costs]
-    prefix = solve_mod._prefix(costs)
-    rows, limits = solve_mod._check_memory(mem if limit else None, limit, len(costs), k)
+    prefix = inputs_mod._prefix(costs)
+    rows, limits = inputs_mod._check_memory(mem if limit else None, limit, len(costs), k)
     probe = solve_mod._probe_search(prefix, k, 1.0, None if rows is None else (rows[0], limits[0]))
-    dp = solve_mod._dp(prefix, k, None, None, rows, limits)
+    dp = dp_mod._dp(prefix, k, None, None, rows, limits)
     assert probe == dp
 
 
@@ -134,7 +136,12 @@ def _unbanded_dp(prefix, k, cut, speed, rows, limits):  # type: ignore[no-untype
     return [*ends[1:], n], opt
 
 
-def _dp_instance(seed: int, n: int, k: int):  # type: ignore[no-untyped-def]
+_Opt = list[float] | None  # cut costs or speeds, when given
+# (prefix, k, cut, speed, rows, limits), as _dp and _upper_bound take them
+_DPArgs = tuple[list[float], int, _Opt, _Opt, list[list[float]] | None, list[float]]
+
+
+def _dp_instance(seed: int, n: int, k: int) -> _DPArgs:
     """Validated DP inputs for n layers: ties (small integers) or floats, every term on or off."""
     rng = random.Random(seed)
     draw = (lambda: float(rng.randint(0, 3))) if rng.random() < 0.5 else (lambda: rng.lognormvariate(0, 1))
@@ -150,8 +157,8 @@ def _dp_instance(seed: int, n: int, k: int):  # type: ignore[no-untyped-def]
     else:
         limit = [lim * rng.choice([1, 2, 3]) for _ in range(k)] if mode == "per_stage" else lim
     on = mode != "none"
-    rows, limits = solve_mod._check_memory(memory if on else None, limit if on else None, n, k)
-    return solve_mod._prefix(costs), k, cut, speed, rows, limits
+    rows, limits = inputs_mod._check_memory(memory if on else None, limit if on else None, n, k)
+    return inputs_mod._prefix(costs), k, cut, speed, rows, limits
 
 
 @settings(max_examples=150, deadline=None)
@@ -159,12 +166,12 @@ def _dp_instance(seed: int, n: int, k: int):  # type: ignore[no-untyped-def]
 def test_banded_dp_matches_unbanded(seed: int, n: int, k: int) -> None:
     args = _dp_instance(seed, n, min(k, n))
     expected, opt = _unbanded_dp(*args)
-    assert solve_mod._dp(*args) == expected  # the bound from _upper_bound
-    assert solve_mod._dp(*args, ub=math.inf) == expected  # no band at all
+    assert dp_mod._dp(*args) == expected  # the bound from _upper_bound
+    assert dp_mod._dp(*args, ub=math.inf) == expected  # no band at all
     if expected is not None:  # the tightest bounds: exactly opt still finds it, anything below does not
-        assert solve_mod._dp(*args, ub=opt) == expected
-        assert solve_mod._dp(*args, ub=math.nextafter(opt, -math.inf)) is None
-        assert solve_mod._upper_bound(*args) >= opt
+        assert dp_mod._dp(*args, ub=opt) == expected
+        assert dp_mod._dp(*args, ub=math.nextafter(opt, -math.inf)) is None
+        assert dp_mod._upper_bound(*args) >= opt
 
 
 def test_band_is_narrow_and_tight_bounds_occur() -> None:
@@ -173,10 +180,10 @@ def test_band_is_narrow_and_tight_bounds_occur() -> None:
     for seed in range(40):
         args = _dp_instance(seed, 200, 16)
         expected, opt = _unbanded_dp(*args)
-        ub = solve_mod._upper_bound(*args)
+        ub = dp_mod._upper_bound(*args)
         speed = args[3]
-        w = solve_mod._width(np.asarray(args[0]), ub, 1.0 if speed is None else max(speed))
-        assert solve_mod._dp(*args) == expected
+        w = dp_mod._width(np.asarray(args[0]), ub, 1.0 if speed is None else max(speed))
+        assert dp_mod._dp(*args) == expected
         tight += ub == opt
         narrow += w <= 200 // 4
     assert tight >= 5 and narrow >= 20, (tight, narrow)
@@ -187,14 +194,14 @@ def test_tight_bound_with_cuts_speeds_and_memory() -> None:
     # fast), the tie rule takes the later boundary, and the greedy bound is exactly the optimum.
     costs, cut, mem = [1.0] * 12, [0.5] * 12, [1.0] * 12
     speeds, lim = [1.0, 1.0, 2.0, 1.5], [3.0, 3.0, 4.0, 3.0]
-    prefix = solve_mod._prefix(costs)
-    rows, limits = solve_mod._check_memory(mem, lim, 12, 4)
+    prefix = inputs_mod._prefix(costs)
+    rows, limits = inputs_mod._check_memory(mem, lim, 12, 4)
     args = (prefix, 4, cut, speeds, rows, limits)
     expected, opt = _unbanded_dp(*args)
     assert expected == [3, 6, 10, 12] and opt == 3.5
-    assert solve_mod._upper_bound(*args) == opt
-    assert solve_mod._width(np.asarray(prefix), opt, 2.0) == 7  # 7 layers cost 3.5 at speed 2
-    assert solve_mod._dp(*args) == expected
+    assert dp_mod._upper_bound(*args) == opt
+    assert dp_mod._width(np.asarray(prefix), opt, 2.0) == 7  # 7 layers cost 3.5 at speed 2
+    assert dp_mod._dp(*args) == expected
     assert solve(costs, 4, cut_costs=cut, speeds=speeds, memory=mem, memory_limit=lim) == [3, 3, 4, 2]
 
 

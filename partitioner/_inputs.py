@@ -1,0 +1,121 @@
+"""Input validation and exact prefix sums for ``partitioner.solve``.
+
+    # n: layers, k: stages, i: layer, j: stage
+
+Owns every check on what the user passes to ``solve``, ``stage_costs`` and ``stage_memory`` (layer
+and stage counts, costs, cut costs, speeds, memory and its limits, balances), each raising a
+``ValueError`` that names the value, what was expected and the fix, and ``_prefix``, the prefix sums
+that every stage cost and stage memory is a difference of.
+
+Why the prefix sums are exact integer sums rounded once: a float is a dyadic rational, so
+``_prefix`` adds the values exactly as integers over one power-of-two denominator and rounds each
+sum to a float once. P[i] is then the correctly rounded true sum of the first i values: P is
+non-decreasing (rounding is monotone), stage costs P[b] - P[a] grow with b and shrink with a, and
+the searches bisect on them and compare floats with no epsilon. Naive float accumulation rounds
+after every addition, so its sums drift from the true ones (for [0.1] * 10 it ends at
+0.9999999999999999, not 1.0) and depend on the order of the layers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "_check_memory",
+    "_check_speeds",
+    "_check_stages",
+    "_check_values",
+    "_is_rows",
+    "_prefix",
+    "_ranges",
+]
+
+
+def _prefix(values: list[float]) -> list[float]:
+    # Exact sums in integers (floats are dyadic), each rounded once: correctly rounded and monotone.
+    ratios = [v.as_integer_ratio() for v in values]
+    den = max((d for _, d in ratios), default=1)
+    acc, out = 0, [0.0]
+    for num, d in ratios:
+        acc += num * (den // d)
+        out.append(acc / den)
+    return out
+
+
+def _check_stages(n_stages: int, n: int) -> None:
+    if n == 0:
+        raise ValueError("costs is empty: there are no layers to split; pass one cost per layer")
+    if isinstance(n_stages, bool) or not isinstance(n_stages, (int, np.integer)) or not 1 <= n_stages <= n:
+        raise ValueError(f"n_stages ({n_stages!r}) must be an integer from 1 to the number of layers ({n})")
+
+
+def _check_values(name: str, values: Sequence[float], n: int) -> list[float]:
+    out = [float(v) for v in values]
+    if len(out) != n:
+        raise ValueError(f"{name} has {len(out)} entries but there are {n} layers; pass one per layer")
+    for i, v in enumerate(out):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}[{i}] is {v!r}; every entry must be a finite number >= 0")
+    try:
+        total = math.fsum(out)
+    except OverflowError:  # fsum raises instead of returning inf
+        total = math.inf
+    if not math.isfinite(total):
+        raise ValueError(f"{name} sum to more than the largest float; rescale them")
+    return out
+
+
+def _check_speeds(speeds: Sequence[float], k: int) -> list[float]:
+    out = [float(v) for v in speeds]
+    if len(out) != k:
+        raise ValueError(f"speeds has {len(out)} entries but n_stages is {k}; pass one speed per stage")
+    for j, v in enumerate(out):
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"speeds[{j}] is {v!r}; every speed must be a finite number > 0")
+    return out
+
+
+def _is_rows(memory: Sequence[float] | Sequence[Sequence[float]]) -> bool:
+    return len(memory) > 0 and not isinstance(memory[0], (int, float, np.number))
+
+
+def _check_memory(
+    memory: Sequence[float] | Sequence[Sequence[float]] | None,
+    memory_limit: float | Sequence[float] | None,
+    n: int,
+    k: int,
+) -> tuple[list[list[float]] | None, list[float]]:
+    if memory is None:
+        if memory_limit is not None:
+            raise ValueError("memory_limit is given without memory; pass memory (per layer) as well")
+        return None, []
+    if memory_limit is None:
+        return None, []  # nothing to fit
+    if _is_rows(memory):
+        table = [list(r) for r in memory]  # type: ignore[arg-type]
+        if len(table) != k:
+            raise ValueError(f"memory has {len(table)} rows but n_stages is {k}; pass one row per stage")
+    else:
+        table = [list(memory)]  # type: ignore[arg-type]
+    rows = [_prefix(_check_values("memory", r, n)) for r in table]
+    if isinstance(memory_limit, (int, float, np.number)):
+        limits = [float(memory_limit)] * k
+    else:
+        limits = [float(v) for v in memory_limit]
+        if len(limits) != k:
+            raise ValueError(f"memory_limit has {len(limits)} entries but n_stages is {k}; pass one or {k}")
+    for j, v in enumerate(limits):
+        if math.isnan(v) or v < 0:
+            raise ValueError(f"memory_limit[{j}] is {v!r}; limits must be numbers >= 0")
+    return rows, limits
+
+
+def _ranges(balance: Sequence[int], n: int) -> list[tuple[int, int]]:
+    if any(isinstance(b, bool) or int(b) != b or b < 1 for b in balance) or sum(balance) != n:
+        raise ValueError(f"balance {list(balance)} must be positive integers summing to the {n} layers")
+    ends = np.cumsum([0, *balance]).tolist()
+    return list(itertools.pairwise(ends))
