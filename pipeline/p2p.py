@@ -37,7 +37,7 @@ the process group's timeout; the loss broadcast at the end of each step is
 polled with the failure key, so a failed peer still surfaces within seconds.
 
 Sends are not waited for inside the step: the caller waits for each one where it
-is known to be done (see executor.py) or at the step's end.
+is known to be done (see program.py) or at the step's end.
 
 The watchdog belongs to one ``Comm`` (one Pipeline), not to the process: it holds
 no reference to its ``Comm`` and stops when the ``Comm`` is closed
@@ -46,8 +46,7 @@ no reference to its ``Comm`` and stops when the ``Comm`` is closed
 Only the first failure is published (``compare_set``), so the error every
 rank reports names the root cause, not a rank that merely lost a connection.
 
-Metadata. Tensor signatures (shapes, dtypes) travel as one fixed-size int64
-tensor (``encode`` / ``decode``); the executor decides when (see executor.py).
+Metadata (tensor signatures and when they travel) is metadata.py's.
 
 A fake tensor (``FakeTensorMode``) has no data: ``isend`` of one dispatches to
 a fake kernel that returns a finished ``FakeWork`` without touching the process
@@ -69,15 +68,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from pipeline.microbatch import Signature
+__all__ = ["Comm", "PeerFailure", "PipelineTimeout"]
 
-__all__ = ["HEADER_LEN", "Comm", "PeerFailure", "PipelineTimeout", "decode", "encode"]
-
-HEADER_LEN = 64
-_DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
 _CHECK_STORE_S = 0.05
 _CLOSE_TAG = 2**30 - 7  # never used by a message: a receive on it only ever times out
 # how long a rank that lost a connection waits for the failed peer's published reason
@@ -90,36 +82,6 @@ class PipelineTimeout(TimeoutError):
 
 class PeerFailure(RuntimeError):
     """Another rank failed while this one waited for it."""
-
-
-def encode(sig: Signature, tag: int) -> torch.Tensor:
-    """``[tag, n, (dtype, ndim, *shape) per tensor, 0 ...]`` as a (HEADER_LEN,) int64 tensor.
-
-    ``tag`` is one word for the caller (the executor sends its autocast state).
-    """
-    words = [tag, len(sig)]
-    for shape, dtype in sig:
-        if dtype not in _DTYPES:
-            raise ValueError(f"cannot send tensors of dtype {dtype} between stages; use one of {_DTYPES}")
-        words += [_DTYPES.index(dtype), len(shape), *shape]
-    if len(words) > HEADER_LEN:
-        raise ValueError(
-            f"stage input signature {sig} needs {len(words)} header words, more than {HEADER_LEN}; "
-            "pass fewer or lower-dimensional tensors between stages"
-        )
-    return torch.tensor(words + [0] * (HEADER_LEN - len(words)), dtype=torch.int64)
-
-
-def decode(header: torch.Tensor) -> tuple[Signature, int]:
-    """Inverse of ``encode``: (signature, tag)."""
-    words = header.tolist()
-    tag, n, k = words[0], words[1], 2
-    sig = []
-    for _ in range(n):
-        dtype, ndim = _DTYPES[words[k]], words[k + 1]
-        sig.append((tuple(words[k + 2 : k + 2 + ndim]), dtype))
-        k += 2 + ndim
-    return tuple(sig), tag
 
 
 def _group_store(group: Any) -> Any:

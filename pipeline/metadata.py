@@ -1,0 +1,213 @@
+"""The metadata protocol: shapes and dtypes between stages, agreed once per input signature.
+
+    # s: stage, i: micro-batch, r: this rank, p: ranks
+
+At every step, the rank of stage 0 sends a (HEADER_LEN,) int64 header with the
+input micro-batch's signature and its autocast state (off, or on with a dtype,
+for the pipeline's device type) down the chain of ranks 0 -> 1 -> ... -> p-1,
+before any other message on each link:
+
+    header:  [autocast, n, (dtype, ndim, *shape) per tensor, 0 ...]
+    rank 0 --header--> rank 1 --header--> ... --header--> rank p-1
+
+one tiny one-way message per link per step, which arrives while the previous
+rank computes its first forward, so it is off the critical path. Every rank
+must run the step under the same autocast state (it decides the dtypes between
+stages), and one that does not fails at once. When the header differs from the
+previous step's (or at the first step), every rank derives its stages' input
+and output signatures in stage order, with fake tensors (no compute, under the
+step's autocast), passing them on through the store. Receive buffers are then
+allocated from these signatures without further messages; a stage output or
+input gradient that does not match them fails before it is sent (gloo fills
+a larger buffer silently and aborts the process on a smaller one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.actions import Action, Kind
+from pipeline.microbatch import Batch, Signature, as_tuple, signature
+from pipeline.p2p import Comm
+from pipeline.program import Msg
+from pipeline.schedule import Schedule
+from pipeline.stage import StageRuntime
+
+__all__ = [
+    "HEADER_LEN",
+    "autocast_mode",
+    "decode",
+    "derive_signatures",
+    "encode",
+    "exchange_header",
+    "send_tensors",
+    "set_specs",
+]
+
+HEADER_LEN = 64
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+# autocast state as one header word: 0 off, else 1 + the index of its dtype here
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---- the header
+
+
+def encode(sig: Signature, tag: int) -> torch.Tensor:
+    """``[tag, n, (dtype, ndim, *shape) per tensor, 0 ...]`` as a (HEADER_LEN,) int64 tensor.
+
+    ``tag`` is one word for the caller (the step's header carries its autocast state).
+    """
+    words = [tag, len(sig)]
+    for shape, dtype in sig:
+        if dtype not in _DTYPES:
+            raise ValueError(f"cannot send tensors of dtype {dtype} between stages; use one of {_DTYPES}")
+        words += [_DTYPES.index(dtype), len(shape), *shape]
+    if len(words) > HEADER_LEN:
+        raise ValueError(
+            f"stage input signature {sig} needs {len(words)} header words, more than {HEADER_LEN}; "
+            "pass fewer or lower-dimensional tensors between stages"
+        )
+    return torch.tensor(words + [0] * (HEADER_LEN - len(words)), dtype=torch.int64)
+
+
+def decode(header: torch.Tensor) -> tuple[Signature, int]:
+    """Inverse of ``encode``: (signature, tag)."""
+    words = header.tolist()
+    tag, n, k = words[0], words[1], 2
+    sig = []
+    for _ in range(n):
+        dtype, ndim = _DTYPES[words[k]], words[k + 1]
+        sig.append((tuple(words[k + 2 : k + 2 + ndim]), dtype))
+        k += 2 + ndim
+    return tuple(sig), tag
+
+
+def autocast_mode(device: torch.device) -> int:
+    """The autocast state on ``device``'s type as one header word."""
+    if not torch.is_autocast_enabled(device.type):
+        return 0
+    dtype = torch.get_autocast_dtype(device.type)
+    return 1 + (_AUTOCAST_DTYPES.index(dtype) if dtype in _AUTOCAST_DTYPES else len(_AUTOCAST_DTYPES))
+
+
+def exchange_header(
+    comm: Comm | None, rank: int, p: int, device: torch.device, inputs: list[Batch]
+) -> tuple[tuple[Signature, int], Msg | None]:
+    """(input signature, autocast state) of the step, and the header send posted to the next rank.
+
+    Rank 0 reads the signature off ``inputs``; the others receive it from the
+    previous rank and check that they run under the same autocast state.
+    """
+    mode = autocast_mode(device)
+    if rank == 0:
+        sig = signature(inputs[0])
+    if comm is None or p == 1:
+        return (sig, mode), None
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    if rank > 0:
+        what = f"the step's input signature header from rank {rank - 1}"
+        (works,) = comm.post([], [([header], rank - 1)], what)
+        comm.wait(works, what)
+        sig, theirs = decode(header)
+        if theirs != mode:
+            raise ValueError(
+                f"rank {rank} runs the step with {_fmt_mode(mode, device)} but rank 0 with "
+                f"{_fmt_mode(theirs, device)}; wrap the step in the same torch.autocast (or none) "
+                "on every rank"
+            )
+    sent = None
+    if rank < p - 1:
+        sent = Msg(None, rank + 1)
+        sent.what, sent.tensors = f"the input signature header to rank {rank + 1}", [encode(sig, mode)]
+        (sent.works,) = comm.post([(sent.tensors, sent.peer)], [], sent.what)
+    return (sig, mode), sent
+
+
+# ---- the signatures
+
+
+def derive_signatures(
+    sig: Signature,
+    stages: dict[int, StageRuntime],
+    sched: Schedule,
+    rank: int,
+    comm: Comm | None,
+    key: str,
+) -> tuple[dict[int, Signature], dict[int, Signature]]:
+    """Every local stage's (input, output) signatures, in stage order, from the step's input ``sig``.
+
+    An output that a stage on another rank takes is set in the store under
+    ``key``; an input from another rank is waited for there.
+    """
+    in_sig: dict[int, Signature] = {}
+    out_sig: dict[int, Signature] = {}
+    for s in sorted(stages):
+        if s == 0:
+            in_sig[s] = sig
+        elif s - 1 in out_sig:
+            in_sig[s] = out_sig[s - 1]
+        else:
+            assert comm is not None
+            raw = comm.wait_key(f"{key}/{s - 1}", f"stage {s - 1}'s output signature")
+            in_sig[s], _ = decode(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+        if s < sched.n_stages - 1:
+            out_sig[s] = stages[s].infer(in_sig[s])
+            if sched.rank_of(s + 1) != rank:
+                assert comm is not None
+                comm.set_key(f"{key}/{s}", encode(out_sig[s], 0).numpy().tobytes())
+    return in_sig, out_sig
+
+
+def set_specs(msgs: dict[Action, Msg], in_sig: dict[int, Signature], out_sig: dict[int, Signature]) -> None:
+    """Each message's expected (shape, dtype)s, gradient mask and tuple form, from the signatures."""
+    for a, m in msgs.items():
+        # forward messages carry the stage boundary's tensors, backward ones its float grads
+        boundary = in_sig[a.stage] if a.kind in (Kind.RECV_F, Kind.SEND_B) else out_sig[a.stage]
+        forward = a.kind in (Kind.RECV_F, Kind.SEND_F)
+        m.mask = [forward or dt.is_floating_point for _, dt in boundary]
+        m.spec = tuple(x for x, k in zip(boundary, m.mask, strict=True) if k)
+        m.like_tuple = len(boundary) > 1
+
+
+# ---- the checks
+
+
+def send_tensors(m: Msg) -> list[torch.Tensor]:
+    """The tensors send ``m`` posts, taken from its value, once checked against its spec."""
+    a, out = m.action, m.value
+    assert a is not None
+    m.value = None
+    if a.kind is Kind.SEND_F:
+        got = signature(out)
+        if got != m.spec:
+            raise ValueError(
+                f"stage {a.stage} produced {_fmt(got)} for micro-batch {a.microbatch}, but stage "
+                f"{a.stage + 1} was set up for {_fmt(m.spec)}; a stage's output shape and dtype "
+                "must depend only on its input's"
+            )
+        return [t.detach().contiguous() for t in as_tuple(out)]
+    grads = [g.contiguous() for g in out if g is not None]
+    got = signature(tuple(grads))
+    if got != m.spec:
+        raise ValueError(
+            f"stage {a.stage} produced input gradients {_fmt(got)} for micro-batch {a.microbatch}, but "
+            f"stage {a.stage - 1} expects {_fmt(m.spec)} (its floating-point outputs); this is a bug "
+            "in the stage's backward, please report it"
+        )
+    return grads
+
+
+def _fmt(sig: Signature) -> str:
+    parts = [f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in sig]
+    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+
+def _fmt_mode(mode: int, device: torch.device) -> str:
+    if mode == 0:
+        return f"autocast off on {device.type}"
+    dtype = _AUTOCAST_DTYPES[mode - 1] if mode <= len(_AUTOCAST_DTYPES) else "another dtype"
+    return f"autocast({str(dtype).replace('torch.', '')}) on {device.type}"
