@@ -43,9 +43,9 @@ class Plan:
     schedule: str
     n_microbatches: int
     cost: str
-    n_virtual: int = 1  # stages per rank: len(balance) // n_virtual ranks
     prediction: str = "closed form"  # or "simulator"
     extra: dict[str, Any] = field(default_factory=dict)
+    n_virtual: int = 1  # stages per rank: len(balance) // n_virtual ranks
 
     def split(self, model: nn.Sequential) -> list[nn.Sequential]:
         """The model's own layers in one ``nn.Sequential`` per stage, keyed by their index in the
@@ -61,6 +61,15 @@ class Plan:
             nn.Sequential(OrderedDict((keys[i], model[i]) for i in range(st.start, st.stop)))
             for st in self.stages
         ]
+
+    def predicted_busy(self) -> list[float]:
+        """Per rank, the predicted compute seconds of one step: m x (forward + backward) of its stages.
+
+        Stage j runs on rank j % p, with p = len(balance) // n_virtual ranks.
+        """
+        p = len(self.stages) // self.n_virtual
+        per_stage = [self.n_microbatches * (st.forward_time + st.backward_time) for st in self.stages]
+        return [sum(per_stage[r::p]) for r in range(p)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -133,9 +133,8 @@ def measure(spec: str, plan: Plan, steps: int) -> str:
         f"{'rank':>4}  {'stages':<8} {'predicted busy ms':>17} {'measured busy ms':>16} "
         f"{'measured/pred':>13}",
     ]
-    for r, (_, busy) in enumerate(results):
+    for r, ((_, busy), pred) in enumerate(zip(results, plan.predicted_busy(), strict=True)):
         stages = list(range(r, len(plan.balance), n_ranks))
-        pred = m * sum(plan.stages[s].forward_time + plan.stages[s].backward_time for s in stages)
         ratio = busy / pred if pred > 0 else float("nan")
         names = ",".join(map(str, stages))
         lines.append(f"{r:>4}  {names:<8} {pred * 1e3:>17.2f} {busy * 1e3:>16.2f} {ratio:>13.3f}")

@@ -334,12 +334,6 @@ def _save(
     )
 
 
-def _predicted_busy(plan: Plan, stage_ids: list[list[int]], m: int) -> list[float]:
-    """Per rank, the plan's compute seconds for one step: m x (forward + backward) of its stages."""
-    per_stage = [m * (st.forward_time + st.backward_time) for st in plan.stages]
-    return [sum(per_stage[s] for s in stages) for stages in stage_ids]
-
-
 def _simulated(plan: Plan, sched: Schedule) -> Timeline:
     """The plan's prediction of a step as a timeline, to sit beside the measured one in the trace.
 
@@ -363,7 +357,7 @@ def _report(cfg: Config, pipe: Any, plan: Plan, busy: list[float]) -> None:
     if dist.get_rank() != 0:
         return
     stage_ids = [pipe.schedule.stages_of(r) for r in range(dist.get_world_size())]
-    predicted = _predicted_busy(plan, stage_ids, cfg.microbatches)
+    predicted = plan.predicted_busy()
     print("busy time per step (compute only, mean over the run):", flush=True)
     print(
         f"  {'rank':>4}  {'stages':<8}  {'layers':>6}  {'predicted ms':>12}  {'measured ms':>11}", flush=True

@@ -14,7 +14,7 @@ def _plan() -> Plan:
         StagePlan(0, 2, ["0", "1"], 0.001, 0.002, 0.003, 1e6, 512),
         StagePlan(2, 3, ["2"], 0.002, 0.002, 0.004, 2e6, 0),
     ]
-    return Plan([2, 1], stages, 0.004, 0.02, 0.25, "1f1b", 4, "time", "simulator")
+    return Plan([2, 1], stages, 0.004, 0.02, 0.25, "1f1b", 4, "time", prediction="simulator")
 
 
 def test_split_keeps_layers_and_names() -> None:
@@ -42,3 +42,15 @@ def test_table() -> None:
     text = str(_plan())
     assert "stage" in text and "0-1" in text and "balance [2, 1]" in text and "bubble 0.250" in text
     assert "(2.000x ours)" in _plan().table(reference=0.002)
+
+
+def test_predicted_busy_sums_each_ranks_stages() -> None:
+    def stage(start: int, fwd: float, bwd: float) -> StagePlan:
+        return StagePlan(start, start + 1, [str(start)], fwd, bwd, fwd + bwd, 0.0, 0)
+
+    stages = [stage(0, 1.0, 2.0), stage(1, 0.5, 0.5), stage(2, 2.0, 2.0), stage(3, 0.25, 0.25)]
+    plan = Plan([1, 1, 1, 1], stages, 4.0, 0.0, 0.0, "interleaved-1f1b", 3, "time", n_virtual=2)
+    # rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; every stage runs m = 3 micro-batches
+    assert plan.predicted_busy() == [3 * (3.0 + 4.0), 3 * (1.0 + 0.5)]
+    flat = Plan([1, 1, 1, 1], stages, 4.0, 0.0, 0.0, "1f1b", 2, "time")
+    assert flat.predicted_busy() == [6.0, 2.0, 8.0, 1.0]

@@ -214,22 +214,22 @@ def _autocast_reference(name: str) -> tuple[float, dict[str, torch.Tensor]]:
     return float(torch.stack(losses).mean()), _grads(model.named_parameters())
 
 
-def _waiters() -> int:
+def _watchdogs() -> int:
     return sum(t.name == "stagewise-p2p-watchdog" for t in threading.enumerate())
 
 
 def _settled(expected: int) -> int:
-    """The number of waiter threads once it reaches ``expected`` (threads stop asynchronously)."""
+    """The number of watchdog threads once it reaches ``expected`` (threads stop asynchronously)."""
     deadline = time.monotonic() + 5.0
-    while _waiters() != expected and time.monotonic() < deadline:
+    while _watchdogs() != expected and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _waiters()
+    return _watchdogs()
 
 
 def _autocast_and_threads() -> dict[str, Any]:
     """On 2 ranks: a bf16 autocast step per model, then a plain one; then close / collect the pipes."""
     out: dict[str, Any] = {}
-    before = _waiters()
+    before = _watchdogs()
     pipes = []
     for name in MODELS:
         model, x, y, loss_fn = _build(name)
@@ -244,7 +244,7 @@ def _autocast_and_threads() -> dict[str, Any]:
             t.grad = None
         out[f"fp32/{name}"] = (pipe.step(x, y), _grads(pipe.named_parameters()))  # dtypes derived anew
         pipes.append(pipe)
-    out["threads"] = [before, _waiters()]
+    out["threads"] = [before, _watchdogs()]
     pipes[0].close()
     out["threads"].append(_settled(before + 1))
     try:
