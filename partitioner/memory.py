@@ -35,11 +35,11 @@ def in_flight(schedule: str, n_stages: int, n_microbatches: int, *, n_virtual: i
     """Peak number of micro-batches whose activations stage s holds, for every stage (p * v)."""
     _check(schedule, n_stages, n_microbatches, n_virtual)
     try:
-        from pipeline.actions import Kind
-        from pipeline.schedule import schedule as build
+        from pipeline.schedules.actions import Kind
+        from pipeline.schedules.schedule import schedule as build
     except ImportError:
         return _closed_form(schedule, n_stages, n_microbatches, n_virtual)
-    sched = build(schedule, n_stages, n_microbatches, n_virtual=n_virtual)
+    sched = build(schedule, n_stages // n_virtual, n_microbatches, n_virtual=n_virtual)
     last = Kind.W if sched.split_backward else Kind.B
     live, peak = [0] * n_stages, [0] * n_stages
     for actions in sched.compute:

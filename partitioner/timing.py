@@ -31,13 +31,12 @@ def predict(
     """(step time, bubble fraction, source) where source is "simulator" or "closed form"."""
     n_stages = len(forward)
     try:
-        from pipeline.schedule import schedule as build
-        from pipeline.simulate import simulate
+        from pipeline.schedules.schedule import schedule as build
+        from pipeline.schedules.simulate import simulate
     except ImportError:
         return (*_closed_form(schedule, forward, backward, n_microbatches, n_virtual), "closed form")
-    line = simulate(
-        build(schedule, n_stages, n_microbatches, n_virtual=n_virtual), list(forward), list(backward)
-    )
+    sched = build(schedule, n_stages // n_virtual, n_microbatches, n_virtual=n_virtual)
+    line = simulate(sched, list(forward), list(backward))
     return float(line.makespan), float(line.bubble_fraction), "simulator"
 
 

@@ -1,18 +1,19 @@
 """stagewise's runtime: schedules as data, a simulator, and an executor across processes.
 
 ``pipeline.schedule`` is the schedule factory; import the module's other names with
-``from pipeline.schedule import ...``.
+``from pipeline.schedules.schedule import ...``.
 """
 
-from pipeline.actions import Action, Kind, format_action, parse_action
 from pipeline.launch import DistInfo, RankError, init_distributed, launch
-from pipeline.p2p import PeerFailure, PipelineTimeout
-from pipeline.pipe import Pipeline
-from pipeline.recompute import CHECKPOINT_MODES
-from pipeline.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
-from pipeline.simulate import TimedAction, Timeline, simulate
-from pipeline.trace import chrome_trace, render_grid, write_chrome_trace
-from pipeline.validate import validate
+from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
+from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.recompute import CHECKPOINT_MODES
+from pipeline.schedules.actions import Action, Kind, format_action, parse_action
+from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.timeline import TimedAction, Timeline
+from pipeline.schedules.trace import chrome_trace, render_grid, write_chrome_trace
+from pipeline.schedules.validate import validate
 
 __all__ = [
     "CHECKPOINT_MODES",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from partitioner import layer_costs, profile, solve, stage_costs
 from partitioner.baselines import equal_balance, torchgpipe_balance
-from pipeline import models
+from pipeline.reference import models
 
 N_SYNTH = 128
 STAGES = (2, 4, 8, 16, 32, 64)

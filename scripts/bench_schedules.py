@@ -57,12 +57,13 @@ from _bench_workloads import (
     work_done,
 )
 
-from pipeline import models
-from pipeline.actions import Kind, parse_action
 from pipeline.launch import launch
-from pipeline.schedule import Schedule
-from pipeline.schedule import schedule as make_schedule
-from pipeline.simulate import TimedAction, Timeline, simulate
+from pipeline.reference import models
+from pipeline.schedules.actions import Kind, parse_action
+from pipeline.schedules.schedule import Schedule
+from pipeline.schedules.schedule import schedule as make_schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.timeline import TimedAction, Timeline
 
 __all__ = ["main"]
 
@@ -213,7 +214,7 @@ def _record(pipe: Any, x: torch.Tensor, y: torch.Tensor) -> list[tuple[str, floa
 
 
 def _ours(case: Case, run: Run) -> _Stepper:
-    from pipeline.pipe import Pipeline
+    from pipeline.runtime.pipe import Pipeline
 
     model, balance, x, y, loss_fn = _model(case, run.v)
     pipe = Pipeline(
@@ -343,7 +344,7 @@ def _step_times(per_rank: list[dict[str, Any]], key: str, j: int) -> list[float]
 def _predict(case: Case, run: Run, per_rank: list[dict[str, Any]]) -> float | None:
     if run.impl != "ours":
         return None
-    sched = make_schedule(run.schedule, case.p * run.v, case.m, n_virtual=run.v)
+    sched = make_schedule(run.schedule, case.p, case.m, n_virtual=run.v)
     return _simulated(case, run, per_rank, sched).makespan
 
 
@@ -490,7 +491,7 @@ def _overheads(case: Case, run: Run, events: list[tuple[int, str, float, float]]
 
 def _write_traces(cases: list[Case], results: dict[int, list[dict[str, Any]]], folder: str) -> list[str]:
     """Chrome traces of ours, measured next to simulated (measured costs); one summary line per run."""
-    from pipeline.trace import write_chrome_trace
+    from pipeline.schedules.trace import write_chrome_trace
 
     os.makedirs(folder, exist_ok=True)
     lines = []
@@ -505,7 +506,7 @@ def _write_traces(cases: list[Case], results: dict[int, list[dict[str, Any]]], f
             measured = Timeline(timed, case.p)
             name = f"{case.key}-{run.schedule}{f'-v{run.v}' if run.v > 1 else ''}"
             if case.workload == "timed":
-                sched = make_schedule(run.schedule, case.p * run.v, case.m, n_virtual=run.v)
+                sched = make_schedule(run.schedule, case.p, case.m, n_virtual=run.v)
                 simulated = _simulated(case, run, per_rank, sched)
                 write_chrome_trace(os.path.join(folder, f"{name}.json"), simulated, measured,
                                    names=["simulated", "measured"])  # fmt: skip

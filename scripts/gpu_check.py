@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import stream
-from pipeline.models import gpt, gpt_loss
-from pipeline.pipe import Pipeline
+from pipeline.reference.models import gpt, gpt_loss
+from pipeline.runtime import stream
+from pipeline.runtime.pipe import Pipeline
 
 M = 8
 

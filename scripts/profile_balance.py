@@ -24,7 +24,7 @@ from torch import nn
 from partitioner import COSTS, Plan, layer_costs, partition, plan_for, profile
 from partitioner.baselines import equal_balance, torchgpipe_balance
 from partitioner.memory import SCHEDULE_NAMES
-from pipeline import models
+from pipeline.reference import models
 
 BUILT_IN: dict[str, Callable[[], tuple[nn.Sequential, Any]]] = {
     "gpt": models.gpt,

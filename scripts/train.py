@@ -36,11 +36,12 @@ from partitioner.partition import COSTS, partition, plan_for
 from partitioner.plan import Plan
 from partitioner.profile import profile
 from pipeline import checkpointing
-from pipeline.data import VOCAB_SIZE, CharDataset, decode, encode
 from pipeline.launch import init_distributed, launch
-from pipeline.models import gpt, gpt_loss
-from pipeline.schedule import SCHEDULES, Schedule, schedule
-from pipeline.simulate import Timeline, simulate
+from pipeline.reference.data import VOCAB_SIZE, CharDataset, decode, encode
+from pipeline.reference.models import gpt, gpt_loss
+from pipeline.schedules.schedule import SCHEDULES, Schedule, schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.timeline import Timeline
 
 # every entry of the chain besides the blocks: embedding, final norm, LM head
 _EXTRA_LAYERS = 3
@@ -159,7 +160,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             f"try --batch-size {a.microbatches * max(1, round(a.batch_size / a.microbatches))}"
         )
     try:
-        schedule(a.schedule, n_pieces, a.microbatches, n_virtual=virtual)
+        schedule(a.schedule, stages, a.microbatches, n_virtual=virtual)
     except ValueError as exc:
         p.error(f"--schedule {a.schedule} with {n_pieces} stages and {a.microbatches} micro-batches: {exc}")
     balance = _parse_balance(p, a.balance, n_pieces, n_entries)
@@ -384,7 +385,7 @@ def _gather_model(cfg: Config, pipe: Any) -> nn.Sequential | None:
 
 def train(cfg: Config) -> dict[str, Any]:
     """One rank's whole run; returns its per-step losses and evaluations."""
-    from pipeline.pipe import Pipeline
+    from pipeline.runtime.pipe import Pipeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.actions import Action, Kind, format_action, parse_action
+from pipeline.schedules.actions import Action, Kind, format_action, parse_action
 
 
 @given(st.integers(0, 999), st.sampled_from(list(Kind)), st.integers(0, 999))

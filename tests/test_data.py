@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data import CHARS, UNKNOWN_ID, VOCAB_SIZE, CharDataset, decode, encode, stdlib_files, text_files
+from pipeline.reference.data import (
+    CHARS,
+    UNKNOWN_ID,
+    VOCAB_SIZE,
+    CharDataset,
+    decode,
+    encode,
+    stdlib_files,
+    text_files,
+)
 
 
 def test_vocabulary_is_printable_ascii_newline_tab_and_one_unknown() -> None:

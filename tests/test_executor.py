@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.models import mlp
-from pipeline.pipe import Pipeline
-from pipeline.simulate import simulate
+from pipeline.reference.models import mlp
+from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.simulate import simulate
 
 
 def test_one_rank_interleaved_runs_in_schedule_order_without_comm() -> None:

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from pipeline.actions import Kind
-from pipeline.schedule import schedule
-from pipeline.simulate import simulate
+from pipeline.schedules.actions import Kind
+from pipeline.schedules.schedule import schedule
+from pipeline.schedules.simulate import simulate
 
 PM = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 COSTS = [(1, 1), (1, 2), (2, 1), (3, 5)]  # (F, B)

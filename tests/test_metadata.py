@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.actions import Action, Kind
-from pipeline.metadata import HEADER_LEN, autocast_mode, decode, encode, send_tensors, set_specs
-from pipeline.program import Msg
+from pipeline.runtime.metadata import HEADER_LEN, autocast_mode, decode, encode, send_tensors, set_specs
+from pipeline.runtime.program import Msg
+from pipeline.schedules.actions import Action, Kind
 
 
 def test_header_round_trip() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.microbatch import concat, signature, split
+from pipeline.runtime.microbatch import concat, signature, split
 
 
 def test_split_tensor_into_views() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
 from tests.dist import run_ranks
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from partitioner import partition, plan_for, profile, solve
 from partitioner.memory import in_flight
-from pipeline.models import gpt, mlp
+from pipeline.reference.models import gpt, mlp
 
 
 @pytest.fixture(scope="module")

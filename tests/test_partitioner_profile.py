@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from partitioner.profile import profile
-from pipeline.models import gpt, resnet
+from pipeline.reference.models import gpt, resnet
 
 
 def _state(model: nn.Module) -> dict[str, object]:

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.models import gpt, gpt_loss, mlp
-from pipeline.pipe import Pipeline
-from pipeline.schedule import schedule
-from pipeline.simulate import Timeline, simulate
+from pipeline.reference.models import gpt, gpt_loss, mlp
+from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.schedule import schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.timeline import Timeline
 from tests.dist import run_ranks
 
 M, BATCH = 4, 8
@@ -172,7 +173,7 @@ def test_adamw_steps_match_one_process(world: tuple[int, list[Any]]) -> None:
 
 
 def test_measured_trace_has_the_simulated_shape(world: tuple[int, list[Any]], tmp_path: Path) -> None:
-    from pipeline.trace import write_chrome_trace
+    from pipeline.schedules.trace import write_chrome_trace
 
     p, results = world
     measured: Timeline = results[0]["timeline"]

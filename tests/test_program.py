@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.actions import Kind, parse_action
-from pipeline.microbatch import Batch
-from pipeline.program import Compiled, Msg, compile_rank
-from pipeline.schedule import schedule
-from pipeline.stage import StageRuntime
+from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.program import Compiled, Msg, compile_rank
+from pipeline.runtime.stage import StageRuntime
+from pipeline.schedules.actions import Kind, parse_action
+from pipeline.schedules.schedule import schedule
 
 
 class _Host:

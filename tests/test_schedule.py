@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.actions import Action, Kind, parse_action
-from pipeline.schedule import SCHEDULES, Schedule, ScheduleError, schedule
+from pipeline.schedules.actions import Action, Kind, parse_action
+from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, schedule
 
 # p: ranks, v: virtual stages per rank, m: micro-batches
 
@@ -160,7 +160,7 @@ def test_schedule_is_plain_data() -> None:
 
 
 def test_forward_only_keeps_the_forwards_in_stage_order() -> None:
-    from pipeline.schedule import forward_only
+    from pipeline.schedules.schedule import forward_only
 
     fwd = forward_only(schedule("interleaved-1f1b", 4, 2, n_virtual=2))
     assert fwd.to_text() == "0F0 0F1 2F0 2F1\n1F0 1F1 3F0 3F1"

@@ -4,9 +4,10 @@ import math
 
 import pytest
 
-from pipeline.actions import parse_action
-from pipeline.schedule import Schedule, ScheduleError, schedule
-from pipeline.simulate import TimedAction, Timeline, simulate
+from pipeline.schedules.actions import parse_action
+from pipeline.schedules.schedule import Schedule, ScheduleError, schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.timeline import TimedAction, Timeline
 
 
 def _spans(timeline: Timeline) -> dict[str, tuple[float, float]]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.microbatch import split
-from pipeline.models import mlp
-from pipeline.stage import StageRuntime
+from pipeline.reference.models import mlp
+from pipeline.runtime.microbatch import split
+from pipeline.runtime.stage import StageRuntime
 
 M = 4
 cpu = torch.device("cpu")

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import stream
-from pipeline.stream import CPUStream
+from pipeline.runtime import stream
+from pipeline.runtime.stream import CPUStream
 
 cpu = torch.device("cpu")
 

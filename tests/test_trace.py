@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.actions import parse_action
-from pipeline.schedule import schedule
-from pipeline.simulate import TimedAction, Timeline, simulate
-from pipeline.trace import chrome_trace, render_grid, write_chrome_trace
+from pipeline.schedules.actions import parse_action
+from pipeline.schedules.schedule import schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.timeline import TimedAction, Timeline
+from pipeline.schedules.trace import chrome_trace, render_grid, write_chrome_trace
 
 
 def test_grid_1f1b() -> None:
@@ -25,7 +26,7 @@ def test_grid_1f1b() -> None:
 
 
 def test_grid_width_and_stage_labels() -> None:
-    timeline = simulate(schedule("interleaved-1f1b", 4, 2, n_virtual=2), 1, 1)
+    timeline = simulate(schedule("interleaved-1f1b", 2, 2, n_virtual=2), 1, 1)
     text = render_grid(timeline, width=200)
     rows = text.splitlines()[1:]
     assert all(len(row) == len("rank 0 |") + 200 + 1 for row in rows)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.microbatch import Batch, Signature, as_tuple, from_tuple
-from pipeline.recompute import RNGState, recomputes
+from pipeline.runtime.microbatch import Batch, Signature, as_tuple, from_tuple
+from pipeline.runtime.recompute import RNGState, recomputes
 
 __all__ = ["Grads", "StageRuntime"]
 

@@ -30,16 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import stream
-from pipeline.executor import Executor
-from pipeline.microbatch import Batch, split
-from pipeline.p2p import Comm, PeerFailure, PipelineTimeout
-from pipeline.recompute import check_mode
-from pipeline.schedule import Schedule, forward_only
-from pipeline.schedule import schedule as make_schedule
-from pipeline.simulate import Timeline
-from pipeline.stage import LossFn, StageRuntime
-from pipeline.validate import validate
+from pipeline.runtime import stream
+from pipeline.runtime.executor import Executor
+from pipeline.runtime.microbatch import Batch, split
+from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.recompute import check_mode
+from pipeline.runtime.stage import LossFn, StageRuntime
+from pipeline.schedules.schedule import Schedule, forward_only
+from pipeline.schedules.schedule import schedule as make_schedule
+from pipeline.schedules.timeline import Timeline
+from pipeline.schedules.validate import validate
 
 __all__ = ["Pipeline"]
 
@@ -327,7 +327,7 @@ class Pipeline:
 
     def write_trace(self, path: str, simulated: Timeline | None = None) -> None:
         """Gather the last recorded step to rank 0 and write one Chrome trace (every rank; call on all)."""
-        from pipeline.trace import write_chrome_trace
+        from pipeline.schedules.trace import write_chrome_trace
 
         measured = self.gather_timeline()
         if measured is None:

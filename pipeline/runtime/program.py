@@ -37,10 +37,10 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.actions import Action, Kind
-from pipeline.microbatch import Batch, Signature
-from pipeline.schedule import Schedule
-from pipeline.stage import StageRuntime
+from pipeline.runtime.microbatch import Batch, Signature
+from pipeline.runtime.stage import StageRuntime
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.schedule import Schedule
 
 __all__ = ["Compiled", "Host", "Instruction", "Msg", "compile_rank"]
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.simulate import TimedAction, Timeline
+from pipeline.schedules.timeline import TimedAction, Timeline
 
 __all__ = ["chrome_trace", "render_grid", "write_chrome_trace"]
 

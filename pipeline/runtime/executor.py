@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from pipeline import stream
-from pipeline.actions import Kind
-from pipeline.metadata import derive_signatures, exchange_header, send_tensors, set_specs
-from pipeline.microbatch import Batch, Signature, from_tuple
-from pipeline.p2p import Comm
-from pipeline.program import Msg, compile_rank
-from pipeline.schedule import Schedule
-from pipeline.simulate import TimedAction
-from pipeline.stage import StageRuntime
+from pipeline.runtime import stream
+from pipeline.runtime.metadata import derive_signatures, exchange_header, send_tensors, set_specs
+from pipeline.runtime.microbatch import Batch, Signature, from_tuple
+from pipeline.runtime.p2p import Comm
+from pipeline.runtime.program import Msg, compile_rank
+from pipeline.runtime.stage import StageRuntime
+from pipeline.schedules.actions import Kind
+from pipeline.schedules.schedule import Schedule
+from pipeline.schedules.timeline import TimedAction
 
 __all__ = ["Executor"]
 

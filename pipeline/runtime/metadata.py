@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.actions import Action, Kind
-from pipeline.microbatch import Batch, Signature, as_tuple, signature
-from pipeline.p2p import Comm
-from pipeline.program import Msg
-from pipeline.schedule import Schedule
-from pipeline.stage import StageRuntime
+from pipeline.runtime.microbatch import Batch, Signature, as_tuple, signature
+from pipeline.runtime.p2p import Comm
+from pipeline.runtime.program import Msg
+from pipeline.runtime.stage import StageRuntime
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.schedule import Schedule
 
 __all__ = [
     "HEADER_LEN",

@@ -28,16 +28,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from pipeline import generators
-from pipeline.actions import Action, Kind, parse_action
+from pipeline.schedules import generators
+from pipeline.schedules.actions import Action, Kind, parse_action
+from pipeline.schedules.validate import ScheduleError, validate
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "forward_only", "schedule"]
+__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "forward_only", "schedule", "schedule_options"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: missing or duplicated actions, broken dependencies, deadlock."""
 
 
 @dataclass(frozen=True)
@@ -123,53 +120,69 @@ class Schedule:
             compute=compute,
         )
         if check:
-            from pipeline.validate import validate
-
             validate(sched)
         return sched
 
 
-def schedule(name: str, n_stages: int, n_microbatches: int, *, n_virtual: int = 1) -> Schedule:
-    """The named schedule for ``n_stages`` stages (p * v) and ``n_microbatches``, validated.
+def schedule_options(
+    name: str, n_ranks: int, n_microbatches: int | None = None, n_virtual: int | None = None
+) -> tuple[int, int]:
+    """The one check of a schedule's options: ``(n_virtual, n_microbatches)``, defaults filled in.
+
+    Defaults: v = 2 for interleaved-1f1b and 1 otherwise; m = p. ``partition``,
+    ``Pipeline``, ``Plan`` and the scripts all call this, so an option means the
+    same and is refused with the same message everywhere.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid schedules are {', '.join(SCHEDULES)}")
+    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks ({n_ranks!r}) must be an integer >= 1: the pipeline's ranks (devices)")
+    v = n_virtual if n_virtual is not None else (2 if name == "interleaved-1f1b" else 1)
+    m = n_microbatches if n_microbatches is not None else n_ranks
+    for label, value in (("n_virtual", v), ("n_microbatches", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} ({value!r}) must be an integer >= 1")
+    if name == "interleaved-1f1b" and v < 2:
+        raise ValueError(
+            f"n_virtual ({v}) must be >= 2 for interleaved-1f1b (stages per rank); "
+            "pass n_virtual=2 or more, or use schedule='1f1b'"
+        )
+    if name != "interleaved-1f1b" and v != 1:
+        raise ValueError(
+            f"n_virtual ({v}) must be 1 for {name!r}, which runs one stage per rank; "
+            "use schedule='interleaved-1f1b' for several stages per rank"
+        )
+    if name == "interleaved-1f1b" and m % n_ranks != 0:
+        fixes = " or ".join(str(k) for k in (m - m % n_ranks, m - m % n_ranks + n_ranks) if k > 0)
+        raise ValueError(
+            f"n_microbatches ({m}) must be a multiple of the number of ranks ({n_ranks}) for "
+            f"interleaved-1f1b; use {fixes} micro-batches, or schedule='1f1b'"
+        )
+    return v, m
+
+
+def schedule(
+    name: str, n_ranks: int, n_microbatches: int | None = None, *, n_virtual: int | None = None
+) -> Schedule:
+    """The named schedule on ``n_ranks`` ranks (p), each holding ``n_virtual`` stages (v), validated.
+
+    The one place a ``Schedule`` is built from a name; see ``schedule_options`` for the defaults.
 
     >>> print(schedule("1f1b", 2, 2).to_text())
     0F0 0F1 0B0 0B1
     1F0 1B0 1F1 1B1
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid schedules are {', '.join(SCHEDULES)}")
-    for label, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} ({value!r}) must be an integer >= 1")
-    if name == "interleaved-1f1b":
-        if n_virtual < 2:
-            raise ValueError(
-                f"n_virtual ({n_virtual}) must be >= 2 for interleaved-1f1b; "
-                "pass n_virtual=2 or more, or use schedule='1f1b'"
-            )
-        if n_stages % n_virtual != 0:
-            raise ValueError(
-                f"n_stages ({n_stages}) must be a multiple of n_virtual ({n_virtual}) for "
-                f"interleaved-1f1b: each of the p ranks holds n_virtual stages; use n_stages="
-                f"{n_virtual * max(1, n_stages // n_virtual)} or another n_virtual"
-            )
-    elif n_virtual != 1:
-        raise ValueError(
-            f"n_virtual ({n_virtual}) must be 1 for {name!r}, which has one stage per rank; "
-            "use schedule='interleaved-1f1b' for virtual stages"
-        )
-    p, m = n_stages // n_virtual, n_microbatches
+    v, m = schedule_options(name, n_ranks, n_microbatches, n_virtual)
+    p = n_ranks
     if name == "gpipe":
         compute, split = generators.gpipe(p, m), False
     elif name == "1f1b":
         compute, split = generators.one_f_one_b(p, m), False
     elif name == "interleaved-1f1b":
-        compute, split = generators.interleaved_1f1b(p, n_virtual, m), False
+        compute, split = generators.interleaved_1f1b(p, v, m), False
     else:
         compute, split = generators.zb_h1(p, m), True
-    sched = Schedule(name, n_stages, p, m, split, compute)
-    from pipeline.validate import validate
-
+    sched = Schedule(name, p * v, p, m, split, compute)
     validate(sched)
     return sched
 

@@ -2,9 +2,9 @@
 
     # p: ranks, v: virtual stages per rank, m: micro-batches, r: rank, i: micro-batch, k: virtual index
 
-Each generator returns, per rank, the ordered F/B/W actions; ``pipeline.schedule.schedule``
+Each generator returns, per rank, the ordered F/B/W actions; ``schedule.schedule``
 wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on rank r
-(numbers are micro-batches; ``pipeline.trace.render_grid`` draws the timed version)::
+(numbers are micro-batches; ``trace.render_grid`` draws the timed version)::
 
     gpipe       F0 F1 .. F7 B0 B1 .. B7
     1f1b        warm-up p-r-1 forwards, then F B pairs, then the remaining backwards
@@ -16,7 +16,7 @@ wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on ran
 
 from __future__ import annotations
 
-from pipeline.actions import Action, Kind
+from pipeline.schedules.actions import Action, Kind
 
 __all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1"]
 
@@ -75,14 +75,8 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Orders:
 
     The m * v forwards of a rank run in groups of p micro-batches per stage, sweeping
     the rank's stages front to back; backwards sweep them back to front.  Needs m to be
-    a multiple of p so that every group is full.
+    a multiple of p so that every group is full (``schedule_options`` checks it).
     """
-    if m % p != 0:
-        fixes = " or ".join(str(n) for n in (m - m % p, m - m % p + p) if n > 0)
-        raise ValueError(
-            f"n_microbatches ({m}) must be a multiple of the number of ranks ({p}) for "
-            f"interleaved-1f1b; use {fixes} micro-batches, or schedule='1f1b'"
-        )
     total = m * v
 
     def _action(k: int, kind: Kind, r: int) -> Action:

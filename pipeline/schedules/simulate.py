@@ -10,90 +10,23 @@ another rank:
     B (s, i)  after  F (s, i)  and  B (s+1, i)     (B: input gradient, or the whole backward)
     W (s, i)  after  B (s, i)
 
-A ``Timeline`` is also what the executor records when it measures a real run; its
-events may then include SEND/RECV actions, which never count as busy time.
+The result is a ``Timeline`` (timeline.py), the same type the executor records when it
+measures a real run.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from pipeline.actions import Action, Kind
-from pipeline.schedule import Schedule, ScheduleError
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.schedule import Schedule
+from pipeline.schedules.timeline import TimedAction, Timeline
+from pipeline.schedules.validate import ScheduleError
 
-__all__ = ["Cost", "TimedAction", "Timeline", "simulate"]
+__all__ = ["Cost", "simulate"]
 
 Cost = float | Sequence[float]  # seconds: one number for every stage, or one per stage
-
-
-@dataclass(frozen=True)
-class TimedAction:
-    rank: int
-    action: Action
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass
-class Timeline:
-    events: list[TimedAction]
-    n_ranks: int
-
-    @property
-    def makespan(self) -> float:
-        """Wall time from the first start to the last end (0 for no events)."""
-        if not self.events:
-            return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
-
-    @property
-    def busy_time(self) -> list[float]:
-        """Per rank, the summed duration of its compute actions."""
-        busy = [0.0] * self.n_ranks
-        for e in self.events:
-            if e.action.kind.is_compute:
-                busy[e.rank] += e.duration
-        return busy
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of ranks x makespan, counting only compute as busy."""
-        span = self.makespan
-        if span <= 0:
-            return 0.0
-        return 1.0 - sum(self.busy_time) / (self.n_ranks * span)
-
-    @property
-    def peak_activations(self) -> list[int]:
-        """Per rank, the most (stage, micro-batch) pairs whose F has started and whose
-        last backward action (W if there is one, else B) has not ended."""
-        last_end: dict[tuple[int, int], float] = {}
-        has_w = {(e.action.stage, e.action.microbatch) for e in self.events if e.action.kind is Kind.W}
-        points: list[list[tuple[float, int]]] = [[] for _ in range(self.n_ranks)]
-        for e in self.events:
-            key = (e.action.stage, e.action.microbatch)
-            if e.action.kind is Kind.F:
-                points[e.rank].append((e.start, 1))
-            elif (e.action.kind is Kind.W) or (e.action.kind is Kind.B and key not in has_w):
-                last_end[key] = e.end
-                points[e.rank].append((e.end, -1))
-        peaks = []
-        for pts in points:
-            live = peak = 0
-            for _, delta in sorted(pts):  # at equal times, ends (-1) sort before starts (+1)
-                live += delta
-                peak = max(peak, live)
-            peaks.append(peak)
-        return peaks
-
-    def of_rank(self, rank: int) -> list[TimedAction]:
-        return sorted((e for e in self.events if e.rank == rank), key=lambda e: (e.start, e.end))
 
 
 def _per_stage(label: str, cost: Cost, n_stages: int) -> list[float]:

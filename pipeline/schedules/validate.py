@@ -30,11 +30,36 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Protocol
 
-from pipeline.actions import Action, Kind
-from pipeline.schedule import Schedule, ScheduleError
+from pipeline.schedules.actions import Action, Kind
 
-__all__ = ["render_program", "validate"]
+__all__ = ["ScheduleError", "render_program", "validate"]
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: missing or duplicated actions, broken dependencies, deadlock."""
+
+
+class Schedule(Protocol):
+    """What the validator reads of a ``schedule.Schedule`` (structural: this module imports no other)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def n_stages(self) -> int: ...
+    @property
+    def n_ranks(self) -> int: ...
+    @property
+    def n_microbatches(self) -> int: ...
+    @property
+    def split_backward(self) -> bool: ...
+    @property
+    def compute(self) -> tuple[tuple[Action, ...], ...]: ...
+
+    def rank_of(self, stage: int) -> int: ...
+
+    def lowered(self) -> tuple[tuple[Action, ...], ...]: ...
 
 _MAX_COLUMNS = 16  # wider grids keep only the columns around the marked steps
 

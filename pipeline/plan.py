@@ -1,0 +1,204 @@
+"""``Plan``: the contract between the partitioner and the runtime.
+
+    # letters: see pipeline/__init__.py (p ranks, v stages per rank, m micro-batches, s stage, l layer)
+
+A plan holds everything every rank of a run must agree on: the balance (layers
+per stage, stage s on rank s % p), the schedule's name, m, v and the
+recomputation mode, plus what the partitioner predicted for it (per-stage times,
+memory and bytes sent, the step time and bubble). ``partition`` makes one,
+``Pipeline(model, plan, loss_fn=...)`` runs it, ``to_json`` / ``from_json`` carry it
+between processes. A plan without predictions (``Plan(balance=[3, 4])``) is
+valid too: that is what ``Pipeline`` builds from a plain balance list.
+
+    stage  layers       fwd ms   bwd ms    cost ms  memory MB  sent MB
+        0  0-2            1.20     2.40      3.600      12.50     0.52
+        1  3-6            1.10     2.60      3.700      11.00     0.00
+    balance [3, 4]  bottleneck 3.700  step 30.00 ms  bubble 0.200  [1f1b, m=4, v=1, recompute never]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from torch import nn
+
+from pipeline.runtime.recompute import check_mode
+from pipeline.schedules.schedule import Schedule, schedule, schedule_options
+
+__all__ = ["Plan", "StagePlan"]
+
+_UNITS = {
+    "time": ("cost ms", 1e3),
+    "flops": ("GFLOP", 1e-9),
+    "params": ("params MB", 1e-6),
+    "uniform": ("layers", 1.0),
+}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage's prediction: layers [start, stop), times (s), memory and the bytes it sends forward.
+
+    ``backward_time`` is the whole backward; ``weight_time`` the part of it that is the
+    weight gradient (what a split-backward schedule such as zb-h1 runs as W), 0 if unknown.
+    """
+
+    start: int
+    stop: int
+    names: list[str]
+    forward_time: float
+    backward_time: float
+    cost: float  # what the balance minimised the max of, in the plan's cost unit
+    memory_bytes: float
+    sent_bytes: int
+    weight_time: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Balance, schedule, m, v, recomputation and predictions; checked when made (see ``schedule_options``).
+
+    ``n_microbatches`` and ``n_virtual`` default as everywhere: m = p, v = 2 for
+    interleaved-1f1b and 1 otherwise, with p = len(balance) / v ranks.
+    """
+
+    balance: list[int]
+    schedule: str = "1f1b"
+    n_microbatches: int = 0  # 0: the default, m = p (filled in when the plan is made)
+    n_virtual: int = 0  # 0: the default for the schedule
+    recompute: str = "never"
+    # predictions; empty for a plan that was not predicted
+    stages: list[StagePlan] = field(default_factory=list)
+    bottleneck: float = 0.0
+    step_time: float = 0.0  # seconds for one step of n_microbatches
+    bubble: float = 0.0
+    cost: str = "time"  # the unit of StagePlan.cost and bottleneck
+    prediction: str = "none"  # "simulator" when predicted
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        balance = self.balance
+        if (
+            isinstance(balance, str | bytes)
+            or not hasattr(balance, "__len__")
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance)
+        ):
+            raise TypeError(f"balance must be a list of layer counts per stage, got {balance!r}")
+        if not balance or any(b < 1 for b in balance):
+            raise ValueError(f"balance {list(balance)} must hold at least one stage, each of >= 1 layers")
+        object.__setattr__(self, "balance", list(balance))
+        v_given = self.n_virtual or None
+        v = v_given if v_given is not None else (2 if self.schedule == "interleaved-1f1b" else 1)
+        if isinstance(v, int) and v >= 1 and len(balance) % v != 0:
+            raise ValueError(
+                f"balance has {len(balance)} stages, not a multiple of n_virtual ({v}) stages per rank; "
+                f"give {v} x (number of ranks) layer counts or change n_virtual"
+            )
+        n_ranks = len(balance) // v if isinstance(v, int) and v >= 1 else len(balance)
+        v, m = schedule_options(self.schedule, n_ranks, self.n_microbatches or None, v_given)
+        object.__setattr__(self, "n_virtual", v)
+        object.__setattr__(self, "n_microbatches", m)
+        check_mode(self.recompute)
+        if self.stages and len(self.stages) != len(balance):
+            raise ValueError(f"plan has {len(self.stages)} stage predictions for {len(balance)} stages")
+
+    # ---- shape
+
+    @property
+    def n_ranks(self) -> int:
+        """p: the pipeline's ranks (devices)."""
+        return len(self.balance) // self.n_virtual
+
+    @property
+    def n_stages(self) -> int:
+        """All stages, p * v."""
+        return len(self.balance)
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.balance)
+
+    def build_schedule(self) -> Schedule:
+        """The plan's ``Schedule`` (built once per plan, validated)."""
+        return _build(self.schedule, self.n_ranks, self.n_microbatches, self.n_virtual)
+
+    def replace(self, **changes: Any) -> Plan:
+        """A copy with ``changes`` applied and checked again (predictions are kept as they are)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return Plan(**values)
+
+    # ---- the model
+
+    def split(self, model: nn.Sequential) -> list[nn.Sequential]:
+        """The model's own layers in one ``nn.Sequential`` per stage, keyed by their names in the
+        model, so stage parameter names are ``"{layer name}.{name}"`` as in the model."""
+        n = self.n_layers
+        if not isinstance(model, nn.Sequential) or len(model) != n:
+            got = f"{len(model)} layers" if isinstance(model, nn.Sequential) else type(model).__name__
+            raise ValueError(
+                f"this plan splits an nn.Sequential of {n} layers, got {got}; plan it again for this model"
+            )
+        keys = list(model._modules)
+        out, start = [], 0
+        for size in self.balance:
+            out.append(nn.Sequential(OrderedDict((keys[k], model[k]) for k in range(start, start + size))))
+            start += size
+        return out
+
+    def predicted_busy(self) -> list[float]:
+        """Per rank, the predicted compute seconds of one step: m x (forward + backward) of its stages."""
+        p = self.n_ranks
+        per_stage = [self.n_microbatches * (st.forward_time + st.backward_time) for st in self.stages]
+        return [sum(per_stage[r::p]) for r in range(p)]
+
+    # ---- text
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["stages"] = [StagePlan(**s) for s in data.get("stages", [])]
+        return cls(**data)
+
+    def summary(self) -> str:
+        """The configuration in one line: ``[1f1b, m=4, v=1, recompute never]``."""
+        return f"[{self.schedule}, m={self.n_microbatches}, v={self.n_virtual}, recompute {self.recompute}]"
+
+    def table(self, title: str = "", reference: float | None = None) -> str:
+        """The stage table; with ``reference`` (another plan's bottleneck) adds the ratio to it."""
+        unit, scale = _UNITS.get(self.cost, ("cost", 1.0))
+        lines = [title] if title else []
+        if self.stages:
+            cols = ("fwd ms", "bwd ms", unit, "memory MB", "sent MB")
+            widths = (8, 8, 10, 10, 8)
+            cells = (f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))
+            lines.append(f"{'stage':>5}  {'layers':<9} " + " ".join(cells))
+            for s, st in enumerate(self.stages):
+                rng = f"{st.start}-{st.stop - 1}" if st.stop - st.start > 1 else f"{st.start}"
+                lines.append(
+                    f"{s:>5}  {rng:<9} {st.forward_time * 1e3:>8.2f} {st.backward_time * 1e3:>8.2f} "
+                    f"{st.cost * scale:>10.3f} {st.memory_bytes / 1e6:>10.2f} {st.sent_bytes / 1e6:>8.2f}"
+                )
+            rel = "" if reference is None or reference == 0 else f" ({self.bottleneck / reference:.3f}x ours)"
+            lines.append(
+                f"balance {self.balance}  bottleneck {self.bottleneck * scale:.3f}{rel}  "
+                f"step {self.step_time * 1e3:.2f} ms  bubble {self.bubble:.3f}  {self.summary()}"
+            )
+        else:
+            lines.append(f"balance {self.balance}  {self.summary()} (no predictions)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@functools.lru_cache(maxsize=64)
+def _build(name: str, n_ranks: int, n_microbatches: int, n_virtual: int) -> Schedule:
+    return schedule(name, n_ranks, n_microbatches, n_virtual=n_virtual)
