@@ -5,6 +5,7 @@
 """
 
 from pipeline.launch import DistInfo, RankError, init_distributed, launch
+from pipeline.plan import Plan, StagePlan
 from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
 from pipeline.runtime.pipe import Pipeline
 from pipeline.runtime.recompute import CHECKPOINT_MODES
@@ -24,9 +25,11 @@ __all__ = [
     "PeerFailure",
     "Pipeline",
     "PipelineTimeout",
+    "Plan",
     "RankError",
     "Schedule",
     "ScheduleError",
+    "StagePlan",
     "TimedAction",
     "Timeline",
     "chrome_trace",

@@ -241,10 +241,20 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """``dist.broadcast`` from group rank ``src``, waited for like a receive."""
+        self._collective(
+            lambda: dist.broadcast(tensor, self._global[src], group=self.group, async_op=True), what
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
+        """``dist.all_reduce`` over the group, in place, waited for like a receive."""
+        self._collective(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
+
+    def _collective(self, start_op: Any, what: str) -> None:
         if not self._close.alive:
             self.post([], [], what)  # raises: closed
-        work = dist.broadcast(tensor, self._global[src], group=self.group, async_op=True)
-        assert work is not None
+        work = start_op()
+        if work is None:
+            raise RuntimeError(f"rank {self.rank}: {what} returned no work to wait for")
         if not self.nccl:
             self.wait([work], what)
             return
