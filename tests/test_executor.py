@@ -7,6 +7,7 @@ from torch import nn
 
 from pipeline.reference.models import mlp
 from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
 
 
@@ -14,8 +15,8 @@ def test_one_rank_interleaved_runs_in_schedule_order_without_comm() -> None:
     torch.manual_seed(0)
     model, x = mlp(width=8, depth=6, batch_size=8)
     y = torch.randn(8, 8)
-    pipe = Pipeline(model, [2, 2, 2], schedule="interleaved-1f1b", n_virtual=3, n_microbatches=4,
-                    loss_fn=nn.functional.mse_loss)  # fmt: skip
+    sched = schedule("interleaved-1f1b", 1, 4, n_virtual=3)
+    pipe = Pipeline(model, [2, 2, 2], schedule=sched, n_virtual=3, loss_fn=nn.functional.mse_loss)
     ex = pipe.executor
     assert ex.comm is None and all(a is not None for a, _ in ex._program)  # no comm blocks at all
     pipe.step(x, y, record=True)

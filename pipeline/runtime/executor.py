@@ -1,43 +1,72 @@
-"""Run one rank's compiled program: direct comm, timed waits, measured timeline.
+"""Run one rank's compiled program: one code path for gloo, NCCL and the emulation.
 
-    # s: stage, i: micro-batch, r: this rank, q: a peer rank, p: ranks
+    # s: stage, i: micro-batch, r: this rank, q: a peer rank, p: ranks, k: compute index
 
 ``Executor`` compiles the rank's lowered list once (program.py: messages and
 bound instructions) and runs it at every step:
 
     step:  header + signatures (metadata.py, only when the input changes)
            -> post the first block's receives (lookahead)
-           -> per instruction: compute (waiting for its input only now) | post a comm block
-           -> wait for the sends still pending
+           -> per instruction: compute (its input ordered before it only now) | post a comm block
+           -> order the sends still pending
 
-A compute's busy time starts once its input is there: waiting for a receive is
-not busy time. A receive's wait also reaps the sends it proves done (see
-program.py); the rest are waited for at the step's end. A failed step drops its
+Every receive is consumed through ``Comm.order(works, compute stream)``: on
+gloo the host waits; on NCCL the compute stream waits for the transfer on the
+device and the host goes on; under the emulation the data becomes visible only
+through it. Receive buffers come from ``Comm.empty`` (the communication device)
+and are posted with the compute stream current, so the channel's stream is
+ordered after their allocation and after the compute that produced a send
+(NCCL keeps the tensors alive until their work is waited for, which every
+receive and send here is). Receives are posted one block ahead on every
+backend: each NCCL channel is a FIFO of one direction (channels.py), so an
+early receive holds nothing back.
+
+On a GPU the host never waits for a transfer, so it could run arbitrarily far
+ahead, allocating buffers for transfers the device has not reached. Before
+compute k it waits (polling, with the timeout and failure watch) until the
+device has finished compute k - 2: in-flight buffers stay within the plan, and
+a dead peer is noticed within the timeout, naming the receive that never came.
+
+A compute's busy time starts once its input is there (clock.py: host times on
+CPU, CUDA events on a GPU). A receive also reaps the sends it proves done (see
+program.py); the rest are ordered at the step's end. A failed step drops its
 tensors and works, so that the next step starts clean.
-
-Lookahead posting of receives is on for gloo and off for NCCL: NCCL runs a
-process group's transfers on one stream in post order, so a receive posted
-early could hold back a send that the peer needs first.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
 
-from pipeline.runtime import stream
-from pipeline.runtime.metadata import derive_signatures, exchange_header, send_tensors, set_specs
+from pipeline.runtime import emulation, stream
+from pipeline.runtime.clock import StepClock
+from pipeline.runtime.metadata import (
+    check_sendable,
+    derive_signatures,
+    exchange_header,
+    send_tensors,
+    set_specs,
+)
 from pipeline.runtime.microbatch import Batch, Signature, from_tuple
-from pipeline.runtime.p2p import Comm
+from pipeline.runtime.p2p import NCCL_DTYPES, Comm
 from pipeline.runtime.program import Msg, compile_rank
 from pipeline.runtime.stage import StageRuntime
-from pipeline.schedules.actions import Kind
+from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import TimedAction
 
-__all__ = ["Executor"]
+__all__ = ["RUN_AHEAD", "Executor"]
+
+RUN_AHEAD = 2  # compute actions the host may queue past the last one the device finished
+
+
+def _normal(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class Executor:
@@ -55,58 +84,71 @@ class Executor:
         self.sched, self.rank, self.stages, self.comm, self.device = sched, rank, stages, comm, device
         self.key_prefix = key_prefix
         self.n_stages, self.p = sched.n_stages, sched.n_ranks
-        self.lookahead = comm is not None and not comm.nccl
-        self.compute_stream = stream.current_stream(device)
-        self.comm_stream = stream.new_stream(device)
-        self.copy_stream = stream.new_stream(device)
+        if comm is not None and self.p > 1 and _normal(device) != comm.device:
+            raise ValueError(
+                f"rank {rank}'s stages are on {device} but its {comm.backend} communication runs on "
+                f"{comm.device}; put the stages on {comm.device} (device=...), or use "
+                f"{'gloo' if comm.device.type == 'cuda' else 'nccl'} for stages on {device.type}"
+            )
+        self.nccl = comm is not None and comm.nccl
+        self.emulated = comm is not None and comm.emulated
+        self.lookahead = comm is not None
+        self.compute_stream = stream.current_stream(device, self.emulated)
+        self.copy_stream = stream.new_stream(device, self.emulated, "copy")
+        self.clock = StepClock(device, self.compute_stream, rank)
         # per-step state
         self.inputs: list[Batch] = []
         self.targets: list[Any] = []
-        self._sent: list[Msg] = []  # sends posted this step, waited for by the step's end
+        self._sent: list[Msg] = []  # sends posted this step, ordered by the step's end
         self._abandoned: list[list[Any]] = []  # works of a failed step
+        self._ends: deque[tuple[Action, stream.Event]] = deque(maxlen=RUN_AHEAD)
+        self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)  # recent receives
         # signatures, derived at the first step and when the input signature or autocast state changes
         self._input_key: tuple[Signature, int] | None = None
         self._version = 0
         self.in_sig: dict[int, Signature] = {}
         self.out_sig: dict[int, Signature] = {}
-        # timing of the last step
-        self.busy = 0.0
-        self.events: list[TimedAction] = []
-        self._record = False
-        self._clock = 0.0  # wall time minus perf_counter, for timelines comparable across ranks
-        self._compute_start = 0.0  # when the running compute action had its input
         compiled = compile_rank(sched, rank, stages, self, self.lookahead)
         self._program = compiled.program
         self._msgs = compiled.msgs
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
         self._first_recvs = compiled.first_recvs
 
+    # ---- measurements of the last step
+
+    @property
+    def busy(self) -> float:
+        return self.clock.busy
+
+    @property
+    def events(self) -> list[TimedAction]:
+        return self.clock.events
+
+    # ---- inputs
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` (a tensor or tuple of them) on this rank's device: pinned, copied on the copy stream."""
+        if isinstance(batch, tuple):
+            return tuple(self.to_device(t) for t in batch)
+        if not isinstance(batch, torch.Tensor):
+            return batch
+        host = stream.pin(batch, self.device)
+        return stream.to_device(host, self.device, self.copy_stream, self.compute_stream)
+
     # ---- communication, called by the bound instructions
 
     def post(self, sends: list[Msg], recvs: list[Msg], what: str) -> None:
         """Post a comm block: ``sends`` (checked against their specs) and fresh buffers for ``recvs``."""
-        assert self.comm is not None
+        comm = self.comm
+        assert comm is not None
         for m in sends:
             m.tensors = send_tensors(m)
-        dev = self.device
         for m in recvs:
-            m.tensors = [torch.empty(sh, dtype=dt, device=dev) for sh, dt in m.spec]
-        if stream.is_cuda(self.comm_stream):
-            stream.wait_stream(self.comm_stream, self.compute_stream)
-            for m in sends:
-                for t in m.tensors:
-                    stream.record_stream(t, self.comm_stream)
+            m.tensors = [comm.empty(sh, dt) for sh, dt in m.spec]
         start = time.perf_counter()
-        with stream.use_stream(self.comm_stream):
-            works = self.comm.post(
-                [(m.tensors, m.peer) for m in sends], [(m.tensors, m.peer) for m in recvs], what
-            )
-        if self._record and sends:
-            end = time.perf_counter()
-            self.events += [
-                TimedAction(self.rank, m.action, start + self._clock, end + self._clock)  # type: ignore[arg-type]
-                for m in sends
-            ]
+        works = comm.post([(m.tensors, m.peer) for m in sends], [(m.tensors, m.peer) for m in recvs], what)
+        if sends:
+            self.clock.posted([m.action for m in sends if m.action is not None], start)
         for m, w in zip(sends, works, strict=False):
             m.works = w
         for m, w in zip(recvs, works[len(sends) :], strict=True):
@@ -121,16 +163,16 @@ class Executor:
         comm, works = self.comm, m.works
         assert comm is not None and works is not None
         start = time.perf_counter()
-        comm.wait(works, m.what)
+        comm.order(works, self.compute_stream, m.what)
+        if self.nccl:
+            self._ordered.append((m.what, works))
         m.works = None
         for done in m.reap:
             if done.works is not None:
-                comm.wait(done.works, done.what)
+                comm.order(done.works, self.compute_stream, done.what)
                 done.works, done.tensors = None, []
         # The compute that asked for this input starts now: waiting is not busy time.
-        self._compute_start = end = time.perf_counter()
-        if self._record:
-            self.events.append(TimedAction(self.rank, m.action, start + self._clock, end + self._clock))
+        self.clock.input_ready(m.action, start)
         buffers, m.tensors = m.tensors, []
         if m.action.kind is Kind.RECV_F:
             return from_tuple(buffers, m.like_tuple)
@@ -151,44 +193,59 @@ class Executor:
         key = f"{self.key_prefix}/sig{self._version}"
         self.in_sig, self.out_sig = derive_signatures(sig, self.stages, self.sched, self.rank, self.comm, key)
         set_specs(self._msgs, self.in_sig, self.out_sig)
+        if self.nccl:
+            check_sendable(self._msgs, NCCL_DTYPES, "NCCL")
 
     # ---- the step
 
     def run(self, inputs: list[Batch], targets: list[Any], record: bool) -> None:
         """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's)."""
-        self.inputs, self.targets, self._record = inputs, targets, record
-        self.events = []
-        self._clock = time.time() - time.perf_counter()
+        self.inputs, self.targets = inputs, targets
+        clock = self.clock
+        clock.begin_step(record)
         for st in self.stages.values():
             st.losses = []
             st.reset_peak()
         try:
-            key = self._exchange_header()
-            if key != self._input_key:  # the autocast state changes the dtypes between stages too
-                self._setup(key[0])
-                self._input_key = key
-            if self._first_recvs:
-                self.post([], self._first_recvs, self._first_recvs[0].what)
-            busy = 0.0
-            sync = record and self.device.type == "cuda"
-            for a, fn in self._program:
-                if a is None:
-                    fn()
-                    continue
-                self._compute_start = time.perf_counter()
-                fn()  # may wait for its input first, moving _compute_start past the wait
-                if sync:
-                    torch.cuda.synchronize(self.device)
-                end = time.perf_counter()
-                start = self._compute_start
-                busy += end - start
-                if record:
-                    self.events.append(TimedAction(self.rank, a, start + self._clock, end + self._clock))
-            self.busy = busy
-            self._drain()
+            with emulation.strict_devices(self.emulated):
+                key = self._exchange_header()
+                if key != self._input_key:  # the autocast state changes the dtypes between stages too
+                    self._setup(key[0])
+                    self._input_key = key
+                if self._first_recvs:
+                    self.post([], self._first_recvs, self._first_recvs[0].what)
+                bound = self.nccl
+                for a, fn in self._program:
+                    if a is None:
+                        fn()
+                        continue
+                    if bound and len(self._ends) == RUN_AHEAD:
+                        self._run_ahead_wait()
+                    clock.begin()
+                    fn()  # may wait for its input first (clock.input_ready)
+                    self._ends.append((a, clock.end(a)))
+                self._drain()
         except BaseException:
             self._reset()
             raise
+        finally:
+            self._ends.clear()
+            self._ordered.clear()
+
+    def _run_ahead_wait(self) -> None:
+        """Wait until the device has finished the compute ``RUN_AHEAD`` actions back (see the docstring)."""
+        a, event = self._ends[0]
+        if stream.event_done(event):
+            return
+        assert self.comm is not None
+        self.comm.poll(lambda: stream.event_done(event), lambda: self._stuck_on(a))
+
+    def _stuck_on(self, a: Action) -> str:
+        """What the device is most likely waiting for when ``a`` does not finish: the oldest open receive."""
+        for what, works in self._ordered:
+            if not all(w.is_completed() for w in works):
+                return what
+        return f"the device to finish {a}"
 
     def _drain(self) -> None:
         unconsumed = [a for a, m in self._msgs.items() if a.kind.is_recv and m.works is not None]
@@ -196,7 +253,7 @@ class Executor:
         assert self.comm is not None or not self._sent
         for m in self._sent:
             if m.works is not None:
-                self.comm.wait(m.works, m.what)  # type: ignore[union-attr]
+                self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
                 m.works, m.tensors = None, []
         self._sent = []
 

@@ -20,9 +20,17 @@ step's autocast), passing them on through the store. Receive buffers are then
 allocated from these signatures without further messages; a stage output or
 input gradient that does not match them fails before it is sent (gloo fills
 a larger buffer silently and aborts the process on a smaller one).
+
+The header travels on the communication device (``Comm.empty`` / ``tensor``:
+the GPU on NCCL, which takes nothing else); the store carries the signatures
+as plain bytes. On the NCCL path a dtype NCCL cannot send is refused at the
+first step's setup, naming the stage boundary (``check_sendable``).
 """
 
 from __future__ import annotations
+
+import struct
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -36,9 +44,11 @@ from pipeline.schedules.schedule import Schedule
 __all__ = [
     "HEADER_LEN",
     "autocast_mode",
+    "check_sendable",
     "decode",
     "derive_signatures",
     "encode",
+    "encode_words",
     "exchange_header",
     "send_tensors",
     "set_specs",
@@ -56,8 +66,13 @@ _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # ---- the header
 
 
-def encode(sig: Signature, tag: int) -> torch.Tensor:
-    """``[tag, n, (dtype, ndim, *shape) per tensor, 0 ...]`` as a (HEADER_LEN,) int64 tensor.
+def encode(sig: Signature, tag: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``encode_words`` as a (HEADER_LEN,) int64 tensor on ``device``."""
+    return torch.tensor(encode_words(sig, tag), dtype=torch.int64, device=device)
+
+
+def encode_words(sig: Signature, tag: int) -> list[int]:
+    """``[tag, n, (dtype, ndim, *shape) per tensor, 0 ...]``: HEADER_LEN words.
 
     ``tag`` is one word for the caller (the step's header carries its autocast state).
     """
@@ -71,12 +86,12 @@ def encode(sig: Signature, tag: int) -> torch.Tensor:
             f"stage input signature {sig} needs {len(words)} header words, more than {HEADER_LEN}; "
             "pass fewer or lower-dimensional tensors between stages"
         )
-    return torch.tensor(words + [0] * (HEADER_LEN - len(words)), dtype=torch.int64)
+    return words + [0] * (HEADER_LEN - len(words))
 
 
-def decode(header: torch.Tensor) -> tuple[Signature, int]:
-    """Inverse of ``encode``: (signature, tag)."""
-    words = header.tolist()
+def decode(header: torch.Tensor | Sequence[int]) -> tuple[Signature, int]:
+    """Inverse of ``encode`` (or of ``encode_words``): (signature, tag)."""
+    words = header.tolist() if isinstance(header, torch.Tensor) else list(header)
     tag, n, k = words[0], words[1], 2
     sig = []
     for _ in range(n):
@@ -107,7 +122,7 @@ def exchange_header(
         sig = signature(inputs[0])
     if comm is None or p == 1:
         return (sig, mode), None
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    header = comm.empty((HEADER_LEN,), torch.int64)
     if rank > 0:
         what = f"the step's input signature header from rank {rank - 1}"
         (works,) = comm.post([], [([header], rank - 1)], what)
@@ -122,7 +137,8 @@ def exchange_header(
     sent = None
     if rank < p - 1:
         sent = Msg(None, rank + 1)
-        sent.what, sent.tensors = f"the input signature header to rank {rank + 1}", [encode(sig, mode)]
+        sent.what = f"the input signature header to rank {rank + 1}"
+        sent.tensors = [comm.tensor(encode_words(sig, mode), torch.int64)]
         (sent.works,) = comm.post([(sent.tensors, sent.peer)], [], sent.what)
     return (sig, mode), sent
 
@@ -153,12 +169,12 @@ def derive_signatures(
         else:
             assert comm is not None
             raw = comm.wait_key(f"{key}/{s - 1}", f"stage {s - 1}'s output signature")
-            in_sig[s], _ = decode(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+            in_sig[s], _ = decode(struct.unpack(f"<{HEADER_LEN}q", raw))
         if s < sched.n_stages - 1:
             out_sig[s] = stages[s].infer(in_sig[s])
             if sched.rank_of(s + 1) != rank:
                 assert comm is not None
-                comm.set_key(f"{key}/{s}", encode(out_sig[s], 0).numpy().tobytes())
+                comm.set_key(f"{key}/{s}", struct.pack(f"<{HEADER_LEN}q", *encode_words(out_sig[s], 0)))
     return in_sig, out_sig
 
 
@@ -174,6 +190,20 @@ def set_specs(msgs: dict[Action, Msg], in_sig: dict[int, Signature], out_sig: di
 
 
 # ---- the checks
+
+
+def check_sendable(msgs: dict[Action, Msg], dtypes: Collection[torch.dtype], backend: str) -> None:
+    """Refuse, before any transfer, a stage boundary that carries a dtype ``backend`` cannot send."""
+    for a in sorted(msgs, key=lambda a: (a.stage, a.microbatch, a.kind.value)):
+        bad = [dt for _, dt in msgs[a].spec if dt not in dtypes]
+        if bad and a.kind in (Kind.SEND_F, Kind.SEND_B):
+            src, dst = (a.stage, a.stage + 1) if a.kind is Kind.SEND_F else (a.stage, a.stage - 1)
+            what = "outputs" if a.kind is Kind.SEND_F else "input gradients"
+            raise ValueError(
+                f"stage {src}'s {what} for stage {dst} include a {str(bad[0]).replace('torch.', '')} "
+                f"tensor, which {backend} cannot send; convert it in the model (e.g. .to(torch.int32)) "
+                f"to one of {sorted(str(d).replace('torch.', '') for d in dtypes)}"
+            )
 
 
 def send_tensors(m: Msg) -> list[torch.Tensor]:

@@ -1,87 +1,77 @@
-"""Point-to-point between ranks that never hangs: direct posts, timed waits, failure signalling.
+"""One rank's communication in the pipeline's group: one device, two posting paths, waits that never hang.
 
-    # r: this rank, q: the peer rank
+    # r: this rank, q: a peer rank, p: ranks
 
-``Comm`` owns one rank's view of the pipeline's process group. On gloo it posts
-each tensor straight to the group's backend object (``send([t], q, tag)`` /
-``recv([t], q, tag)``, peer ranks local to the group, resolved once), skipping
-``torch.distributed``'s Python wrappers; on NCCL a block of sends and receives
-goes out as one coalesced ``batch_isend_irecv`` (deadlock freedom needs it).
+The communication device. Every tensor handed to the process group (headers,
+receive buffers, the loss, flags, norms) is made by ``Comm.empty`` /
+``zeros`` / ``tensor`` on ``Comm.device`` (NCCL: this rank's CUDA device;
+gloo: the CPU), and every tensor posted is checked first: a fake, meta or
+wrong-device tensor, or on NCCL a dtype it cannot send, is refused with a
+ValueError naming it, before it can reach the backend (where it would be a
+native crash or a silent hang).
 
-Never hang. Every wait on another process is bounded by ``timeout``, and a
-failure anywhere reaches every rank within a fraction of a second:
+Two posting paths:
 
-    rank 1: stage raises -> publish("rank 1 failed: ...") in the store -> re-raise
-    rank 0: blocked in 0RECV_B2's wait -> its watchdog reads the store every 50 ms,
-            sees the failure, closes rank 0's connections -> the wait raises ->
-            PeerFailure("rank 1 failed while rank 0 waited for 0RECV_B2 from rank 1: ...")
-    rank 2: blocked on rank 0 or 1 -> the same, naming rank 1 too
+    gloo      each tensor straight to the group's gloo backend (``send`` /
+              ``recv``, group-local ranks, no Python wrappers); ``order`` and
+              ``wait`` block the host with a timeout (the host is the stream)
+    NCCL      each message as one group on its channel (channels.py: one
+              two-rank group per direction, so that no direction or collective
+              waits on another); ``order(works, stream)`` makes the consuming
+              stream wait for the transfer on the device, the host goes on;
+              host waits (``wait``, ``poll``) poll with the timeout and failure watch
+
+``STAGEWISE_EMULATE_NCCL=1`` on a gloo group takes the NCCL path on gloo,
+with NCCL's rules made strict (emulation.py).
+
+Never hang. Every wait on another process is bounded by ``timeout``, which
+stays below the process group's own (a larger one is clamped to 90% of it, and
+the error says so), so the error names the rank and action, not a backend
+watchdog. A failure anywhere reaches every rank within a fraction of a second:
+the failing rank publishes it in the store (``publish``; only the first
+failure is kept, so every rank names the root cause); a rank blocked in gloo
+is woken by its watchdog thread (watchdog.py); a rank polling on NCCL reads
+the key at most every 50 ms. After a failure the channels are aborted (on
+NCCL also the group), so that transfers in flight stop and exit never hangs;
+the group is then unusable, as after any failure.
 
 What gloo does (measured, torch 2.13): ``is_completed()`` of a point-to-point
-work stays False until ``wait()`` is called, even when the data is there, and
-there is no future, so the host cannot poll; ``wait(timeout)`` on expiry
-closes the connection to the peer ("Application timeout caused pair
-closure"), so short timed waits cannot be retried; a send completes only once
-the peer has posted its receive; ``abort()`` and ``shutdown()`` of a backend
-wake neither its own blocked waits nor its peers'. But a pair's closure wakes
-every wait on that pair, on both sides, with an error. Hence the host calls the
-blocking ``wait(timeout)`` itself (it releases the GIL; no thread handoff on the
-critical path), and one watchdog thread per ``Comm``, asleep unless the host is
-blocked, reads the failure key every 50 ms; when it is set, the watchdog closes
-every pair of the group with a receive on an unused tag timed out after 1 ms,
-which wakes the host's wait, and the host raises ``PeerFailure`` naming the
-failed rank. The group is then unusable, as after any failure. NCCL's
-``work.wait()`` does not block the host (it orders the current stream after the
-transfer), so there it is called at once and hangs inside the GPU are bounded by
-the process group's timeout; the loss broadcast at the end of each step is
-polled with the failure key, so a failed peer still surfaces within seconds.
+work stays False until ``wait()`` is called, so the host cannot poll it;
+``wait(timeout)`` on expiry closes the connection to the peer; a send
+completes only once the peer has posted its receive.
 
-Sends are not waited for inside the step: the caller waits for each one where it
-is known to be done (see program.py) or at the step's end.
-
-The watchdog belongs to one ``Comm`` (one Pipeline), not to the process: it holds
-no reference to its ``Comm`` and stops when the ``Comm`` is closed
-(``Pipeline.close()``) or garbage-collected.
-
-Only the first failure is published (``compare_set``), so the error every
-rank reports names the root cause, not a rank that merely lost a connection.
-
-Metadata (tensor signatures and when they travel) is metadata.py's.
-
-A fake tensor (``FakeTensorMode``) has no data: ``isend`` of one dispatches to
-a fake kernel that returns a finished ``FakeWork`` without touching the process
-group, so nothing moves and the peer waits until its timeout. ``post`` refuses
-fake tensors at once.
+Sends are not waited for inside the step: the caller orders each one where it
+is known to be done (see program.py) or at the step's end. Metadata (tensor
+signatures and when they travel) is metadata.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["Comm", "PeerFailure", "PipelineTimeout"]
+from pipeline.runtime import emulation
+from pipeline.runtime.channels import Channels, Transfer, channels_for
+from pipeline.runtime.emulation import EmuStream, EmuTransfer
+from pipeline.runtime.watchdog import CHECK_STORE_S, PeerFailure, PipelineTimeout, Watchdog
 
-_CHECK_STORE_S = 0.05
-_CLOSE_TAG = 2**30 - 7  # never used by a message: a receive on it only ever times out
+__all__ = ["NCCL_DTYPES", "Comm", "PeerFailure", "PipelineTimeout"]
+
 # how long a rank that lost a connection waits for the failed peer's published reason
 _LOST_GRACE_S = 1.0
-
-
-class PipelineTimeout(TimeoutError):
-    """A wait on another rank ran past the timeout."""
-
-
-class PeerFailure(RuntimeError):
-    """Another rank failed while this one waited for it."""
+_CLAMP = 0.9  # the pipeline's timeout at most this share of the process group's
+NCCL_DTYPES = frozenset(
+    {torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+     torch.int8, torch.uint8, torch.bool}
+)  # fmt: skip
 
 
 def _group_store(group: Any) -> Any:
@@ -91,22 +81,22 @@ def _group_store(group: Any) -> Any:
     return entry[1] if entry is not None else c10d._get_default_store()
 
 
-def _backend(group: Any) -> Any:
-    """The gloo ``ProcessGroupGloo`` behind ``group``: its send / recv take group-local ranks."""
+def _process_group(group: Any) -> Any:
     from torch.distributed import distributed_c10d as c10d
 
-    pg = group if group is not None else c10d._get_default_group()
-    return pg._get_backend(torch.device("cpu"))
+    return group if group is not None else c10d._get_default_group()
 
 
-def _refuse_fake(tensor: torch.Tensor, send: bool, rank: int, peer: int) -> None:
-    raise ValueError(
-        f"rank {rank} was to {'send' if send else 'receive'} a fake tensor "
-        f"({list(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}) "
-        f"{'to' if send else 'from'} rank {peer}; fake tensors hold no data, so nothing would "
-        "move and the peer would wait: run the step outside FakeTensorMode and keep fake "
-        "values out of the model"
-    )
+def _pg_timeout(group: Any, device: torch.device) -> float | None:
+    """The process group's own timeout in seconds, when the backend tells it."""
+    try:
+        return float(_process_group(group)._get_backend(device).options._timeout.total_seconds())
+    except Exception:
+        return None
+
+
+def _fmt(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
 # a posted block: per entry (tensors, group-local peer rank)
@@ -114,40 +104,98 @@ Entries = Sequence[tuple[Sequence[torch.Tensor], int]]
 
 
 class Comm:
-    """One rank's point-to-point in ``group``, with timeouts and a shared failure key."""
+    """One rank's point-to-point and collectives in ``group``, with timeouts and a shared failure key."""
 
     def __init__(self, group: Any, key_prefix: str, timeout: float) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.timeout = timeout
-        self.nccl = dist.get_backend(group) == "nccl"
+        self.world_size = n = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        if emulation.enabled() and backend != "gloo":
+            raise ValueError(
+                f"{emulation.ENV} runs the NCCL code path on a gloo process group, but this group's "
+                f"backend is {backend!r}: unset {emulation.ENV} or initialise with gloo"
+            )
+        self.emulated = emulation.enabled()
+        self.nccl = backend == "nccl" or self.emulated  # the NCCL code path
+        self.backend = "nccl-emulated" if self.emulated else backend
+        on_gpu = backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.requested_timeout = timeout
+        self.pg_timeout = _pg_timeout(group, self.device)
+        clamp = self.pg_timeout is not None and timeout >= self.pg_timeout
+        self.timeout = _CLAMP * self.pg_timeout if clamp and self.pg_timeout else timeout
         self.store = _group_store(group)
         self.failure_key = f"{key_prefix}/failed"
-        n = self.world_size
         self._global = [dist.get_global_rank(group, q) if group is not None else q for q in range(n)]
-        self._be: Any = None if self.nccl else _backend(group)
-        self._watchdog = _Watchdog(self.store, self.failure_key, self._be, self.rank, n)
+        self._be: Any = None if on_gpu else _process_group(group)._get_backend(torch.device("cpu"))
+        self.channels: Channels | None = None
+        if self.nccl and n > 1:
+            td = datetime.timedelta(seconds=self.pg_timeout or 1800.0)
+            self.channels = channels_for(
+                group, self.rank, self._global, "gloo" if self.emulated else "nccl", td
+            )
+        pairs = [(self._be, q) for q in range(n) if q != self.rank] if self._be is not None else []
+        pairs += self.channels.pairs() if self.channels is not None else []
+        self._watchdog = Watchdog(self.store, self.failure_key, pairs)
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
+        self._aborted = False
+
+    # ---- tensors on the communication device
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+
+    def tensor(self, data: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def check(self, t: torch.Tensor, what: str) -> None:
+        """Refuse what the backend cannot take: fake, meta or other-device tensors, unsendable dtypes."""
+        if isinstance(t, FakeTensor):
+            raise ValueError(
+                f"rank {self.rank}: {what} was handed a fake tensor ({_fmt(t)}); fake tensors hold no "
+                "data, so nothing would move and the peer would wait: run the step outside "
+                "FakeTensorMode and keep fake values out of the model"
+            )
+        if t.device != self.device:
+            hint = (
+                "it was made without an explicit device while the step ran with the default device "
+                f"set to meta ({self.backend} does this so that such tensors fail here, as a CPU "
+                "tensor fails on NCCL): pass device= to the factory"
+                if t.is_meta
+                else f"make it on {self.device} (Comm.empty / zeros / tensor) or move it there"
+            )
+            raise ValueError(
+                f"rank {self.rank}: {what} was handed a tensor on {t.device} ({_fmt(t)}), but this "
+                f"pipeline's {self.backend} communication runs on {self.device}; {hint}"
+            )
+        if self.nccl and t.dtype not in NCCL_DTYPES:
+            raise ValueError(
+                f"rank {self.rank}: {what} would send a {str(t.dtype).replace('torch.', '')} tensor "
+                f"({_fmt(t)}), which NCCL cannot send; use one of "
+                f"{sorted(str(d).replace('torch.', '') for d in NCCL_DTYPES)} between stages"
+            )
 
     # ---- posting
 
     def post(self, sends: Entries, recvs: Entries, what: str) -> list[list[Any]]:
         """Post every entry's tensors (``recvs`` fill theirs); the works per entry, sends first."""
-        if not self._close.alive:
-            raise RuntimeError(
-                f"rank {self.rank}: cannot post {what}: this pipeline's communication was closed "
-                "(Pipeline.close()); build a new Pipeline"
-            )
-        for entries, send in ((sends, True), (recvs, False)):
-            for tensors, q in entries:
+        self._check_open(what)
+        for entries in (sends, recvs):
+            for tensors, _ in entries:
                 for t in tensors:
-                    if isinstance(t, FakeTensor):
-                        _refuse_fake(t, send, self.rank, q)
+                    self.check(t, what)
         try:
-            if self.nccl:
-                return self._post_coalesced(sends, recvs)
+            ch = self.channels
+            if self.nccl:  # one group per message, on its channel
+                assert ch is not None, "a group of one rank has no peers to post to"
+                out = [[ch.post([(t, q, True) for t in ts], what)] if ts else [] for ts, q in sends]
+                out += [[ch.post([(t, q, False) for t in ts], what)] if ts else [] for ts, q in recvs]
+                return out
             be = self._be
             out = [[be.send([t], q, 0) for t in tensors] for tensors, q in sends]
             out += [[be.recv([t], q, 0) for t in tensors] for tensors, q in recvs]
@@ -156,56 +204,56 @@ class Comm:
             self._raise(what, exc)
             raise
 
-    def _post_coalesced(self, sends: Entries, recvs: Entries) -> list[list[Any]]:
-        ops = [dist.P2POp(dist.isend, t, self._global[q], self.group) for ts, q in sends for t in ts]
-        ops += [dist.P2POp(dist.irecv, t, self._global[q], self.group) for ts, q in recvs for t in ts]
-        works = list(dist.batch_isend_irecv(ops)) if ops else []
-        for w in works:
-            w.wait()  # orders the current stream after the transfer; the host does not block
-        out, k = [], 0
-        for ts, _ in (*sends, *recvs):
-            out.append(works[k : k + len(ts)])
-            k += len(ts)
-        return out
-
-    # ---- failure signalling
-
-    def publish(self, message: str) -> None:
-        """Record this rank's failure unless another rank's came first."""
-        # a store that is gone already means the launcher is tearing the job down
-        with contextlib.suppress(Exception):
-            self.store.compare_set(self.failure_key, "", f"{self.rank}|{message}")
-
-    def failure(self) -> tuple[int, str] | None:
-        """(rank, message) of the first published failure, if any."""
-        try:
-            if not self.store.check([self.failure_key]):
-                return None
-            rank, message = bytes(self.store.get(self.failure_key)).decode().split("|", 1)
-        except Exception:
-            return None
-        return int(rank), message
-
-    def _raise(self, what: str, exc: BaseException | None) -> None:
-        timed_out = exc is None or "Timed out" in str(exc)
-        failed = self.failure()
-        deadline = time.monotonic() + _LOST_GRACE_S
-        while failed is None and not timed_out and time.monotonic() < deadline:
-            time.sleep(0.01)  # a lost connection: give the failed peer's publish a moment to land
-            failed = self.failure()
-        if failed is not None:
-            q, message = failed
-            raise PeerFailure(f"rank {q} failed while rank {self.rank} waited for {what}: {message}") from exc
-        if not timed_out:
-            raise RuntimeError(f"rank {self.rank}: error while waiting for {what}: {exc}") from exc
-        raise PipelineTimeout(f"rank {self.rank} timed out after {self.timeout:.1f} s waiting for {what}")
+    def _check_open(self, what: str) -> None:
+        if not self._close.alive:
+            raise RuntimeError(
+                f"rank {self.rank}: cannot post {what}: this pipeline's communication was closed "
+                "(Pipeline.close()); build a new Pipeline"
+            )
 
     # ---- waiting
 
+    def order(self, works: Sequence[Any], stream: Any, what: str) -> None:
+        """``stream`` runs past this point only once ``works`` are done (``what`` names them for errors).
+
+        gloo: the host waits (it is the stream). NCCL: an event wait on the
+        device, the host goes on. Emulation: the host waits, and ``stream`` is
+        ordered after the transfers, which makes them visible on the default stream.
+        """
+        if not works:
+            return
+        if not self.nccl:
+            self._host_wait(works, what)
+        elif self.emulated:
+            if not isinstance(stream, EmuStream):
+                raise TypeError(f"the NCCL emulation orders emulated streams, got {stream!r}")
+            self._complete(works, what)
+            emulation.order(stream, works)
+        else:
+            for t in works:
+                t.order(stream)
+
     def wait(self, works: Sequence[Any], what: str) -> None:
-        """Block until ``works`` are done; ``what`` names the awaited action and peer for errors."""
-        if self.nccl:
-            return  # waited for at post: the stream is ordered, the host never blocks
+        """Block the host until ``works`` are done; what follows on the current stream sees their data."""
+        if not works:
+            return
+        if not self.nccl:
+            self._host_wait(works, what)
+        elif self.emulated:
+            self._complete(works, what)
+            emulation.order(emulation.current(), works)
+        else:
+            self.poll(lambda: all(t.is_completed() for t in works), lambda: what)
+            for t in works:
+                t.order(torch.cuda.current_stream(self.device))
+
+    def _complete(self, works: Sequence[Transfer], what: str) -> None:
+        for t in works:
+            assert isinstance(t, EmuTransfer)
+            t.complete(lambda ws: self._host_wait(ws, what))
+
+    def _host_wait(self, works: Sequence[Any], what: str) -> None:
+        """gloo: the blocking ``wait(timeout)`` (it releases the GIL), with the watchdog awake."""
         dog = self._watchdog
         if dog.thread is None:
             dog.start()
@@ -223,6 +271,23 @@ class Comm:
         finally:
             dog.blocked -= 1
 
+    def poll(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Wait for ``done()`` without blocking in the backend, with the timeout and failure watch (50 ms)."""
+        if done():
+            return
+        start = now = time.monotonic()
+        check_at, nap = now + CHECK_STORE_S, 2e-5
+        while not done():
+            now = time.monotonic()
+            if now - start > self.timeout:
+                self._raise(what(), None)
+            if now >= check_at:
+                check_at = now + CHECK_STORE_S
+                if self.failure() is not None:
+                    self._raise(what(), None)
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+
     def wait_key(self, key: str, what: str) -> bytes:
         """A store value another rank sets, with the same timeout and failure watch."""
         start = time.monotonic()
@@ -235,73 +300,85 @@ class Comm:
     def set_key(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
 
+    # ---- failure signalling
+
+    def publish(self, message: str) -> None:
+        """Record this rank's failure unless another rank's came first; stop transfers in flight."""
+        # a store that is gone already means the launcher is tearing the job down
+        with contextlib.suppress(Exception):
+            self.store.compare_set(self.failure_key, "", f"{self.rank}|{message}")
+        self.abort()
+
+    def failure(self) -> tuple[int, str] | None:
+        """(rank, message) of the first published failure, if any."""
+        try:
+            if not self.store.check([self.failure_key]):
+                return None
+            rank, message = bytes(self.store.get(self.failure_key)).decode().split("|", 1)
+        except Exception:
+            return None
+        return int(rank), message
+
+    def abort(self) -> None:
+        """Stop every transfer in flight (the channels; on NCCL also the group). Idempotent."""
+        if self._aborted or self.channels is None:
+            return
+        self._aborted = True
+        self.channels.abort()
+        if not self.emulated:  # a collective stuck behind a dead peer would hold the exit too
+            with contextlib.suppress(Exception):
+                _process_group(self.group).abort()
+
+    def _raise(self, what: str, exc: BaseException | None) -> None:
+        timed_out = exc is None or "Timed out" in str(exc)
+        failed = self.failure()
+        deadline = time.monotonic() + _LOST_GRACE_S
+        while failed is None and not timed_out and time.monotonic() < deadline:
+            time.sleep(0.01)  # a lost connection: give the failed peer's publish a moment to land
+            failed = self.failure()
+        if failed is not None:
+            q, message = failed
+            if q != self.rank:
+                self.abort()
+            raise PeerFailure(f"rank {q} failed while rank {self.rank} waited for {what}: {message}") from exc
+        if not timed_out:
+            raise RuntimeError(f"rank {self.rank}: error while waiting for {what}: {exc}") from exc
+        note = ""
+        if self.timeout != self.requested_timeout:
+            note = (
+                f" (the pipeline's timeout of {self.requested_timeout:g} s, clamped to "
+                f"{_CLAMP:.0%} of the process group's {self.pg_timeout:g} s so that it fires first)"
+            )
+        raise PipelineTimeout(
+            f"rank {self.rank} timed out after {self.timeout:.1f} s{note} waiting for {what}"
+        ) from exc
+
     def close(self) -> None:
         """Stop the watchdog thread; later posts raise. Idempotent."""
         self._close()
 
+    # ---- collectives (on the group itself: never queued behind the channels)
+
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """``dist.broadcast`` from group rank ``src``, waited for like a receive."""
         self._collective(
-            lambda: dist.broadcast(tensor, self._global[src], group=self.group, async_op=True), what
+            tensor, lambda: dist.broadcast(tensor, self._global[src], group=self.group, async_op=True), what
         )
 
     def all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         """``dist.all_reduce`` over the group, in place, waited for like a receive."""
-        self._collective(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
+        self._collective(
+            tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what
+        )
 
-    def _collective(self, start_op: Any, what: str) -> None:
-        if not self._close.alive:
-            self.post([], [], what)  # raises: closed
+    def _collective(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> None:
+        self._check_open(what)
+        self.check(tensor, what)
         work = start_op()
         if work is None:
             raise RuntimeError(f"rank {self.rank}: {what} returned no work to wait for")
         if not self.nccl:
-            self.wait([work], what)
+            self._host_wait([work], what)
             return
-        start = time.monotonic()
-        while not work.is_completed():  # NCCL polls without blocking
-            if self.store.check([self.failure_key]) or time.monotonic() - start > self.timeout:
-                self._raise(what, None)
-            time.sleep(1e-4)
+        self.poll(work.is_completed, lambda: what)
         work.wait()
-
-
-class _Watchdog:
-    """A daemon thread, started at the first blocking wait, that wakes the host on a peer's failure.
-
-    ``blocked`` counts the host's waits in progress (the thread only reads it:
-    a stale read costs at most one extra store read). It holds no reference to its ``Comm``.
-    """
-
-    def __init__(self, store: Any, key: str, backend: Any, rank: int, world_size: int) -> None:
-        self.blocked = 0
-        self._args = (store, key, backend, rank, world_size)
-        self._stop = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.thread = threading.Thread(
-            target=_watch, args=(self, *self._args), name="stagewise-p2p-watchdog", daemon=True
-        )
-        self.thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def _watch(dog: _Watchdog, store: Any, key: str, backend: Any, rank: int, world_size: int) -> None:
-    """The watchdog's loop, until closed: on a published failure, close this rank's pairs once."""
-    while not dog._stop.wait(_CHECK_STORE_S):
-        if dog.blocked <= 0:
-            continue
-        try:
-            failed = store.check([key])
-        except Exception:  # the store is gone: the launcher is tearing the job down
-            return
-        if failed and backend is not None:
-            dummy = torch.empty(1)
-            for q in range(world_size):
-                if q != rank:  # a timed-out receive closes the pair: every wait on it raises
-                    with contextlib.suppress(Exception):
-                        backend.recv([dummy], q, _CLOSE_TAG).wait(datetime.timedelta(milliseconds=1))
-            return

@@ -1,20 +1,25 @@
-"""CUDA streams behind one small interface, with a stand-in for CPU.
+"""CUDA streams and events behind one small interface, with stand-ins for CPU and the NCCL emulation.
 
-On a GPU the executor uses three streams: compute (the device's current stream),
-a copy stream for host-to-device copies of micro-batches from pinned memory,
-and a comm stream on which sends and receives are posted. They are ordered
-with events (``wait_stream``), and a tensor made on one stream but used on
-another is marked with ``record_stream`` so that the caching allocator does
-not hand its memory out again before the other stream is done with it::
+On a GPU the executor uses two streams of its own: compute (the device's
+current stream) and a copy stream for host-to-device copies of micro-batches
+from pinned memory. Transfers run on the NCCL channels' internal streams; a
+receive is consumed only after the compute stream has been ordered after it
+(``Comm.order``). Streams are ordered with events (``wait_stream``), and a
+tensor made on one stream but used on another is marked with
+``record_stream`` so that the caching allocator does not hand its memory out
+again before the other stream is done with it::
 
-    copy stream     [H2D mb0][H2D mb1] ...
-                          \\ event
-    compute stream         [F mb0 ......][F mb1 ......]
-                                         \\ event
-    comm stream                           [send mb0 activation]
+    copy stream      [H2D mb0][H2D mb1] ...
+                           \\ event
+    compute stream          [F mb0 ......] wait(recv) [F mb1 ......]
+                                         \\              /
+    channel r -> q                        [send mb0]    /
+    channel q -> r                           [recv from q]
 
-On CPU every call here is a no-op on the ``CPUStream`` stand-in, so the same
-executor code runs unchanged.
+On plain CPU every call here is a no-op on the ``CPUStream`` stand-in; under
+the NCCL emulation (``emulated=True``) streams and events are emulation.py's
+stand-ins, which make a missing ordering visible. The same executor code runs
+on all three.
 """
 
 from __future__ import annotations
@@ -24,17 +29,24 @@ from collections.abc import Iterator
 
 import torch
 
+from pipeline.runtime import emulation
+from pipeline.runtime.emulation import EmuEvent, EmuStream
+
 __all__ = [
     "AbstractStream",
     "CPUStream",
+    "Event",
     "current_stream",
     "default_stream",
+    "event_done",
     "is_cuda",
     "new_stream",
     "pin",
+    "record_event",
     "record_stream",
     "to_device",
     "use_stream",
+    "wait_event",
     "wait_stream",
 ]
 
@@ -47,38 +59,43 @@ class CPUStreamType:
 
 
 CPUStream = CPUStreamType()
-AbstractStream = torch.cuda.Stream | CPUStreamType
+AbstractStream = torch.cuda.Stream | CPUStreamType | EmuStream
+# a recorded point on a stream: None on plain CPU (always passed)
+Event = torch.cuda.Event | EmuEvent | None
 
 
-def new_stream(device: torch.device) -> AbstractStream:
-    if device.type != "cuda":
-        return CPUStream
-    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+def new_stream(device: torch.device, emulated: bool = False, name: str = "side") -> AbstractStream:
+    if device.type == "cuda":
+        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return EmuStream(name) if emulated else CPUStream
 
 
-def current_stream(device: torch.device) -> AbstractStream:
-    if device.type != "cuda":
-        return CPUStream
-    return torch.cuda.current_stream(device)
+def current_stream(device: torch.device, emulated: bool = False) -> AbstractStream:
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return emulation.current() if emulated else CPUStream
 
 
-def default_stream(device: torch.device) -> AbstractStream:
-    if device.type != "cuda":
-        return CPUStream
-    return torch.cuda.default_stream(device)
+def default_stream(device: torch.device, emulated: bool = False) -> AbstractStream:
+    if device.type == "cuda":
+        return torch.cuda.default_stream(device)
+    return emulation.DEFAULT if emulated else CPUStream
 
 
 def is_cuda(stream: AbstractStream) -> bool:
-    return not isinstance(stream, CPUStreamType)
+    return isinstance(stream, torch.cuda.Stream)
 
 
 @contextlib.contextmanager
 def use_stream(stream: AbstractStream) -> Iterator[None]:
     """Make ``stream`` the current stream of its device for the block."""
-    if not isinstance(stream, torch.cuda.Stream):
-        yield
-        return
-    with torch.cuda.stream(stream):
+    if isinstance(stream, torch.cuda.Stream):
+        with torch.cuda.stream(stream):
+            yield
+    elif isinstance(stream, EmuStream):
+        with emulation.use(stream):
+            yield
+    else:
         yield
 
 
@@ -86,6 +103,8 @@ def wait_stream(source: AbstractStream, target: AbstractStream) -> None:
     """``source`` waits for the work queued on ``target`` so far (an event, no host sync)."""
     if isinstance(source, torch.cuda.Stream) and isinstance(target, torch.cuda.Stream):
         source.wait_stream(target)
+    elif isinstance(source, EmuStream) and isinstance(target, EmuStream):
+        emulation.wait_stream(source, target)
 
 
 def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
@@ -94,9 +113,44 @@ def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
         tensor.record_stream(stream)
 
 
-def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """Page-locked copy of a CPU tensor when CUDA is available (so copies can be asynchronous)."""
-    if tensor.device.type == "cpu" and torch.cuda.is_available() and not tensor.is_pinned():
+def record_event(stream: AbstractStream, timing: bool = False) -> Event:
+    """A point on ``stream`` after the work queued so far."""
+    if isinstance(stream, torch.cuda.Stream):
+        event = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+    if isinstance(stream, EmuStream):
+        return emulation.record_event(stream)
+    return None
+
+
+def wait_event(stream: AbstractStream, event: Event) -> None:
+    """``stream`` runs on only after ``event`` has passed (no host sync)."""
+    if isinstance(stream, torch.cuda.Stream) and isinstance(event, torch.cuda.Event):
+        stream.wait_event(event)
+    elif isinstance(stream, EmuStream) and isinstance(event, EmuEvent):
+        emulation.wait_event(stream, event)
+
+
+def event_done(event: Event) -> bool:
+    """Whether the device has passed ``event`` (host-side query, never blocks)."""
+    if isinstance(event, torch.cuda.Event):
+        return bool(event.query())  # type: ignore[no-untyped-call]
+    return True  # CPU and the emulation run everything before the host moves on
+
+
+def pin(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Page-locked copy of a CPU tensor bound for a CUDA ``device`` (so its copy can be asynchronous).
+
+    For any other target (or none given) it returns ``tensor``: a CPU run on a
+    GPU host never touches CUDA.
+    """
+    if (
+        device is not None
+        and device.type == "cuda"
+        and tensor.device.type == "cpu"
+        and not tensor.is_pinned()
+    ):
         return tensor.pin_memory()
     return tensor
 

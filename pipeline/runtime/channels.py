@@ -1,0 +1,163 @@
+"""The NCCL path's lanes: one two-rank process group per ordered pair of neighbouring ranks.
+
+    # r: this rank, q: a peer rank, p: ranks
+
+NCCL runs a communicator's operations in order on one stream, and each one
+waits on the GPU for its peer. If r's sends to q and its receives from q shared
+a communicator, a send posted before a receive would hold the receive back
+until q took the send, while q might do the same the other way round: a
+deadlock that depends on how each rank interleaves the two directions. With
+one channel per direction,
+
+    channel r -> q:  r's sends to q, in r's order   ==  q's receives from r, in q's order
+    channel q -> r:  q's sends to r, in q's order   ==  r's receives from q, in r's order
+
+each channel is a FIFO whose two ends post the same messages in the same order
+(``validate``'s per-pair order check proves it for every schedule), so no
+channel waits on another and no send ever holds the host or the compute
+stream back: a schedule runs exactly when it runs in the validator's
+non-blocking-send model, its default, interleaved with m > p included.
+
+A message is posted as one group on its channel (several tensors: one NCCL
+group, which completes when all of it is matched, as the peer's single group
+does); ``post`` returns one transfer per group, as NCCL returns one work per
+batch. Collectives never use the channels, so they never queue behind them.
+
+The groups are made with ``dist.new_group``, which every rank of the world
+calls in the same order, once per process group (pipelines on one group share
+them: each NCCL communicator holds device buffers). Under the emulation they
+are gloo groups and ``post`` returns emulation.py's ``EmuTransfer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.runtime.emulation import EmuTransfer
+from pipeline.runtime.watchdog import Pairs, close_pairs
+
+__all__ = ["Channels", "NcclTransfer", "Op", "Transfer", "channels_for"]
+
+# one op of a group: (tensor, peer rank in the pipeline's group, is a send)
+Op = tuple[torch.Tensor, int, bool]
+
+
+class NcclTransfer:
+    """The work(s) NCCL returned for one posted group, and its tensors, kept alive until ordered."""
+
+    __slots__ = ("tensors", "works")
+
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
+        self.works, self.tensors = works, tensors
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def order(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` runs on only after the transfer (an event wait on the device; the host goes on)."""
+        with torch.cuda.stream(stream):
+            for w in self.works:
+                w.wait()
+
+
+Transfer = NcclTransfer | EmuTransfer
+
+
+class Channels:
+    """This rank's channels in a pipeline group of ``len(global_ranks)`` ranks (group rank ``rank``)."""
+
+    def __init__(self, rank: int, global_ranks: list[int], backend: str, timeout: datetime.timedelta) -> None:
+        n = len(global_ranks)
+        if n != dist.get_world_size():
+            raise ValueError(
+                f"the pipeline's process group has {n} of the world's {dist.get_world_size()} ranks; "
+                "on NCCL (and its emulation) the pipeline's channels are made with dist.new_group, "
+                "which needs the pipeline group to span the world: pass group=None"
+            )
+        self.rank, self.emulated = rank, backend == "gloo"
+        pairs = sorted({(a, (a + d) % n) for a in range(n) for d in (1, -1) if (a + d) % n != a})
+        # (src, dst) -> (group, dst-or-src's rank in it, its global rank)
+        self._lanes: dict[tuple[int, int], tuple[Any, int, int]] = {}
+        for a, b in pairs:  # the same order on every rank: dist.new_group is collective
+            pg = dist.new_group([global_ranks[a], global_ranks[b]], timeout=timeout, backend=backend)
+            if rank in (a, b):
+                peer = global_ranks[b if rank == a else a]
+                self._lanes[(a, b)] = (pg, dist.get_group_rank(pg, peer), peer)
+
+    def _lane(self, q: int, send: bool) -> tuple[Any, int, int]:
+        lane = self._lanes.get((self.rank, q) if send else (q, self.rank))
+        if lane is None:
+            raise ValueError(
+                f"rank {self.rank} has no channel {'to' if send else 'from'} rank {q}: pipeline "
+                "messages go between neighbouring ranks only (stage s on rank s % p)"
+            )
+        return lane
+
+    def post(self, ops: Sequence[Op], what: str) -> Transfer:
+        """Post ``ops`` as one group; receives fill their tensors once the transfer is ordered."""
+        if self.emulated:
+            works: list[Any] = []
+            sent: list[torch.Tensor] = []
+            received: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for t, q, send in ops:
+                pg, peer, _ = self._lane(q, send)
+                be = pg._get_backend(torch.device("cpu"))
+                if send:
+                    works.append(be.send([t], peer, 0))
+                    sent.append(t)
+                else:
+                    staging = torch.empty_like(t)
+                    works.append(be.recv([staging], peer, 0))
+                    received.append((t, staging))
+            return EmuTransfer(works, sent, received, what)
+        lanes = {self._lane(q, send) for _, q, send in ops}
+        if len(lanes) != 1:  # an NCCL group on several channels would couple them again
+            raise RuntimeError(f"{what}: one NCCL group must stay on one channel, got {len(lanes)}")
+        ((pg, peer, global_peer),) = lanes
+        tensors = [t for t, _, _ in ops]
+        if len(ops) == 1:
+            t, _, send = ops[0]
+            work = pg.send([t], peer, 0) if send else pg.recv([t], peer, 0)
+            return NcclTransfer([work], tensors)
+        p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, global_peer, pg) for t, _, send in ops]
+        return NcclTransfer(list(dist.batch_isend_irecv(p2p)), tensors)
+
+    def pairs(self) -> Pairs:
+        """The gloo pairs a failure closes (the emulation's channels); none on NCCL."""
+        if not self.emulated:
+            return []
+        cpu = torch.device("cpu")
+        return [(pg._get_backend(cpu), peer) for pg, peer, _ in self._lanes.values()]
+
+    def abort(self) -> None:
+        """After a failure: stop every transfer in flight, so that waits raise and exit never hangs."""
+        if self.emulated:
+            close_pairs(self.pairs())
+            return
+        for pg, _, _ in self._lanes.values():
+            with contextlib.suppress(Exception):
+                pg.abort()  # NCCL: aborts the communicator; its kernels stop
+
+
+# per pipeline process group: made once (dist.new_group is collective), shared by its pipelines
+_made: weakref.WeakKeyDictionary[Any, Channels] = weakref.WeakKeyDictionary()
+
+
+def channels_for(
+    group: Any, rank: int, global_ranks: list[int], backend: str, timeout: datetime.timedelta
+) -> Channels:
+    """The channels of ``group`` (None: the world), made at the first call on every rank."""
+    from torch.distributed import distributed_c10d as c10d
+
+    key = group if group is not None else c10d._get_default_group()
+    made = _made.get(key)
+    if made is None:
+        made = _made[key] = Channels(rank, global_ranks, backend, timeout)
+    return made

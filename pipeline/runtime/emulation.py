@@ -1,0 +1,199 @@
+"""A strict NCCL emulation on gloo: the runtime's NCCL code path, run on CPU, failing where NCCL would.
+
+    STAGEWISE_EMULATE_NCCL=1   (set in every rank; read when a Pipeline's Comm is made)
+
+With it set on a gloo process group, ``Comm`` takes its NCCL code path wherever
+it would on NCCL (channels per ordered rank pair, one posted group per message,
+stream ordering on every receive, polled collectives) with gloo underneath,
+and makes NCCL's and CUDA's rules observable on CPU, at least as strictly:
+
+groups      a posted group completes only when every op in it is matched (its
+            waits wait for all of them), as an NCCL group does;
+devices     the step runs with ``torch.set_default_device("meta")`` in force
+            (``strict_devices``), so a tensor made without an explicit device is
+            a meta tensor, which the runtime's device guard refuses, as NCCL
+            would a CPU tensor;
+asynchrony  a receive lands in a staging buffer; the buffer compute reads holds
+            poison (NaN, or an out-of-range integer) until the default stream,
+            on which compute runs, is ordered after the transfer (directly, or
+            through another stream or an event). A missing ordering gives wrong
+            numbers, never silently right ones:
+
+    channel q -> r   [recv -> staging]
+                                     \\  order(default, transfer): staging -> buffer
+    default stream   [F0] ............ [F1 reads buffer]      (no order: F1 reads NaN)
+
+Sent tensors and receive buffers must not be written while a transfer is in
+flight (CUDA would race): a write is detected through the tensor's version
+counter and raises.
+
+The stand-in streams and events here are what ``stream.py`` hands out under
+the emulation; compute runs on ``DEFAULT``, the device's default stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT",
+    "ENV",
+    "EmuEvent",
+    "EmuStream",
+    "EmuTransfer",
+    "current",
+    "enabled",
+    "order",
+    "poison",
+    "record_event",
+    "strict_devices",
+    "use",
+    "wait_event",
+    "wait_stream",
+]
+
+ENV = "STAGEWISE_EMULATE_NCCL"
+
+
+def enabled() -> bool:
+    """True when this process runs the NCCL code path on gloo (``STAGEWISE_EMULATE_NCCL`` set, not 0)."""
+    return os.environ.get(ENV, "").strip() not in ("", "0")
+
+
+def strict_devices(active: bool) -> contextlib.AbstractContextManager[Any]:
+    """The step's device rule under the emulation: the default device is meta."""
+    return torch.device("meta") if active else contextlib.nullcontext()
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill ``t`` with what a read before the transfer must not mistake for data."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype is torch.bool:
+        t.fill_(True)
+    else:  # the most negative value: an index out of any range
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+class EmuTransfer:
+    """One posted group on gloo: ``works`` (every op's), the tensors it sends, the buffers it fills.
+
+    ``received`` holds (buffer compute reads, staging buffer gloo fills) pairs;
+    the buffer is poisoned here and filled only by ``materialize``.
+    """
+
+    __slots__ = ("done", "received", "sent", "visible", "what", "works")
+
+    def __init__(
+        self,
+        works: list[Any],
+        sent: Sequence[torch.Tensor],
+        received: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        what: str,
+    ) -> None:
+        self.works, self.what = works, what
+        for buf, _ in received:
+            poison(buf)
+        self.sent = [(t, t._version) for t in sent]
+        self.received = [(buf, staging, buf._version) for buf, staging in received]
+        self.done = False
+        self.visible = not received
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def complete(self, wait: Callable[[list[Any]], None]) -> None:
+        """Wait (``wait`` bounds it) for every op of the group, then check the sent tensors."""
+        if self.done:
+            return
+        wait(self.works)
+        self.done, self.works = True, []
+        for t, version in self.sent:
+            if t._version != version:
+                raise RuntimeError(
+                    f"a tensor sent for {self.what} was modified in place while the send was in "
+                    "flight; on NCCL the peer could receive the modified values: do not write to a "
+                    "stage's output after returning it"
+                )
+        self.sent = []
+
+    def materialize(self) -> None:
+        """Make the received data visible to compute: the default stream is ordered after it."""
+        if self.visible:
+            return
+        if not self.done:
+            raise RuntimeError(f"{self.what}: ordered a stream after a transfer that was not waited for")
+        for buf, staging, version in self.received:
+            if buf._version != version:
+                raise RuntimeError(
+                    f"the receive buffer of {self.what} was written before its transfer was ordered; "
+                    "on CUDA the transfer could overwrite it"
+                )
+            buf.copy_(staging)
+        self.received, self.visible = [], True
+
+
+class EmuStream:
+    """A CUDA stream stand-in: the completed transfers it is ordered after that compute cannot see yet."""
+
+    __slots__ = ("after", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.after: set[EmuTransfer] = set()
+
+    def __repr__(self) -> str:
+        return f"EmuStream({self.name!r})"
+
+
+class EmuEvent:
+    """A CUDA event stand-in: what its stream was ordered after when it was recorded."""
+
+    __slots__ = ("after",)
+
+    def __init__(self, after: Iterable[EmuTransfer]) -> None:
+        self.after = frozenset(after)
+
+
+DEFAULT = EmuStream("default")
+_current: list[EmuStream] = [DEFAULT]
+
+
+def current() -> EmuStream:
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def use(stream: EmuStream) -> Iterator[None]:
+    _current.append(stream)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def order(stream: EmuStream, transfers: Iterable[EmuTransfer]) -> None:
+    """``stream`` runs on only after ``transfers`` (each completed); on ``DEFAULT`` they become visible."""
+    if stream is DEFAULT:
+        for t in transfers:
+            t.materialize()
+    else:
+        stream.after.update(t for t in transfers if not t.visible)
+
+
+def wait_stream(waiter: EmuStream, target: EmuStream) -> None:
+    order(waiter, list(target.after))
+
+
+def record_event(stream: EmuStream) -> EmuEvent:
+    stream.after = {t for t in stream.after if not t.visible}
+    return EmuEvent(stream.after)
+
+
+def wait_event(stream: EmuStream, event: EmuEvent) -> None:
+    order(stream, event.after)
