@@ -196,9 +196,10 @@ def check_sendable(msgs: dict[Action, Msg], dtypes: Collection[torch.dtype], bac
     """Refuse, before any transfer, a stage boundary that carries a dtype ``backend`` cannot send."""
     for a in sorted(msgs, key=lambda a: (a.stage, a.microbatch, a.kind.value)):
         bad = [dt for _, dt in msgs[a].spec if dt not in dtypes]
-        if bad and a.kind in (Kind.SEND_F, Kind.SEND_B):
-            src, dst = (a.stage, a.stage + 1) if a.kind is Kind.SEND_F else (a.stage, a.stage - 1)
-            what = "outputs" if a.kind is Kind.SEND_F else "input gradients"
+        if bad:  # named from the sending stage, on both ends
+            src = a.stage if a.kind.is_send else a.peer_stage
+            dst = a.peer_stage if a.kind.is_send else a.stage
+            what = "outputs" if dst > src else "input gradients"
             raise ValueError(
                 f"stage {src}'s {what} for stage {dst} include a {str(bad[0]).replace('torch.', '')} "
                 f"tensor, which {backend} cannot send; convert it in the model (e.g. .to(torch.int32)) "

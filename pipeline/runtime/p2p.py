@@ -163,9 +163,9 @@ class Comm:
             )
         if t.device != self.device:
             hint = (
-                "it was made without an explicit device while the step ran with the default device "
-                f"set to meta ({self.backend} does this so that such tensors fail here, as a CPU "
-                "tensor fails on NCCL): pass device= to the factory"
+                "it was made without an explicit device while the default device was meta (the NCCL "
+                "emulation runs each step so, to catch such tensors as NCCL catches CPU ones): pass "
+                "device= to the factory"
                 if t.is_meta
                 else f"make it on {self.device} (Comm.empty / zeros / tensor) or move it there"
             )
@@ -175,8 +175,8 @@ class Comm:
             )
         if self.nccl and t.dtype not in NCCL_DTYPES:
             raise ValueError(
-                f"rank {self.rank}: {what} would send a {str(t.dtype).replace('torch.', '')} tensor "
-                f"({_fmt(t)}), which NCCL cannot send; use one of "
+                f"rank {self.rank}: {what} was handed a {str(t.dtype).replace('torch.', '')} tensor "
+                f"({_fmt(t)}), which NCCL cannot send or receive; use one of "
                 f"{sorted(str(d).replace('torch.', '') for d in NCCL_DTYPES)} between stages"
             )
 
