@@ -1,116 +1,394 @@
-"""Prepared single-GPU check of the executor's CUDA path; runs (with CUDA parts skipped) on CPU too.
+"""The prepared GPU check: the pipeline's CUDA and NCCL path on this machine, one command, one table.
 
-    python scripts/gpu_check.py            # about a minute on an H200, seconds on CPU
+    python scripts/gpu_check.py                          # 1 GPU; with N >= 2 it spawns N NCCL ranks
+    torchrun --nproc-per-node N scripts/gpu_check.py     # the same NCCL rows under torchrun
 
-What one GPU allows: the copy stream with pinned host memory, all stages of an
-interleaved schedule on one rank (world size 1, n_virtual 2..4, stages passing
-tensors locally), gradients checked against a single-process CPU run, and a
-pipeline step timed against the plain model. Prints one table.
+Rows (letters: p ranks, v stages per rank, m micro-batches):
+
+  stream ordering        a stand-in transfer (a copy held back on a side stream, as NCCL's stream
+                         runs late) consumed through the runtime's ordering: right; the same without
+                         ordering, and ordered on another stream (the old bug), must read poison,
+                         or the check could not see a missing ordering (FAIL)
+  pinned copy stream     Executor.to_device behind a busy copy stream: pinned, ordered before compute
+  one GPU, interleaved   all stages on one rank (v = 2..4) vs one process; busy time from CUDA events
+  NCCL <schedule>        every schedule (interleaved with m = p and m = 2p), fp32 and bf16, step
+                         and evaluate on p ranks vs one process running the same micro-batches
+  memory <schedule>      micro-batches held per stage vs the simulator's plan; CUDA peak per rank
+  killed rank            rank 1 SIGKILLed mid-step: named within seconds, no process left behind
+  step time              ours vs torch.distributed.pipelining (1F1B), same model and devices
+
+Without CUDA the GPU rows say "skipped" and the multi-rank rows run on 2 CPU ranks under
+the strict NCCL emulation (STAGEWISE_EMULATE_NCCL), which runs the same NCCL code path on
+gloo; a step-time row then also shows the emulation's own overhead. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.launch import RankError, init_distributed, launch
 from pipeline.reference.models import gpt, gpt_loss
-from pipeline.runtime import stream
+from pipeline.runtime import emulation
+from pipeline.runtime.channels import NcclTransfer
 from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.schedule import schedule
+from pipeline.schedules.simulate import simulate
 
-M = 8
+Row = tuple[str, str, str]
+_VOCAB, _SEQ = 96, 16
+_TOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: same micro-batches, but GPU reductions are not bitwise
 
 
 def _balance(n_layers: int, n_stages: int) -> list[int]:
     return [n_layers // n_stages + (1 if k < n_layers % n_stages else 0) for k in range(n_stages)]
 
 
-def _model(big: bool) -> tuple[torch.nn.Sequential, torch.Tensor, torch.Tensor]:
+def _model(n_layers: int, width: int = 32, batch: int = 16) -> tuple[nn.Sequential, torch.Tensor, Any]:
     torch.manual_seed(0)
-    kw = dict(width=512, n_layers=8, n_heads=8, max_seq_len=128, batch_size=32) if big else {}
-    model, x = gpt(**(kw or dict(width=32, n_layers=4, n_heads=2, max_seq_len=16, batch_size=16)))
-    return model, x, torch.randint(0, 96, x.shape)
+    model, x = gpt(vocab_size=_VOCAB, width=width, n_layers=n_layers, n_heads=2, max_seq_len=_SEQ,
+                   batch_size=batch)  # fmt: skip
+    return model, x, torch.randint(0, _VOCAB, x.shape)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float().cpu() - b.float().cpu()).abs().max() / b.abs().max().clamp_min(1e-12))
+    return float((a.float().cpu() - b.float().cpu()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
-def check_streams(rows: list[tuple[str, str, str]]) -> None:
+def _pipe(model: nn.Sequential, p: int, name: str, v: int, m: int, device: torch.device) -> Pipeline:
+    sched = schedule(name, p, m, n_virtual=v)
+    return Pipeline(model, _balance(len(model), p * v), schedule=sched, n_virtual=v, loss_fn=gpt_loss,
+                    device=device, timeout=60.0)  # fmt: skip
+
+
+# ---- one GPU
+
+
+class _DelayedCopy:
+    """An NCCL work stand-in: its data lands late on a side stream; ``wait`` orders the current stream."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, side: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s of GPU time: a late transfer
+            dst.copy_(src)
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.done.record(side)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.done)
+
+    def is_completed(self) -> bool:
+        return bool(self.done.query())  # type: ignore[no-untyped-call]
+
+
+def check_stream_ordering(rows: list[Row]) -> None:
+    label = "stream ordering (delayed side-stream copy)"
     if not torch.cuda.is_available():
-        rows.append(("copy stream + pinned H2D", "skipped", "no CUDA device"))
+        rows.append((label, "skipped", "no CUDA device"))
         return
     dev = torch.device("cuda")
-    host = stream.pin(torch.randn(1 << 22))
-    copy, compute = stream.new_stream(dev), stream.current_stream(dev)
-    out = stream.to_device(host, dev, copy, compute)
-    ok = host.is_pinned() and torch.equal(out.cpu(), host)
-    rows.append(("copy stream + pinned H2D", "ok" if ok else "FAIL", f"{host.numel() * 4 >> 20} MiB"))
+    side, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+    compute = torch.cuda.current_stream(dev)
+    src = torch.full((1 << 22,), 3.0, device=dev)
+
+    def consume(how: str) -> float:
+        dst = torch.full_like(src, float("nan"))  # what a read before the transfer sees
+        torch.cuda.synchronize()
+        transfer = NcclTransfer([_DelayedCopy(src, dst, side)], [dst])
+        if how == "ordered":
+            transfer.order(compute)  # the runtime's receive path (Comm.order on NCCL)
+        elif how == "other stream":
+            transfer.order(other)
+        out = float((dst * 2).sum())
+        torch.cuda.synchronize()
+        return out
+
+    good, missing, wrong = consume("ordered"), consume("none"), consume("other stream")
+    ok = good == 6.0 * src.numel()
+    sees = missing != missing and wrong != wrong  # NaN: the stand-in exposes a missing ordering
+    status = "ok" if ok and sees else "FAIL"
+    rows.append((label, status, f"ordered {'right' if ok else 'WRONG'}; unordered / other stream read "
+                 f"{'poison' if sees else 'data (check inconclusive)'}"))  # fmt: skip
 
 
-def check_interleaved(rows: list[tuple[str, str, str]], device: torch.device) -> None:
-    model, x, y = _model(big=False)
-    ref_model, _, _ = _model(big=False)
-    torch.autograd.backward(gpt_loss(ref_model(x), y))
-    ref = {k: p.grad for k, p in ref_model.named_parameters() if p.grad is not None}
+def check_copy_stream(rows: list[Row]) -> None:
+    label = "pinned copy stream (Executor.to_device)"
+    if not torch.cuda.is_available():
+        rows.append((label, "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda")
+    model, _, _ = _model(2)
+    pipe = Pipeline(model, [len(model)], schedule="gpipe", n_microbatches=1, loss_fn=gpt_loss, device=dev)
+    ex = pipe.executor
+    host = torch.randn(1 << 22)
+    with torch.cuda.stream(ex.copy_stream):  # type: ignore[arg-type]
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # the copy stream is busy: compute must wait for the copy
+    out = ex.to_device(host)
+    ok = bool(torch.equal(out.sum().cpu(), host.sum()))
+    rows.append((label, "ok" if ok else "FAIL", f"{host.numel() * 4 >> 20} MiB, ordered before compute"))
+
+
+def check_one_gpu(rows: list[Row]) -> None:
+    if not torch.cuda.is_available():
+        rows.append(("one GPU, interleaved v=2..4, busy from CUDA events", "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda")
+    model, x, y = _model(4)
+    torch.autograd.backward(gpt_loss(model(x), y))
+    ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     for v in (2, 3, 4):
-        model, _, _ = _model(big=False)
-        pipe = Pipeline(model, _balance(len(model), v), schedule="interleaved-1f1b", n_virtual=v,
-                        n_microbatches=M, loss_fn=gpt_loss, device=device)  # fmt: skip
+        model, x, y = _model(4)
+        sched = schedule("interleaved-1f1b", 1, 8, n_virtual=v)
+        pipe = Pipeline(model, _balance(len(model), v), schedule=sched, n_virtual=v, loss_fn=gpt_loss,
+                        device=dev)  # fmt: skip
+        start = time.perf_counter()
         pipe.step(x, y)
+        wall = time.perf_counter() - start
         worst = max(_rel(p.grad, ref[k]) for k, p in pipe.named_parameters() if p.grad is not None)
-        ok = worst < (1e-5 if device.type == "cpu" else 1e-3)  # TF32/cuBLAS vs CPU on a GPU
-        label = f"interleaved v={v} on {device.type} vs CPU"
-        rows.append((label, "ok" if ok else "FAIL", f"max rel {worst:.1e}"))
+        busy = pipe.busy_time
+        ok = worst < 1e-3 and 0 < busy <= wall  # TF32 may be on here: CPU vs GPU
+        rows.append((f"one GPU, interleaved v={v} vs CPU", "ok" if ok else "FAIL",
+                     f"max rel {worst:.1e}; busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms"))  # fmt: skip
 
 
-def _time(fn: object, device: torch.device, n: int) -> float:
-    assert callable(fn)
-    fn()
-    if device.type == "cuda":
+# ---- p ranks: NCCL (or its emulation)
+
+
+def _configs(p: int) -> list[tuple[str, int, int]]:
+    return [("gpipe", 1, 2 * p), ("1f1b", 1, 2 * p), ("zb-h1", 1, 2 * p),
+            ("interleaved-1f1b", 2, p), ("interleaved-1f1b", 2, 2 * p)]  # fmt: skip
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _rank_checks(emulate: bool) -> dict[str, Any]:
+    """On every rank: each schedule x dtype (loss, evaluation, grads, held, CUDA peak), and step times."""
+    if emulate:
+        os.environ[emulation.ENV] = "1"
+    p, dev = dist.get_world_size(), _device()
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    out: dict[str, Any] = {"busy": True}
+    for dtype in ("fp32", "bf16"):
+        for name, v, m in _configs(p):
+            model, x, y = _model(2 * p)
+            pipe = _pipe(model, p, name, v, m, dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                ev = pipe.evaluate(x, y)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                loss = pipe.step(x, y)
+            peak = torch.cuda.max_memory_allocated() - base if dev.type == "cuda" else 0
+            grads = {k: t.grad.float().cpu() for k, t in pipe.named_parameters() if t.grad is not None}
+            out[f"{dtype}/{name}/{m}"] = (loss, ev, grads, pipe.peak_activations(), peak)
+            out["busy"] = out["busy"] and pipe.busy_time > 0
+    out["time"] = _step_times(p, dev, emulate)
+    return out
+
+
+def _step_times(p: int, dev: torch.device, emulate: bool) -> dict[str, float]:
+    """Seconds per 1F1B step: ours (and ours on plain gloo under the emulation) and torch's."""
+    from torch.distributed import pipelining as tp
+
+    big = dev.type == "cuda"
+    model, x, y = _model(4 * p, width=512 if big else 32, batch=32 if big else 16)
+    m = 2 * p
+    ours = _pipe(model, p, "1f1b", 1, m, dev)
+    times = {"ours": _timed(lambda: ours.step(x, y), dev)}
+    if emulate:  # the same runtime on the same gloo ranks, off the emulation (read when a Pipeline is made)
+        os.environ[emulation.ENV] = "0"
+        plain = _pipe(model, p, "1f1b", 1, m, dev)
+        os.environ[emulation.ENV] = "1"
+        times["ours, plain gloo"] = _timed(lambda: plain.step(x, y), dev)
+    rank, bounds = dist.get_rank(), [sum(_balance(len(model), p)[:s]) for s in range(p + 1)]
+    stage = tp.PipelineStage(model[bounds[rank] : bounds[rank + 1]].to(dev), rank, p, dev)
+    sched = tp.Schedule1F1B(stage, m, loss_fn=gpt_loss)
+    xd, yd = x.to(dev), y.to(dev)
+
+    def torch_step() -> None:
+        if rank == 0:
+            sched.step(xd)
+        else:
+            sched.step(target=yd) if rank == p - 1 else sched.step()
+
+    times["torch.distributed.pipelining"] = _timed(torch_step, dev)
+    return times
+
+
+def _timed(step: Any, dev: torch.device, n: int = 5) -> float:
+    step()
+    dist.barrier()
+    if dev.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(n):
-        fn()
-    if device.type == "cuda":
+        step()
+    if dev.type == "cuda":
         torch.cuda.synchronize()
+    dist.barrier()
     return (time.perf_counter() - start) / n
 
 
-def check_step_time(rows: list[tuple[str, str, str]], device: torch.device) -> None:
-    big = device.type == "cuda"
-    model, x, y = _model(big)
-    plain = model.to(device)
-    xd, yd = x.to(device), y.to(device)
+def _reference(p: int, m: int, dtype: str, dev: torch.device) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """One process over the same micro-batches (sum of loss / m), and the mean evaluation loss."""
+    model, x, y = _model(2 * p)
+    model.to(dev)
+    total, chunks = 0.0, list(zip(x.chunk(m), y.chunk(m), strict=True))
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.no_grad():
+            model.eval()
+            ev = sum(float(gpt_loss(model(a.to(dev)), b.to(dev))) for a, b in chunks) / m
+            model.train()
+        for a, b in chunks:
+            loss = gpt_loss(model(a.to(dev)), b.to(dev)) / m
+            loss.backward()  # type: ignore[no-untyped-call]
+            total += float(loss.detach())
+    return total, ev, {k: t.grad.float().cpu() for k, t in model.named_parameters() if t.grad is not None}
 
-    def plain_step() -> None:
-        torch.autograd.backward(gpt_loss(plain(xd), yd))
 
-    t_plain = _time(plain_step, device, 10 if big else 3)
-    model, x, y = _model(big)
-    pipe = Pipeline(model, _balance(len(model), 2), schedule="interleaved-1f1b", n_virtual=2,
-                    n_microbatches=M, loss_fn=gpt_loss, device=device)  # fmt: skip
-    t_pipe = _time(lambda: pipe.step(x, y), device, 10 if big else 3)
-    rows.append((f"step time on {device.type}: pipeline (v=2, m={M}) / plain", "info",
-                 f"{t_pipe * 1e3:.1f} ms / {t_plain * 1e3:.1f} ms = {t_pipe / t_plain:.2f}x"))  # fmt: skip
+def _matrix_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str) -> list[Row]:
+    p, rows = len(per_rank), []
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    for dtype in ("fp32", "bf16"):
+        for name, v, m in _configs(p):
+            key = f"{dtype}/{name}/{m}"
+            loss_ref, ev_ref, grads_ref = _reference(p, m, dtype, dev)
+            merged = {k: g for r in per_rank for k, g in r[key][2].items()}
+            same = set(merged) == set(grads_ref)
+            worst = max(_rel(merged[k], g) for k, g in grads_ref.items()) if same else 1.0
+            losses = [abs(r[key][0] - loss_ref) / loss_ref for r in per_rank]
+            evs = [abs(r[key][1] - ev_ref) / ev_ref for r in per_rank]
+            ok = max(worst, *losses, *evs) < _TOL[dtype]
+            detail = f"max rel grads {worst:.1e}, losses {max(losses + evs):.1e}"
+            rows.append((f"{backend} {name} v={v} m={m} {dtype}: step + evaluate vs one process",
+                         "ok" if ok else "FAIL", detail))  # fmt: skip
+    for name, _, m in _configs(p)[:3]:  # one stage per rank: held per stage = the plan's per rank
+        sched = schedule(name, p, m)
+        planned = simulate(sched, forward=1.0, backward=2.0, weight=1.0 if sched.split_backward else 0.0)
+        held = [per_rank[r][f"fp32/{name}/{m}"][3][r] for r in range(p)]
+        ok = all(h <= want for h, want in zip(held, planned.peak_activations, strict=True))
+        peaks = [per_rank[r][f"fp32/{name}/{m}"][4] / 2**20 for r in range(p)]
+        mem = f"; CUDA peak MiB {[round(x, 1) for x in peaks]}" if dev.type == "cuda" else ""
+        rows.append((f"memory {name} m={m}: micro-batches held vs plan", "ok" if ok else "FAIL",
+                     f"held {held}, plan {planned.peak_activations}{mem}"))  # fmt: skip
+    rows.append(("busy time > 0 on every rank", "ok" if all(r["busy"] for r in per_rank) else "FAIL", ""))
+    times = per_rank[0]["time"]
+    ours = times["ours"]
+    detail = ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in times.items())
+    detail += f"; ours / torch = {ours / times['torch.distributed.pipelining']:.2f}"
+    if "ours, plain gloo" in times:
+        detail += f"; emulation overhead {ours / times['ours, plain gloo']:.2f}x"
+    rows.append((f"step time, 1F1B on {p} ranks", "info", detail))
+    return rows
 
 
-def main() -> int:
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, device {name}")
-    rows: list[tuple[str, str, str]] = []
-    check_streams(rows)
-    check_interleaved(rows, device)
-    check_step_time(rows, device)
+def _killed(folder: str, emulate: bool) -> None:
+    if emulate:
+        os.environ[emulation.ENV] = "1"
+    rank, p, dev = dist.get_rank(), dist.get_world_size(), _device()
+    Path(folder, f"pid{rank}").write_text(str(os.getpid()))
+    model, x, y = _model(2 * p)
+    pipe = _pipe(model, p, "1f1b", 1, 2 * p, dev)
+    for k in range(3):
+        if k == 1 and rank == 1:
+            Path(folder, "killed_at").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        pipe.step(x, y)
+
+
+def check_killed(rows: list[Row], p: int, backend: str, emulate: bool) -> None:
+    label = f"killed rank ({backend}, {p} ranks)"
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            launch(_killed, p, folder, emulate, backend=backend, timeout=120.0)
+        except RankError as exc:
+            named = time.time() - float(Path(folder, "killed_at").read_text())
+            gone = all(not _alive(int(Path(folder, f"pid{r}").read_text())) for r in range(p))
+            ok = exc.rank == 1 and named < 10.0 and gone
+            left = "no process left" if gone else "PROCESSES LEFT"
+            rows.append(
+                (label, "ok" if ok else "FAIL", f"rank {exc.rank} named {named:.1f} s after the kill; {left}")
+            )
+            return
+    rows.append((label, "FAIL", "the launch returned although rank 1 was killed"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ---- the table
+
+
+def _print(rows: list[Row]) -> int:
     width = max(len(r[0]) for r in rows)
     for name, status, detail in rows:
         print(f"{name:<{width}}  {status:<7}  {detail}")
     return 1 if any(r[1] == "FAIL" for r in rows) else 0
+
+
+def _single_gpu_rows() -> list[Row]:
+    rows: list[Row] = []
+    check_stream_ordering(rows)
+    check_copy_stream(rows)
+    check_one_gpu(rows)
+    return rows
+
+
+def main() -> int:
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if cuda else "no CUDA device"
+    if "LOCAL_RANK" in os.environ and "MASTER_ADDR" in os.environ:  # under torchrun
+        init_distributed("nccl" if cuda else "gloo")
+        rows = _single_gpu_rows() if dist.get_rank() == 0 else []
+        emulate = not cuda
+        mine = _rank_checks(emulate)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        if dist.get_rank() != 0:
+            return 0
+        print(f"torch {torch.__version__}, {dist.get_world_size()} ranks under torchrun, {name}")
+        rows += _matrix_rows(per_rank, _device(), "nccl-emulated" if emulate else "nccl")
+        rows.append(("killed rank", "skipped", "torchrun tears the job down: run without torchrun"))
+        return _print(rows)
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    print(f"torch {torch.__version__}, {n_gpus} GPUs ({name})")
+    rows = _single_gpu_rows()
+    if n_gpus >= 2:
+        p, backend, emulate = min(n_gpus, 8), "nccl", False
+    elif not cuda:
+        p, backend, emulate = 2, "gloo", True
+    else:
+        rows.append(("NCCL schedules, memory, killed rank, step time", "skipped", "needs >= 2 GPUs"))
+        return _print(rows)
+    per_rank = launch(_rank_checks, p, emulate, backend=backend, timeout=600.0)
+    dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    label = "nccl-emulated" if emulate else "nccl"
+    rows += _matrix_rows(per_rank, dev, label)
+    check_killed(rows, p, backend, emulate)
+    return _print(rows)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime.metadata import HEADER_LEN, autocast_mode, decode, encode, send_tensors, set_specs
+from pipeline.runtime.metadata import (
+    HEADER_LEN,
+    autocast_mode,
+    check_sendable,
+    decode,
+    encode,
+    encode_words,
+    send_tensors,
+    set_specs,
+)
+from pipeline.runtime.p2p import NCCL_DTYPES
 from pipeline.runtime.program import Msg
 from pipeline.schedules.actions import Action, Kind
 
@@ -59,3 +69,21 @@ def test_send_checks_name_stage_and_signatures() -> None:
     want += r"but stage 0 expects \[4, 8\] float32"
     with pytest.raises(ValueError, match=want):
         send_tensors(g)
+
+
+def test_header_is_made_on_the_given_device_and_decodes_from_words() -> None:
+    sig = (((2, 3), torch.float32),)
+    with torch.device("meta"):  # the NCCL emulation's default device: nothing here may rely on it
+        assert encode(sig, 1).device == torch.device("cpu")
+        assert encode(sig, 1, "meta").is_meta
+        assert decode(encode_words(sig, 1)) == (sig, 1)
+
+
+def test_unsendable_dtypes_are_named_by_boundary_on_both_ends() -> None:
+    recv_b = Msg(Action(0, Kind.RECV_B, 2), 1)
+    recv_b.spec = (((4,), torch.float32), ((4,), torch.int16))
+    with pytest.raises(ValueError, match=r"^stage 1's input gradients for stage 0 include a int16 tensor, "
+                       r"which NCCL cannot send; convert it"):  # fmt: skip
+        check_sendable({recv_b.action: recv_b}, NCCL_DTYPES, "NCCL")  # type: ignore[dict-item]
+    recv_b.spec = (((4,), torch.float32),)
+    check_sendable({recv_b.action: recv_b}, NCCL_DTYPES, "NCCL")  # type: ignore[dict-item]

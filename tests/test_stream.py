@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pipeline.runtime import stream
+from pipeline.runtime.emulation import DEFAULT, EmuStream
 from pipeline.runtime.stream import CPUStream
 
 cpu = torch.device("cpu")
@@ -21,12 +22,23 @@ def test_cpu_stand_in() -> None:
     assert stream.to_device(x, cpu, CPUStream, CPUStream) is x
 
 
-def test_pin_without_cuda_is_identity() -> None:
+def test_pin_only_for_a_cuda_target() -> None:
     x = torch.ones(3)
+    assert stream.pin(x) is x and stream.pin(x, cpu) is x  # a CPU run never touches CUDA, GPU host or not
     if torch.cuda.is_available():
-        assert stream.pin(x).is_pinned()
-    else:
-        assert stream.pin(x) is x
+        assert stream.pin(x, torch.device("cuda")).is_pinned()
+
+
+def test_emulated_streams_and_events() -> None:
+    side = stream.new_stream(cpu, emulated=True, name="copy")
+    assert isinstance(side, EmuStream) and not stream.is_cuda(side)
+    assert stream.current_stream(cpu, emulated=True) is DEFAULT is stream.default_stream(cpu, True)
+    with stream.use_stream(side):
+        assert stream.current_stream(cpu, emulated=True) is side
+    assert stream.current_stream(cpu, emulated=True) is DEFAULT
+    event = stream.record_event(side)
+    assert stream.event_done(event) and stream.event_done(stream.record_event(CPUStream))
+    stream.wait_event(DEFAULT, event)  # ordering itself is tested in test_nccl_emulation.py
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.py runs this)")

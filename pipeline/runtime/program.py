@@ -20,12 +20,14 @@ Sends are never waited for inside the step except where they are known to be
 done. A send X to rank q is done once q has waited for it; so if q, after the
 compute that consumes X, sends some Y back, X is done by the time Y arrives
 here. Each send is attached here to the first such receive (read off q's
-lowered list), and waited for (a no-op that frees its tensors) just after it:
+lowered list), and ordered just after it (it frees the send's tensors; on gloo
+the wait returns at once, on NCCL the compute stream waits for an event the
+device has passed already):
 
     rank r:  SEND_F(s,i) ......................... RECV_B(s,i) -> reap SEND_F(s,i)
     rank q:       RECV_F(s+1,i) -> F(s+1,i) ... B(s+1,i) -> SEND_B(s+1,i)
 
-Sends with no such receive (the last ones of the step) are waited for at the
+Sends with no such receive (the last ones of the step) are ordered at the
 step's end.
 """
 
