@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from pipeline.schedules.actions import Action, Kind, parse_action
-from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, schedule, schedule_options
+from pipeline.schedules.schedule import (
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    default_n_virtual,
+    schedule,
+    schedule_options,
+)
 
 # p: ranks, v: virtual stages per rank, m: micro-batches
 
@@ -199,6 +206,7 @@ def test_schedule_refuses_what_schedule_options_refuses(args: tuple[object, ...]
 )
 def test_schedule_options_defaults(args: tuple[object, ...], expected: tuple[int, int]) -> None:
     assert schedule_options(*args) == expected  # type: ignore[arg-type]
+    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1]
     name, p, *rest = args
     m = rest[0] if rest else None
     v = rest[1] if len(rest) > 1 else None
