@@ -99,6 +99,35 @@ def test_recomputed_dropout_draws_the_masks_of_its_forward(split_backward: bool,
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_recomputation_updates_batchnorm_statistics_once(split_backward: bool) -> None:
+    def run(recompute: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2))
+        x, y = torch.randn(16, 4), torch.randn(16, 2)
+        kw = dict(
+            n_stages=2, n_microbatches=M, split_backward=split_backward, recompute=recompute, device=cpu
+        )
+        s0 = StageRuntime(0, model[:2], loss_fn=None, **kw)  # type: ignore[arg-type]
+        s1 = StageRuntime(1, model[2:], loss_fn=nn.functional.mse_loss, **kw)  # type: ignore[arg-type]
+        for i, (xi, yi) in enumerate(zip(split(x, M), split(y, M), strict=True)):
+            s1.forward(i, s0.forward(i, xi), yi)
+        for i in range(M):
+            s0.backward(i, s1.backward(i, None))
+            if split_backward:
+                s1.weight(i)
+                s0.weight(i)
+        return dict(model.state_dict()), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    state_ref, grads_ref = run("never")
+    state, grads = run("always")
+    assert int(state["1.num_batches_tracked"]) == M
+    for k, t in state.items():
+        torch.testing.assert_close(t, state_ref[k], rtol=0.0, atol=0.0)
+    for g, ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-6, atol=0.0)
+
+
 def test_split_b_computes_no_weight_gradients() -> None:
     model, x = mlp(width=8, depth=3, batch_size=2)
     stage = StageRuntime(

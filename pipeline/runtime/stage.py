@@ -152,12 +152,23 @@ class StageRuntime:
         return None if self.is_last else out
 
     def _replay(self, saved: _Saved) -> None:
-        """Rebuild a recomputed micro-batch's graph with the RNG state of its F."""
+        """Rebuild a recomputed micro-batch's graph with the RNG state of its F.
+
+        The buffers are put back afterwards: F updated them already (BatchNorm's
+        running statistics, ``num_batches_tracked``), and a second update would
+        count the micro-batch twice.
+        """
         assert saved.rng is not None
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             saved.rng.restore()
             with torch.enable_grad():
                 out = self._run(saved.inputs, saved.target, saved.chain if self.split else None, record=False)
+        # through .data: the graph holds the buffers as inputs (BatchNorm's running statistics),
+        # so a tracked write would fail its backward's version check, although a training-mode
+        # backward never reads them (and in eval mode their values are unchanged)
+        for b, before in buffers:
+            b.data.copy_(before)
         saved.outputs = None if self.split else out
 
     # ---- backward
