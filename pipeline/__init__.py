@@ -8,7 +8,7 @@ from pipeline.launch import DistInfo, RankError, init_distributed, launch
 from pipeline.plan import Plan, StagePlan
 from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.recompute import CHECKPOINT_MODES
+from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
 from pipeline.schedules.actions import Action, Kind, format_action, parse_action
 from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
 from pipeline.schedules.simulate import simulate
@@ -18,6 +18,7 @@ from pipeline.schedules.validate import validate
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "RECOMPUTE_MODES",
     "SCHEDULES",
     "Action",
     "DistInfo",
