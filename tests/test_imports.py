@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -177,3 +179,22 @@ def test_layers_import_one_way() -> None:
     broken = [chain for sources, forbidden in rules for chain in forbidden_imports(graph, sources, forbidden)]
     more = f"\n... and {len(broken) - 20} more" if len(broken) > 20 else ""
     assert not broken, "imports against the layering:\n" + "\n".join(broken[:20]) + more
+
+
+def test_the_schedule_ir_loads_without_torch_or_the_runtime() -> None:
+    # pipeline/__init__ loads the runtime lazily: the IR is plain data that tools can import alone
+    code = (
+        "import sys; import pipeline.schedules.schedule, pipeline.schedules.simulate, "
+        "pipeline.schedules.trace; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pipeline.runtime')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names_resolve() -> None:
+    import pipeline
+
+    for name in pipeline.__all__:
+        assert getattr(pipeline, name) is not None, name
