@@ -1,14 +1,34 @@
 """stagewise's runtime: schedules as data, a simulator, and an executor across processes.
 
-``pipeline.schedule`` is the schedule factory; import the module's other names with
-``from pipeline.schedules.schedule import ...``.
+    pipeline/
+      plan.py           Plan: what every rank of a run agrees on (balance, schedule, m, v, recompute)
+      schedules/        the schedule IR, pure data (no processes, no torch.distributed): actions,
+                        generators, schedule, validate, simulate, timeline, trace
+      runtime/          what executes a plan: pipe (Pipeline), options, executor, program, stage,
+                        p2p, metadata, stream, microbatch, recompute, grads, gather
+      launch.py         start ranks: local processes, or join a torchrun job
+      checkpointing.py  save and load training state with torch.distributed.checkpoint
+      reference/        reference models and data for the scripts, tests and examples (not the runtime)
+
+Index letters, with these meanings in every module's comments (partitioner/ too):
+
+    p   pipeline ranks (the devices of one pipeline); r a rank, q a peer rank
+    v   stages per rank ("virtual" stages: 2 or more only for interleaved-1f1b)
+    k   stages in all, k = p * v; s a stage, held by rank s % p; c = s // p its chunk there
+    m   micro-batches per step; i a micro-batch
+    n   layers of the model; l a layer
+    t   a step of a rank's action list
+    B, T, C, V   tensor shapes: batch, sequence, channels (width), vocabulary
+
+``pipeline.schedule`` is the schedule factory; the IR's other names live in
+``pipeline.schedules.<module>``.
 """
 
-from pipeline.launch import DistInfo, RankError, init_distributed, launch
-from pipeline.plan import Plan, StagePlan
-from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
-from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.recompute import CHECKPOINT_MODES
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pipeline.schedules.actions import Action, Kind, format_action, parse_action
 from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
 from pipeline.schedules.simulate import simulate
@@ -16,8 +36,41 @@ from pipeline.schedules.timeline import TimedAction, Timeline
 from pipeline.schedules.trace import chrome_trace, render_grid, write_chrome_trace
 from pipeline.schedules.validate import validate
 
+if TYPE_CHECKING:
+    from pipeline.launch import DistInfo, RankError, init_distributed, launch
+    from pipeline.plan import Plan, StagePlan
+    from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
+    from pipeline.runtime.pipe import Pipeline
+    from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
+
+# The runtime (torch, processes) loads on first use, so that ``import pipeline.schedules`` is pure data.
+_LAZY = {
+    "DistInfo": "pipeline.launch",
+    "RankError": "pipeline.launch",
+    "init_distributed": "pipeline.launch",
+    "launch": "pipeline.launch",
+    "Plan": "pipeline.plan",
+    "StagePlan": "pipeline.plan",
+    "PeerFailure": "pipeline.runtime.p2p",
+    "PipelineTimeout": "pipeline.runtime.p2p",
+    "Pipeline": "pipeline.runtime.pipe",
+    "CHECKPOINT_MODES": "pipeline.runtime.recompute",
+    "RECOMPUTE_MODES": "pipeline.runtime.recompute",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "CHECKPOINT_MODES",
+    "RECOMPUTE_MODES",
     "SCHEDULES",
     "Action",
     "DistInfo",
