@@ -8,7 +8,6 @@ allocation without an explicit device would be refused), and equal one process.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pipeline.plan import Plan
 from pipeline.reference.models import mlp
-from pipeline.runtime import emulation
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.p2p import Comm
 from pipeline.runtime.pipe import Pipeline
@@ -55,7 +54,7 @@ def _gloo_checks() -> dict[str, Any]:
     )
     # a whole step and evaluation with the default device set to meta: nothing relies on it
     model, x, y = _build()
-    pipe = Pipeline(model, [2, 2], schedule="1f1b", n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    pipe = Pipeline(model, Plan(balance=[2, 2], n_microbatches=4), loss_fn=nn.functional.mse_loss)
     with torch.device("meta"):
         loss = pipe.step(x, y)
         ev = pipe.evaluate(x, y)
@@ -120,14 +119,13 @@ class _Drop(nn.Module):
 
 
 def _int16_under_emulation() -> str:
-    os.environ[emulation.ENV] = "1"
     model = nn.Sequential(nn.Linear(4, 4), _Ids(), _Drop(), nn.Linear(4, 4))
-    pipe = Pipeline(model, [2, 2], schedule="1f1b", n_microbatches=2, loss_fn=nn.functional.mse_loss)
+    pipe = Pipeline(model, Plan(balance=[2, 2], n_microbatches=2), loss_fn=nn.functional.mse_loss)
     return _error(lambda: pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
 
 
 def test_a_dtype_nccl_cannot_send_is_refused_at_the_first_step(tmp_path: Path) -> None:
-    r0, r1 = run_ranks(tmp_path, _int16_under_emulation, 2)
+    r0, r1 = run_ranks(tmp_path, _int16_under_emulation, 2, backend="nccl-emulated")
     assert r0 == (
         "ValueError: stage 0's outputs for stage 1 include a int16 tensor, which NCCL cannot send; "
         "convert it in the model (e.g. .to(torch.int32)) to one of ['bfloat16', 'bool', 'float16', "

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.launch import RankError
+from pipeline.plan import Plan
 from pipeline.reference.models import mlp
 from pipeline.runtime import emulation, stream
 from pipeline.runtime.emulation import DEFAULT, EmuStream, EmuTransfer
 from pipeline.runtime.pipe import Pipeline
-from pipeline.schedules.schedule import schedule
 from tests.dist import run_ranks
 
 BATCH, WIDTH, DEPTH = 8, 8, 8
@@ -155,13 +155,13 @@ def _balance(n_stages: int) -> list[int]:
 
 
 def _pipeline(model: nn.Sequential, name: str, v: int, m: int, ckpt: str, **kw: Any) -> Pipeline:
-    p = dist.get_world_size()
-    return Pipeline(model, _balance(p * v), schedule=schedule(name, p, m, n_virtual=v), n_virtual=v,
-                    checkpoint=ckpt, loss_fn=nn.functional.mse_loss, **kw)  # fmt: skip
+    plan = Plan(balance=_balance(dist.get_world_size() * v), schedule=name, n_microbatches=m, n_virtual=v,
+                recompute=ckpt)  # fmt: skip
+    return Pipeline(model, plan, loss_fn=nn.functional.mse_loss, **kw)
 
 
 def _emulated_matrix() -> dict[str, Any]:
-    os.environ[emulation.ENV] = "1"
+    assert os.environ.get(emulation.ENV) == "1"
     out: dict[str, Any] = {}
     for (model_name, name, v, m), ckpt in itertools.product(_configs(dist.get_world_size()), CHECKPOINTS):
         model, x, y = _build(model_name)
@@ -171,6 +171,15 @@ def _emulated_matrix() -> dict[str, Any]:
         loss = pipe.step(x, y)
         grads = {k: t.grad.detach().clone() for k, t in pipe.named_parameters() if t.grad is not None}
         out[f"{model_name}/{name}/m={m}/{ckpt}"] = (loss, ev, grads)
+    # the optimizer step's companions (collectives on the group) and the state gather (p = 4: rank 2
+    # is no neighbour of rank 0, so its message leaves the channels)
+    model, x, y = _build("mlp")
+    pipe = _pipeline(model, "1f1b", 1, 4, "never", timeout=20.0)
+    pipe.step(x, y)
+    finite = pipe.grads_finite()
+    norm = pipe.clip_grad_norm_(0.1)
+    clipped = {k: t.grad.detach().clone() for k, t in pipe.named_parameters() if t.grad is not None}
+    out["clip"] = (finite, norm, clipped, pipe.gather_state_dict())
     return out
 
 
@@ -190,7 +199,7 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_schedule_equals_one_process_under_the_emulation(tmp_path: Path, p: int) -> None:
-    results = run_ranks(tmp_path, _emulated_matrix, p, timeout=120.0)
+    results = run_ranks(tmp_path, _emulated_matrix, p, timeout=120.0, backend="nccl-emulated")
     for (model_name, name, _, m), ckpt in itertools.product(_configs(p), CHECKPOINTS):
         key = f"{model_name}/{name}/m={m}/{ckpt}"
         loss_ref, ev_ref, grads_ref = _reference(model_name, m)
@@ -202,6 +211,17 @@ def test_every_schedule_equals_one_process_under_the_emulation(tmp_path: Path, p
         for k, g in merged.items():
             rel = float((g - grads_ref[k]).abs().max() / grads_ref[k].abs().max().clamp_min(1e-12))
             assert rel < 1e-5, f"{key}: {k} relative error {rel:.2e}"
+    model, x, y = _build("mlp")
+    nn.functional.mse_loss(model(x), y).backward()
+    norm_ref = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
+    clipped = {k: g for r in results for k, g in r["clip"][2].items()}
+    for k, t in model.named_parameters():
+        assert t.grad is not None and float((clipped[k] - t.grad).abs().max() / t.grad.abs().max()) < 1e-5
+    for finite, norm, _, _ in (r["clip"] for r in results):
+        assert finite is True and _rel(norm, norm_ref) < 1e-5
+    state = results[0]["clip"][3]
+    assert list(state) == list(model.state_dict()) and all(r["clip"][3] is None for r in results[1:])
+    assert all(torch.equal(state[k], t) for k, t in model.state_dict().items())
 
 
 # ---- failures under the emulation
@@ -232,7 +252,7 @@ def _scenario(kind: str) -> tuple[str, str, float]:
     else:
         layers[2], timeout = _Boom(), 1.0  # the last stage turns too slow after a good step
     torch.manual_seed(0)
-    pipe = Pipeline(nn.Sequential(*layers), [2, 2], schedule="1f1b", n_microbatches=4,
+    pipe = Pipeline(nn.Sequential(*layers), Plan(balance=[2, 2], n_microbatches=4),
                     loss_fn=nn.functional.mse_loss, group=group, timeout=timeout)  # fmt: skip
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     if kind == "timeout":  # set up before the clock starts: time the wait
@@ -248,7 +268,6 @@ def _scenario(kind: str) -> tuple[str, str, float]:
 
 
 def _failures() -> dict[str, list[Any]]:
-    os.environ[emulation.ENV] = "1"
     out = {}
     for kind in ("raise", "timeout"):
         result = _scenario(kind)
@@ -259,7 +278,7 @@ def _failures() -> dict[str, list[Any]]:
 
 
 def test_a_raise_and_a_timeout_are_named_within_seconds(tmp_path: Path) -> None:
-    results = run_ranks(tmp_path, _failures, 2, timeout=60.0)[0]
+    results = run_ranks(tmp_path, _failures, 2, timeout=60.0, backend="nccl-emulated")[0]
     (k0, m0, t0), (k1, m1, _) = results["raise"]
     assert (k1, m1) == ("RuntimeError", "boom in a stage")
     assert k0 == "PeerFailure" and t0 < 5.0
@@ -272,13 +291,12 @@ def test_a_raise_and_a_timeout_are_named_within_seconds(tmp_path: Path) -> None:
 
 
 def _killed(folder: str) -> None:
-    os.environ[emulation.ENV] = "1"
     Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
     # stage 1 (rank 1) dies at its sixth call: the shape inference, the first step's 4 forwards, then
     # the second step's first forward
     boom = _Boom(at=6, kill_note=str(Path(folder, "killed_at")))
     layers: list[nn.Module] = [nn.Linear(4, 4), boom, nn.Linear(4, 4), nn.Linear(4, 4)]
-    pipe = Pipeline(nn.Sequential(*layers), [1, 1, 1, 1], schedule="1f1b", n_microbatches=4,
+    pipe = Pipeline(nn.Sequential(*layers), Plan(balance=[1, 1, 1, 1], n_microbatches=4),
                     loss_fn=nn.functional.mse_loss, timeout=30.0)  # fmt: skip
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     for _ in range(3):
@@ -287,7 +305,7 @@ def _killed(folder: str) -> None:
 
 def test_a_killed_rank_is_named_within_seconds_and_leaves_no_process(tmp_path: Path) -> None:
     with pytest.raises(RankError, match=r"rank 1 exited with code -9") as info:
-        run_ranks(tmp_path, _killed, 4, str(tmp_path), timeout=60.0)
+        run_ranks(tmp_path, _killed, 4, str(tmp_path), timeout=60.0, backend="nccl-emulated")
     assert info.value.rank == 1
     assert time.time() - float((tmp_path / "killed_at").read_text()) < 5.0  # the pipeline's timeout is 30 s
     for r in range(4):

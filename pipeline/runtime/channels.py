@@ -18,7 +18,9 @@ channel waits on another and no send ever holds the host or the compute
 stream back: a schedule runs exactly when it runs in the validator's
 non-blocking-send model, its default, interleaved with m > p included.
 
-A message is posted as one group on its channel (several tensors: one NCCL
+Messages between ranks that are not neighbours (only ``gather_state_dict``'s,
+outside the step) go on the pipeline's group itself. A message is posted as one
+group on its channel (several tensors: one NCCL
 group, which completes when all of it is matched, as the peer's single group
 does); ``post`` returns one transfer per group, as NCCL returns one work per
 batch. Collectives never use the channels, so they never queue behind them.
@@ -73,7 +75,9 @@ Transfer = NcclTransfer | EmuTransfer
 class Channels:
     """This rank's channels in a pipeline group of ``len(global_ranks)`` ranks (group rank ``rank``)."""
 
-    def __init__(self, rank: int, global_ranks: list[int], backend: str, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self, group: Any, rank: int, global_ranks: list[int], backend: str, timeout: datetime.timedelta
+    ) -> None:
         n = len(global_ranks)
         if n != dist.get_world_size():
             raise ValueError(
@@ -81,7 +85,11 @@ class Channels:
                 "on NCCL (and its emulation) the pipeline's channels are made with dist.new_group, "
                 "which needs the pipeline group to span the world: pass group=None"
             )
-        self.rank, self.emulated = rank, backend == "gloo"
+        from torch.distributed import distributed_c10d as c10d
+
+        self.rank, self.emulated, self._global = rank, backend == "gloo", global_ranks
+        # weak: the cache below is keyed by the group, which its value must not keep alive
+        self._group = weakref.ref(group if group is not None else c10d._get_default_group())
         pairs = sorted({(a, (a + d) % n) for a in range(n) for d in (1, -1) if (a + d) % n != a})
         # (src, dst) -> (group, dst-or-src's rank in it, its global rank)
         self._lanes: dict[tuple[int, int], tuple[Any, int, int]] = {}
@@ -92,12 +100,10 @@ class Channels:
                 self._lanes[(a, b)] = (pg, dist.get_group_rank(pg, peer), peer)
 
     def _lane(self, q: int, send: bool) -> tuple[Any, int, int]:
+        """(group, q's rank in it, q's global rank): q's channel, or the pipeline's group."""
         lane = self._lanes.get((self.rank, q) if send else (q, self.rank))
-        if lane is None:
-            raise ValueError(
-                f"rank {self.rank} has no channel {'to' if send else 'from'} rank {q}: pipeline "
-                "messages go between neighbouring ranks only (stage s on rank s % p)"
-            )
+        if lane is None:  # not a neighbour: only outside the step (gather_state_dict)
+            return self._group(), q, self._global[q]
         return lane
 
     def post(self, ops: Sequence[Op], what: str) -> Transfer:
@@ -159,5 +165,5 @@ def channels_for(
     key = group if group is not None else c10d._get_default_group()
     made = _made.get(key)
     if made is None:
-        made = _made[key] = Channels(rank, global_ranks, backend, timeout)
+        made = _made[key] = Channels(group, rank, global_ranks, backend, timeout)
     return made

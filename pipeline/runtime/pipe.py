@@ -22,6 +22,15 @@ A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
 the failed rank and the action they were waiting for (see p2p.py).
+
+Devices. The stages live on the communication device unless ``device`` says
+otherwise: this rank's CUDA device on NCCL, the CPU on gloo (a CPU run on a
+GPU host never touches CUDA). Inputs are copied there by the executor (pinned
+memory, a copy stream, ``non_blocking``); the loss, flags and norms are made
+on it by the ``Comm``. Under the NCCL emulation (``STAGEWISE_EMULATE_NCCL``)
+``step``, ``evaluate``, ``clip_grad_norm_`` and ``grads_finite`` run with the
+default device set to meta, so that a tensor made without an explicit device
+fails at once, as it would on NCCL.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import resource
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import grads, stream
+from pipeline.runtime import emulation, grads
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.microbatch import Batch, split
@@ -103,9 +113,10 @@ class Pipeline:
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
         self.n_microbatches = self.schedule.n_microbatches
         self.rank = dist.get_rank(group) if distributed else 0
-        if device is None:
-            on_gpu = distributed and dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self._prefix = _store_prefix(group, distributed)
+        self.comm = Comm(group, self._prefix, timeout) if distributed else None
+        if device is None:  # where the backend communicates: CUDA on NCCL, else the CPU
+            device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.device = torch.device(device)
         n_stages = len(self.balance)
         self._stage_ids = self.schedule.stages_of(self.rank)
@@ -124,8 +135,6 @@ class Pipeline:
             )
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
-        self._prefix = _store_prefix(group, distributed)
-        self.comm = Comm(group, self._prefix, timeout) if distributed else None
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
@@ -216,7 +225,7 @@ class Pipeline:
         if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm >= 0:
             raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
         gs = self._grads()
-        with self._publish_failure():
+        with self._publish_failure(), self._strict_devices():
             total = grads.total_norm(gs, norm_type, self.comm, self._comm_device())
         value = float(total)
         # every rank has the same value, so every rank raises the same error
@@ -232,7 +241,7 @@ class Pipeline:
     def grads_finite(self) -> bool:
         """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
         gs = self._grads()
-        with self._publish_failure():
+        with self._publish_failure(), self._strict_devices():
             return grads.all_finite(gs, self.comm, self._comm_device())
 
     # ---- the step
@@ -244,9 +253,11 @@ class Pipeline:
         other ranks may pass None. ``record`` keeps this step's measured timeline
         (see ``timeline`` and ``write_trace``).
         """
-        with self._publish_failure():
+        with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
+            if self.device.type == "cuda":  # memory_stats(): this step's peak
+                torch.cuda.reset_peak_memory_stats(self.device)
             xs, ys = self._microbatches(inputs, targets)
             self.executor.run(xs, ys, record)
             return self._loss()
@@ -269,7 +280,7 @@ class Pipeline:
             )
         modes = [(mod, mod.training) for stage in self._modules for mod in stage.modules()]
         try:
-            with self._publish_failure():
+            with self._publish_failure(), self._strict_devices():
                 if not self._agreed:
                     self._agree()
                 xs, ys = self._microbatches(inputs, targets)
@@ -295,27 +306,27 @@ class Pipeline:
                 self.comm.publish(text)
             raise
 
+    def _strict_devices(self) -> contextlib.AbstractContextManager[Any]:
+        """Under the NCCL emulation: the default device is meta (see the module docstring)."""
+        return emulation.strict_devices(self.comm is not None and self.comm.emulated)
+
     def _microbatches(self, inputs: Batch | None, targets: Any) -> tuple[list[Batch], list[Any]]:
+        """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches."""
         m, ex = self.n_microbatches, self.executor
         xs: list[Batch] = []
         ys: list[Any] = []
         if 0 in self.stages:
             if inputs is None:
                 raise ValueError(f"rank {self.rank} holds stage 0 but step() got no inputs; pass the batch")
-            xs = [self._to_device(x, ex) for x in split(_pinned(inputs), m, what="inputs")]
+            xs = split(ex.to_device(inputs), m, what="inputs")
         if self.schedule.n_stages - 1 in self.stages:
             if targets is None:
                 raise ValueError(
                     f"rank {self.rank} holds the last stage ({self.schedule.n_stages - 1}) but step() got no "
                     "targets; pass targets=... on this rank (the loss is computed there)"
                 )
-            ys = [self._to_device(y, ex) for y in split(_pinned(targets), m, what="targets")]
+            ys = split(ex.to_device(targets), m, what="targets")
         return xs, ys
-
-    def _to_device(self, x: Batch, ex: Executor) -> Batch:
-        if isinstance(x, tuple):
-            return tuple(stream.to_device(t, self.device, ex.copy_stream, ex.compute_stream) for t in x)
-        return stream.to_device(x, self.device, ex.copy_stream, ex.compute_stream)
 
     def _agree(self) -> None:
         """At the first step: every rank runs the same schedule, micro-batch count and balance."""
@@ -335,7 +346,8 @@ class Pipeline:
 
     def _loss(self) -> float:
         last = self.stages.get(self.schedule.n_stages - 1)
-        value = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+        comm = self.comm
+        value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
         if last is not None:
             value += torch.stack(last.losses).float().sum().to(value.device) / self.n_microbatches
         if self.comm is not None and self.comm.world_size > 1:
@@ -343,14 +355,37 @@ class Pipeline:
         return float(value)
 
     def _comm_device(self) -> torch.device:
-        return self.device if self.comm is not None and self.comm.nccl else torch.device("cpu")
+        """Where flags, norms and the loss travel: the Comm's device (the stages' one alone)."""
+        return self.comm.device if self.comm is not None else self.device
 
     # ---- measurements of the last step
 
     @property
     def busy_time(self) -> float:
-        """Seconds this rank spent in compute actions in the last step (host clock)."""
+        """Seconds this rank spent in compute actions in the last step: GPU time from CUDA events
+        on a GPU (a device synchronisation), host time on CPU."""
         return self.executor.busy
+
+    def memory_stats(self) -> dict[str, Any]:
+        """This rank's memory: bytes from the CUDA allocator on a GPU, the process's on CPU.
+
+        ``peak``: the most allocated during the last ``step`` (GPU; ``step`` resets the
+        allocator's peak counter) or the process's peak resident size (CPU, since it
+        started); ``allocated`` now (GPU; None on CPU); ``held``: per local stage, the
+        most micro-batches whose activations it held at once in the last step.
+        """
+        held = self.peak_activations()
+        if self.device.type == "cuda":
+            return {
+                "device": str(self.device),
+                "source": "CUDA allocator",
+                "peak": torch.cuda.max_memory_allocated(self.device),
+                "allocated": torch.cuda.memory_allocated(self.device),
+                "held": held,
+            }
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"device": str(self.device), "source": "process peak RSS", "peak": rss, "allocated": None,
+                "held": held}  # fmt: skip
 
     def peak_activations(self) -> dict[int, int]:
         """Per local stage: the most micro-batches whose activations it held at once in the last step."""
@@ -390,12 +425,6 @@ def _store_prefix(group: Any, distributed: bool) -> str:
     if distributed:
         members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     return f"stagewise/pipe{next(_instances.setdefault(members, itertools.count()))}"
-
-
-def _pinned(batch: Any) -> Any:
-    if isinstance(batch, tuple):
-        return tuple(stream.pin(t) for t in batch)
-    return stream.pin(batch) if isinstance(batch, torch.Tensor) else batch
 
 
 def _summary(config: str) -> str:
