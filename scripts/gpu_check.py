@@ -13,7 +13,8 @@ Rows (letters: p ranks, v stages per rank, m micro-batches):
   one GPU, interleaved   all stages on one rank (v = 2..4) vs one process; busy time from CUDA events
   NCCL <schedule>        every schedule (interleaved with m = p and m = 2p), fp32 and bf16, step
                          and evaluate on p ranks vs one process running the same micro-batches
-  memory <schedule>      micro-batches held per stage vs the simulator's plan; CUDA peak per rank
+  memory <schedule>      micro-batches held per stage vs the plan's count (partitioner.memory);
+                         on GPUs each rank's CUDA peak (Pipeline.memory_stats) vs plan_for's bytes
   killed rank            rank 1 SIGKILLed mid-step: named within seconds, no process left behind
   step time              ours vs torch.distributed.pipelining (1F1B), same model and devices
 
@@ -38,13 +39,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from partitioner import plan_for, profile
+from partitioner.memory import in_flight
 from pipeline.launch import RankError, init_distributed, launch
+from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss
 from pipeline.runtime import emulation
 from pipeline.runtime.channels import NcclTransfer
 from pipeline.runtime.pipe import Pipeline
-from pipeline.schedules.schedule import schedule
-from pipeline.schedules.simulate import simulate
 
 Row = tuple[str, str, str]
 _VOCAB, _SEQ = 96, 16
@@ -66,10 +68,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float().cpu() - b.float().cpu()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
-def _pipe(model: nn.Sequential, p: int, name: str, v: int, m: int, device: torch.device) -> Pipeline:
-    sched = schedule(name, p, m, n_virtual=v)
-    return Pipeline(model, _balance(len(model), p * v), schedule=sched, n_virtual=v, loss_fn=gpt_loss,
-                    device=device, timeout=60.0)  # fmt: skip
+def _plan(n_layers: int, p: int, name: str, v: int, m: int) -> Plan:
+    return Plan(balance=_balance(n_layers, p * v), schedule=name, n_microbatches=m, n_virtual=v)
+
+
+def _pipe(
+    model: nn.Sequential, p: int, name: str, v: int, m: int, device: torch.device, group: Any = None
+) -> Pipeline:
+    plan = _plan(len(model), p, name, v, m)
+    return Pipeline(model, plan, loss_fn=gpt_loss, device=device, group=group, timeout=60.0)
 
 
 # ---- one GPU
@@ -122,15 +129,14 @@ def check_stream_ordering(rows: list[Row]) -> None:
                  f"{'poison' if sees else 'data (check inconclusive)'}"))  # fmt: skip
 
 
-def check_copy_stream(rows: list[Row]) -> None:
+def check_copy_stream(rows: list[Row], group: Any) -> None:
     label = "pinned copy stream (Executor.to_device)"
     if not torch.cuda.is_available():
         rows.append((label, "skipped", "no CUDA device"))
         return
     dev = torch.device("cuda")
     model, _, _ = _model(2)
-    pipe = Pipeline(model, [len(model)], schedule="gpipe", n_microbatches=1, loss_fn=gpt_loss, device=dev)
-    ex = pipe.executor
+    ex = _pipe(model, 1, "gpipe", 1, 1, dev, group).executor
     host = torch.randn(1 << 22)
     with torch.cuda.stream(ex.copy_stream):  # type: ignore[arg-type]
         torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # the copy stream is busy: compute must wait for the copy
@@ -139,7 +145,7 @@ def check_copy_stream(rows: list[Row]) -> None:
     rows.append((label, "ok" if ok else "FAIL", f"{host.numel() * 4 >> 20} MiB, ordered before compute"))
 
 
-def check_one_gpu(rows: list[Row]) -> None:
+def check_one_gpu(rows: list[Row], group: Any) -> None:
     if not torch.cuda.is_available():
         rows.append(("one GPU, interleaved v=2..4, busy from CUDA events", "skipped", "no CUDA device"))
         return
@@ -149,9 +155,7 @@ def check_one_gpu(rows: list[Row]) -> None:
     ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     for v in (2, 3, 4):
         model, x, y = _model(4)
-        sched = schedule("interleaved-1f1b", 1, 8, n_virtual=v)
-        pipe = Pipeline(model, _balance(len(model), v), schedule=sched, n_virtual=v, loss_fn=gpt_loss,
-                        device=dev)  # fmt: skip
+        pipe = _pipe(model, 1, "interleaved-1f1b", v, 8, dev, group)
         start = time.perf_counter()
         pipe.step(x, y)
         wall = time.perf_counter() - start
@@ -176,11 +180,9 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _rank_checks(emulate: bool) -> dict[str, Any]:
-    """On every rank: each schedule x dtype (loss, evaluation, grads, held, CUDA peak), and step times."""
-    if emulate:
-        os.environ[emulation.ENV] = "1"
-    p, dev = dist.get_world_size(), _device()
+def _rank_checks() -> dict[str, Any]:
+    """On every rank: each schedule x dtype (loss, evaluation, grads, held, peak memory), and step times."""
+    p, dev, emulate = dist.get_world_size(), _device(), emulation.enabled()
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     out: dict[str, Any] = {"busy": True}
@@ -190,14 +192,10 @@ def _rank_checks(emulate: bool) -> dict[str, Any]:
             pipe = _pipe(model, p, name, v, m, dev)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 ev = pipe.evaluate(x, y)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
                 loss = pipe.step(x, y)
-            peak = torch.cuda.max_memory_allocated() - base if dev.type == "cuda" else 0
+            memory = pipe.memory_stats()
             grads = {k: t.grad.float().cpu() for k, t in pipe.named_parameters() if t.grad is not None}
-            out[f"{dtype}/{name}/{m}"] = (loss, ev, grads, pipe.peak_activations(), peak)
+            out[f"{dtype}/{name}/{m}"] = (loss, ev, grads, memory["held"], memory["peak"])
             out["busy"] = out["busy"] and pipe.busy_time > 0
     out["time"] = _step_times(p, dev, emulate)
     return out
@@ -280,15 +278,22 @@ def _matrix_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str
             detail = f"max rel grads {worst:.1e}, losses {max(losses + evs):.1e}"
             rows.append((f"{backend} {name} v={v} m={m} {dtype}: step + evaluate vs one process",
                          "ok" if ok else "FAIL", detail))  # fmt: skip
-    for name, _, m in _configs(p)[:3]:  # one stage per rank: held per stage = the plan's per rank
-        sched = schedule(name, p, m)
-        planned = simulate(sched, forward=1.0, backward=2.0, weight=1.0 if sched.split_backward else 0.0)
-        held = [per_rank[r][f"fp32/{name}/{m}"][3][r] for r in range(p)]
-        ok = all(h <= want for h, want in zip(held, planned.peak_activations, strict=True))
-        peaks = [per_rank[r][f"fp32/{name}/{m}"][4] / 2**20 for r in range(p)]
-        mem = f"; CUDA peak MiB {[round(x, 1) for x in peaks]}" if dev.type == "cuda" else ""
-        rows.append((f"memory {name} m={m}: micro-batches held vs plan", "ok" if ok else "FAIL",
-                     f"held {held}, plan {planned.peak_activations}{mem}"))  # fmt: skip
+    n_layers = len(_model(2 * p)[0])
+    for name, v, m in _configs(p):
+        key, plan = f"fp32/{name}/{m}", _plan(n_layers, p, name, v, m)
+        want = in_flight(plan.build_schedule())  # per stage, the plan's count
+        held = [per_rank[s % p][key][3][s] for s in range(p * v)]
+        detail = f"held {held}, plan {want}"
+        if dev.type == "cuda":  # each rank's peak against the plan's bytes for its stages
+            model, x, _ = _model(2 * p)
+            prof = profile(model.to(dev), x.chunk(m)[0].to(dev), device=dev)
+            stages = plan_for(prof, plan.balance, schedule=name, n_microbatches=m, n_virtual=v,
+                              optimizer_state_factor=0.0).stages  # fmt: skip
+            planned = [sum(st.memory_bytes for st in stages[r::p]) for r in range(p)]
+            ratios = [per_rank[r][key][4] / planned[r] for r in range(p)]
+            detail += f"; CUDA peak / planned bytes per rank {[round(x, 2) for x in ratios]}"
+        rows.append((f"memory {name} v={v} m={m}: micro-batches held", "ok" if held == want else "FAIL",
+                     detail))  # fmt: skip
     rows.append(("busy time > 0 on every rank", "ok" if all(r["busy"] for r in per_rank) else "FAIL", ""))
     times = per_rank[0]["time"]
     ours = times["ours"]
@@ -300,9 +305,7 @@ def _matrix_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str
     return rows
 
 
-def _killed(folder: str, emulate: bool) -> None:
-    if emulate:
-        os.environ[emulation.ENV] = "1"
+def _killed(folder: str) -> None:
     rank, p, dev = dist.get_rank(), dist.get_world_size(), _device()
     Path(folder, f"pid{rank}").write_text(str(os.getpid()))
     model, x, y = _model(2 * p)
@@ -314,11 +317,11 @@ def _killed(folder: str, emulate: bool) -> None:
         pipe.step(x, y)
 
 
-def check_killed(rows: list[Row], p: int, backend: str, emulate: bool) -> None:
+def check_killed(rows: list[Row], p: int, backend: str) -> None:
     label = f"killed rank ({backend}, {p} ranks)"
     with tempfile.TemporaryDirectory() as folder:
         try:
-            launch(_killed, p, folder, emulate, backend=backend, timeout=120.0)
+            launch(_killed, p, folder, backend=backend, timeout=120.0)
         except RankError as exc:
             named = time.time() - float(Path(folder, "killed_at").read_text())
             gone = all(not _alive(int(Path(folder, f"pid{r}").read_text())) for r in range(p))
@@ -349,11 +352,12 @@ def _print(rows: list[Row]) -> int:
     return 1 if any(r[1] == "FAIL" for r in rows) else 0
 
 
-def _single_gpu_rows() -> list[Row]:
+def _single_gpu_rows(group: Any = None) -> list[Row]:
+    """``group``: a one-rank group under torchrun (the checks run on one process's GPU)."""
     rows: list[Row] = []
     check_stream_ordering(rows)
-    check_copy_stream(rows)
-    check_one_gpu(rows)
+    check_copy_stream(rows, group)
+    check_one_gpu(rows, group)
     return rows
 
 
@@ -361,10 +365,11 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if cuda else "no CUDA device"
     if "LOCAL_RANK" in os.environ and "MASTER_ADDR" in os.environ:  # under torchrun
-        init_distributed("nccl" if cuda else "gloo")
-        rows = _single_gpu_rows() if dist.get_rank() == 0 else []
-        emulate = not cuda
-        mine = _rank_checks(emulate)
+        init_distributed("nccl" if cuda else None)  # None: gloo, or its NCCL emulation if exported
+        solo = dist.new_group([0])  # every rank makes it; rank 0 runs the one-GPU checks in it
+        rows = _single_gpu_rows(solo) if dist.get_rank() == 0 else []
+        emulate = emulation.enabled()
+        mine = _rank_checks()
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         if dist.get_rank() != 0:
@@ -377,17 +382,16 @@ def main() -> int:
     print(f"torch {torch.__version__}, {n_gpus} GPUs ({name})")
     rows = _single_gpu_rows()
     if n_gpus >= 2:
-        p, backend, emulate = min(n_gpus, 8), "nccl", False
+        p, backend = min(n_gpus, 8), "nccl"
     elif not cuda:
-        p, backend, emulate = 2, "gloo", True
+        p, backend = 2, "nccl-emulated"
     else:
         rows.append(("NCCL schedules, memory, killed rank, step time", "skipped", "needs >= 2 GPUs"))
         return _print(rows)
-    per_rank = launch(_rank_checks, p, emulate, backend=backend, timeout=600.0)
+    per_rank = launch(_rank_checks, p, backend=backend, timeout=600.0)
     dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    label = "nccl-emulated" if emulate else "nccl"
-    rows += _matrix_rows(per_rank, dev, label)
-    check_killed(rows, p, backend, emulate)
+    rows += _matrix_rows(per_rank, dev, backend)
+    check_killed(rows, p, backend)
     return _print(rows)
 
 
