@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
 from pipeline.reference.models import mlp
+from pipeline.runtime import stream
 from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.actions import parse_action
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
 
@@ -27,3 +32,42 @@ def test_one_rank_interleaved_runs_in_schedule_order_without_comm() -> None:
     sim = simulate(pipe.schedule, forward=1.0, backward=1.0)
     assert [e.action for e in sim.of_rank(0)] == [e.action for e in events]
     assert ex._local and all(m.value is None for m in ex._local.values())  # every hand-over consumed
+
+
+class _Polls:
+    """A Comm stand-in that records what ``poll`` would wait for and name."""
+
+    def __init__(self) -> None:
+        self.polls: list[tuple[bool, str]] = []
+
+    def poll(self, done: Any, what: Any) -> None:
+        self.polls.append((done(), what()))
+
+
+class _Work:
+    def __init__(self, completed: bool) -> None:
+        self.completed = completed
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def test_run_ahead_waits_for_the_compute_two_back_and_names_the_open_receive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, _ = mlp(width=4, depth=2, batch_size=4)
+    ex = Pipeline(model, [2], schedule="gpipe", n_microbatches=2, loss_fn=nn.functional.mse_loss).executor
+    comm = _Polls()
+    ex.comm = comm  # type: ignore[assignment]
+    device_done = False
+    monkeypatch.setattr(stream, "event_done", lambda event: device_done)
+    ex._ends.extend([(parse_action("0F0"), None), (parse_action("0F1"), None)])
+    ex._ordered.extend([("0RECV_B0 from rank 1", [_Work(True)]), ("0RECV_B1 from rank 1", [_Work(False)])])
+    ex._run_ahead_wait()  # the device has not finished 0F0: wait, naming the receive that never came
+    assert comm.polls == [(False, "0RECV_B1 from rank 1")]
+    ex._ordered.clear()
+    ex._run_ahead_wait()
+    assert comm.polls[-1] == (False, "the device to finish 0F0")
+    device_done = True
+    ex._run_ahead_wait()
+    assert len(comm.polls) == 2  # finished: no wait

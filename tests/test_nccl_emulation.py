@@ -249,7 +249,7 @@ def _scenario(kind: str) -> tuple[str, str, float]:
     timeout = 20.0
     if kind == "raise":
         layers[2] = _Boom(at=3)  # stage 1 (rank 1) fails at its third forward
-    else:
+    elif kind == "timeout":
         layers[2], timeout = _Boom(), 1.0  # the last stage turns too slow after a good step
     torch.manual_seed(0)
     pipe = Pipeline(nn.Sequential(*layers), Plan(balance=[2, 2], n_microbatches=4),
@@ -258,8 +258,16 @@ def _scenario(kind: str) -> tuple[str, str, float]:
     if kind == "timeout":  # set up before the clock starts: time the wait
         pipe.step(x, y)
         layers[2].sleep = 3.0  # type: ignore[assignment]
+    if kind == "collective":  # rank 0 waits in a collective (polled on the NCCL path) when rank 1 fails
+        pipe.step(x, y)
+        if dist.get_rank() == 1:
+            assert pipe.comm is not None
+            pipe.comm.publish("RuntimeError: boom after the step")
+            return "published", "", 0.0
     start = time.monotonic()
     try:
+        if kind == "collective":
+            pipe.grads_finite()
         for _ in range(2):
             pipe.step(x, y)
     except Exception as exc:
@@ -269,7 +277,7 @@ def _scenario(kind: str) -> tuple[str, str, float]:
 
 def _failures() -> dict[str, list[Any]]:
     out = {}
-    for kind in ("raise", "timeout"):
+    for kind in ("raise", "timeout", "collective"):
         result = _scenario(kind)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
@@ -277,7 +285,7 @@ def _failures() -> dict[str, list[Any]]:
     return out
 
 
-def test_a_raise_and_a_timeout_are_named_within_seconds(tmp_path: Path) -> None:
+def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(tmp_path: Path) -> None:
     results = run_ranks(tmp_path, _failures, 2, timeout=60.0, backend="nccl-emulated")[0]
     (k0, m0, t0), (k1, m1, _) = results["raise"]
     assert (k1, m1) == ("RuntimeError", "boom in a stage")
@@ -288,6 +296,12 @@ def test_a_raise_and_a_timeout_are_named_within_seconds(tmp_path: Path) -> None:
     assert k0 == "PipelineTimeout" and t0 < 3.0
     assert m0 == "rank 0 timed out after 1.0 s waiting for 0RECV_B0 from rank 1"
     assert k1 == "PeerFailure" and m1.endswith(m0)
+    (k0, m0, t0), _ = results["collective"]
+    assert k0 == "PeerFailure" and t0 < 2.0  # the failure key is read while polling, not the timeout
+    assert m0 == (
+        "rank 1 failed while rank 0 waited for the all-finite flag's all-reduce (grads_finite): "
+        "RuntimeError: boom after the step"
+    )
 
 
 def _killed(folder: str) -> None:
