@@ -71,3 +71,14 @@ def test_run_ahead_waits_for_the_compute_two_back_and_names_the_open_receive(
     device_done = True
     ex._run_ahead_wait()
     assert len(comm.polls) == 2  # finished: no wait
+
+
+def test_memory_stats_on_cpu() -> None:
+    torch.manual_seed(0)
+    model, x = mlp(width=8, depth=4, batch_size=8)
+    pipe = Pipeline(model, [4], schedule="gpipe", n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    pipe.step(x, torch.randn(8, 8))
+    stats = pipe.memory_stats()
+    assert stats["device"] == "cpu" and stats["source"] == "process peak RSS" and stats["allocated"] is None
+    assert stats["peak"] > 10 * 2**20  # at least the interpreter and torch
+    assert stats["held"] == pipe.peak_activations() == {0: 4}  # gpipe holds every micro-batch
