@@ -1,6 +1,6 @@
 """The banded backward DP of ``partitioner.solve`` (cut costs, per-stage speeds or memory).
 
-    # n: layers, k: stages, i: layer, j: stage, w: band width, g[j][a]: best bottleneck of j..k-1 from a
+    # n: layers, k: stages, l: layer, s: stage, w: band width, g[s][a]: best bottleneck of s..k-1 from a
 
 The algorithm, its band and its tie rule are explained in ``partitioner.solve``'s docstring. This
 module owns the DP (``_dp``, its core ``_dp_core``), the greedy upper bound that sizes the band
@@ -22,8 +22,15 @@ __all__ = ["_dp", "_dp_core", "_min_max_memory", "_upper_bound", "_width"]
 _INF = math.inf
 
 
-def _dp(prefix: list[float], k: int, cut: list[float] | None, speed: list[float] | None,
-        rows: list[list[float]] | None, limits: list[float], ub: float | None = None) -> list[int] | None:
+def _dp(
+    prefix: list[float],
+    k: int,
+    cut: list[float] | None,
+    speed: list[float] | None,
+    rows: list[list[float]] | None,
+    limits: list[float],
+    ub: float | None = None,
+) -> list[int] | None:
     """Exact banded DP over (stage, start); returns the stage ends, or None if no balance costs <= ub.
 
     ``ub`` defaults to ``_upper_bound``, the price of a real balance (inf if that one overflows
@@ -32,90 +39,101 @@ def _dp(prefix: list[float], k: int, cut: list[float] | None, speed: list[float]
     n = len(prefix) - 1
     if ub is None:
         ub = _upper_bound(prefix, k, cut, speed, rows, limits)
-    p = np.asarray(prefix)
-    w = _width(p, ub, 1.0 if speed is None else max(speed))
+    pre = np.asarray(prefix)
+    w = _width(pre, ub, 1.0 if speed is None else max(speed))
     starts = max(0, min(n - 2, (k - 2) * w) + 1)  # every stage but the last starts at a < starts
-    span = _band(p, w, starts)  # (starts, w): [a, d] = P[b] - P[a] for the stage [a, b = a+1+d)
+    span = _band(pre, w, starts)  # (starts, w): [a, d] = P[b] - P[a] for the stage [a, b = a+1+d)
     cut_at_end = None if cut is None else _band(np.asarray([0.0, *cut]), w, starts, diff=False)
     mrows = None if rows is None else [np.asarray(r) for r in rows]
-    mem = None if mrows is None else [_band(m, w, starts) for m in mrows]
+    mem = None if mrows is None else [_band(row, w, starts) for row in mrows]
 
-    def stage(j: int, lo: int, hi: int) -> np.ndarray:  # (hi-lo, w): C_j for starts lo .. hi-1, j < k-1
-        c = span[lo:hi] if speed is None else span[lo:hi] / speed[j]
+    def stage(s: int, lo: int, hi: int) -> np.ndarray:  # (hi-lo, w): C_s for starts lo .. hi-1, s < k-1
+        c = span[lo:hi] if speed is None else span[lo:hi] / speed[s]
         if cut_at_end is not None:
             c = c + cut_at_end[lo:hi]  # [a, d] = cut_costs[b - 1]
         if mem is not None:
-            c = np.where(mem[_row(mem, j)][lo:hi] <= limits[j], c, _INF)
+            c = np.where(mem[_row(mem, s)][lo:hi] <= limits[s], c, _INF)
         return c
 
     def last(lo: int, hi: int) -> np.ndarray:  # (hi-lo,): C_{k-1}[a, n], no cut after the last stage
-        c: np.ndarray = p[n] - p[lo:hi] if speed is None else (p[n] - p[lo:hi]) / speed[k - 1]
+        c: np.ndarray = pre[n] - pre[lo:hi] if speed is None else (pre[n] - pre[lo:hi]) / speed[k - 1]
         if mrows is not None:
-            m = mrows[_row(mrows, k - 1)]
-            c = np.where(m[n] - m[lo:hi] <= limits[k - 1], c, _INF)
+            row = mrows[_row(mrows, k - 1)]
+            c = np.where(row[n] - row[lo:hi] <= limits[k - 1], c, _INF)
         return c
 
     opt, g = _dp_core(n, k, w, stage, last)
     if opt == _INF or opt > ub:  # the banded value is never below the optimum, so that exceeds ub
         return None
     ends, a = [], 0
-    for j in range(k - 1):
-        ok = (stage(j, a, a + 1)[0] <= opt) & (g[j + 1][a + 1 : a + 1 + w] <= opt)
+    for s in range(k - 1):
+        ok = (stage(s, a, a + 1)[0] <= opt) & (g[s + 1][a + 1 : a + 1 + w] <= opt)
         a += 1 + int(np.flatnonzero(ok)[-1])  # the latest boundary that still allows the optimum
         ends.append(a)
     ends.append(n)
     return ends
 
 
-def _dp_core(n: int, k: int, w: int, stage: Callable[[int, int, int], np.ndarray],
-             last: Callable[[int, int], np.ndarray]) -> tuple[float, list[np.ndarray]]:
-    # g[j][a] = the best bottleneck of stages j..k-1 covering layers [a, n) with stages of <= w
+def _dp_core(
+    n: int,
+    k: int,
+    w: int,
+    stage: Callable[[int, int, int], np.ndarray],
+    last: Callable[[int, int], np.ndarray],
+) -> tuple[float, list[np.ndarray]]:
+    # g[s][a] = the best bottleneck of stages s..k-1 covering layers [a, n) with stages of <= w
     # layers; inf where impossible, and on a tail of w entries past n so windows need no bounds.
     #   g[k-1][a] = C_{k-1}[a, n]
-    #   g[j][a]   = min over b in a+1 .. a+w of max(C_j[a, b], g[j+1][b])
+    #   g[s][a]   = min over b in a+1 .. a+w of max(C_s[a, b], g[s+1][b])
     g = [np.full(n + 1 + w, _INF) for _ in range(k)]
-    for j in range(k - 1, -1, -1):
-        # stage j starts after j stages of 1..w layers and leaves k-j stages of 1..w layers
-        lo, hi = max(j, n - (k - j) * w), min(n - (k - j), j * w) + 1
+    for s in range(k - 1, -1, -1):
+        # stage s starts after s stages of 1..w layers and leaves k-s stages of 1..w layers
+        lo, hi = max(s, n - (k - s) * w), min(n - (k - s), s * w) + 1
         if lo >= hi:
             break  # no start fits: g[0][0] stays inf
-        if j == k - 1:
-            g[j][lo:hi] = last(lo, hi)
+        if s == k - 1:
+            g[s][lo:hi] = last(lo, hi)
         else:
-            after = sliding_window_view(g[j + 1][1:], w)[lo:hi]  # [a, d] = g[j+1][a+1+d], no copy
-            g[j][lo:hi] = np.maximum(stage(j, lo, hi), after).min(axis=1)
+            after = sliding_window_view(g[s + 1][1:], w)[lo:hi]  # [a, d] = g[s+1][a+1+d], no copy
+            g[s][lo:hi] = np.maximum(stage(s, lo, hi), after).min(axis=1)
     return float(g[0][0]), g
 
 
-def _upper_bound(prefix: list[float], k: int, cut: list[float] | None, speed: list[float] | None,
-                 rows: list[list[float]] | None, limits: list[float]) -> float:
+def _upper_bound(
+    prefix: list[float],
+    k: int,
+    cut: list[float] | None,
+    speed: list[float] | None,
+    rows: list[list[float]] | None,
+    limits: list[float],
+) -> float:
     """The bottleneck of a good balance, priced as the DP prices it; inf if none of those tried fits.
 
     Greedy fill for a time threshold t (each stage takes the most layers within t and its memory),
     t bisected between the perfect split and anything-goes; the cheapest balance seen wins.
     """
     n = len(prefix) - 1
-    s = [1.0] * k if speed is None else speed
+    speeds = [1.0] * k if speed is None else speed
 
     def greedy(t: float) -> tuple[float, bool]:  # (price of the greedy balance, whether it fit t)
         a, fits, worst = 0, True, 0.0
-        for j in range(k):
-            cap = n - (k - 1 - j)  # leave one layer for each later stage
-            b = bisect.bisect_right(prefix, prefix[a] + t * s[j], a + 1, cap + 1) - 1
+        for s in range(k):
+            cap = n - (k - 1 - s)  # leave one layer for each later stage
+            b = bisect.bisect_right(prefix, prefix[a] + t * speeds[s], a + 1, cap + 1) - 1
             if rows is not None:
-                m = rows[_row(rows, j)]
-                b = min(b, bisect.bisect_right(m, m[a] + limits[j], a + 1, cap + 1) - 1)
-            if b <= a or (j == k - 1 and b < n):
-                fits, b = False, (n if j == k - 1 else a + 1)
-            c = prefix[b] - prefix[a] if speed is None else (prefix[b] - prefix[a]) / speed[j]
-            if cut is not None and j < k - 1:
+                row = rows[_row(rows, s)]
+                b = min(b, bisect.bisect_right(row, row[a] + limits[s], a + 1, cap + 1) - 1)
+            if b <= a or (s == k - 1 and b < n):
+                fits, b = False, (n if s == k - 1 else a + 1)
+            c = prefix[b] - prefix[a] if speed is None else (prefix[b] - prefix[a]) / speed[s]
+            if cut is not None and s < k - 1:
                 c = c + cut[b - 1]
-            if rows is not None and m[b] - m[a] > limits[j]:
+            if rows is not None and row[b] - row[a] > limits[s]:
                 c = _INF
             worst, a = max(worst, c), b
         return worst, fits
 
-    lo, hi = prefix[n] / sum(s), prefix[n] / min(s)
+    lo, hi = prefix[n] / sum(speeds), prefix[n] / min(speeds)
     best = greedy(hi)[0]
     for _ in range(16):
         mid = lo + (hi - lo) / 2
@@ -125,14 +143,14 @@ def _upper_bound(prefix: list[float], k: int, cut: list[float] | None, speed: li
     return best
 
 
-def _width(p: np.ndarray, ub: float, smax: float) -> int:
+def _width(pre: np.ndarray, ub: float, smax: float) -> int:
     """The band width w: the most layers of a stage whose summed cost at the fastest speed is <= ub."""
-    n = len(p) - 1
+    n = len(pre) - 1
     a = np.arange(n + 1)
     lo, hi = a.copy(), np.full(n + 1, n + 1)  # per start a: [a, lo) fits (or lo = a), [a, hi) does not
     while np.any(hi - lo > 1):  # bisection on the exact float test, for every start at once
         mid = (lo + hi) // 2
-        fits = (p[np.minimum(mid, n)] - p) / smax <= ub
+        fits = (pre[np.minimum(mid, n)] - pre) / smax <= ub
         lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid)
     return max(1, int((lo - a).max()))
 
@@ -145,17 +163,17 @@ def _band(values: np.ndarray, w: int, starts: int, diff: bool = True) -> np.ndar
     return np.where(b <= n, at - values[:starts, None] if diff else at, _INF)
 
 
-def _row(rows: Sequence[object], j: int) -> int:
-    return j if len(rows) > 1 else 0  # one memory row per stage, or one for all
+def _row(rows: Sequence[object], s: int) -> int:
+    return s if len(rows) > 1 else 0  # one memory row per stage, or one for all
 
 
 def _min_max_memory(rows: list[list[float]], scale: list[float], k: int) -> float:
-    """min over balances of max_j memory_j / scale_j: the same DP on memory differences, unbanded."""
+    """min over balances of max_s memory_s / scale_s: the same DP on memory differences, unbanded."""
     n = len(rows[0]) - 1
-    mats = [np.asarray(r) for r in rows]
-    bands, m = [_band(r, n, n + 1) for r in mats], mats[_row(mats, k - 1)]
+    mats = [np.asarray(row) for row in rows]
+    bands, tail = [_band(mat, n, n + 1) for mat in mats], mats[_row(mats, k - 1)]
 
-    def stage(j: int, lo: int, hi: int) -> np.ndarray:
-        return bands[_row(bands, j)][lo:hi] / scale[j]
+    def stage(s: int, lo: int, hi: int) -> np.ndarray:
+        return bands[_row(bands, s)][lo:hi] / scale[s]
 
-    return _dp_core(n, k, n, stage, lambda lo, hi: (m[n] - m[lo:hi]) / scale[k - 1])[0]
+    return _dp_core(n, k, n, stage, lambda lo, hi: (tail[n] - tail[lo:hi]) / scale[k - 1])[0]

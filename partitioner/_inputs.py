@@ -1,6 +1,6 @@
 """Input validation and exact prefix sums for ``partitioner.solve``.
 
-    # n: layers, k: stages, i: layer, j: stage
+    # n: layers, k: stages, l: layer, s: stage
 
 Owns every check on what the user passes to ``solve``, ``stage_costs`` and ``stage_memory`` (layer
 and stage counts, costs, cut costs, speeds, memory and its limits, balances), each raising a
@@ -9,7 +9,7 @@ that every stage cost and stage memory is a difference of.
 
 Why the prefix sums are exact integer sums rounded once: a float is a dyadic rational, so
 ``_prefix`` adds the values exactly as integers over one power-of-two denominator and rounds each
-sum to a float once. P[i] is then the correctly rounded true sum of the first i values: P is
+sum to a float once. P[l] is then the correctly rounded true sum of the first l values: P is
 non-decreasing (rounding is monotone), stage costs P[b] - P[a] grow with b and shrink with a, and
 the searches bisect on them and compare floats with no epsilon. Naive float accumulation rounds
 after every addition, so its sums drift from the true ones (for [0.1] * 10 it ends at
@@ -57,9 +57,9 @@ def _check_values(name: str, values: Sequence[float], n: int) -> list[float]:
     out = [float(v) for v in values]
     if len(out) != n:
         raise ValueError(f"{name} has {len(out)} entries but there are {n} layers; pass one per layer")
-    for i, v in enumerate(out):
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name}[{i}] is {v!r}; every entry must be a finite number >= 0")
+    for layer, value in enumerate(out):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}[{layer}] is {value!r}; every entry must be a finite number >= 0")
     try:
         total = math.fsum(out)
     except OverflowError:  # fsum raises instead of returning inf
@@ -73,9 +73,9 @@ def _check_speeds(speeds: Sequence[float], k: int) -> list[float]:
     out = [float(v) for v in speeds]
     if len(out) != k:
         raise ValueError(f"speeds has {len(out)} entries but n_stages is {k}; pass one speed per stage")
-    for j, v in enumerate(out):
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"speeds[{j}] is {v!r}; every speed must be a finite number > 0")
+    for s, value in enumerate(out):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"speeds[{s}] is {value!r}; every speed must be a finite number > 0")
     return out
 
 
@@ -108,9 +108,9 @@ def _check_memory(
         limits = [float(v) for v in memory_limit]
         if len(limits) != k:
             raise ValueError(f"memory_limit has {len(limits)} entries but n_stages is {k}; pass one or {k}")
-    for j, v in enumerate(limits):
-        if math.isnan(v) or v < 0:
-            raise ValueError(f"memory_limit[{j}] is {v!r}; limits must be numbers >= 0")
+    for s, value in enumerate(limits):
+        if math.isnan(value) or value < 0:
+            raise ValueError(f"memory_limit[{s}] is {value!r}; limits must be numbers >= 0")
     return rows, limits
 
 

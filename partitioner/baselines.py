@@ -4,6 +4,8 @@ torchgpipe's ``balance_by_time`` profiles per-layer times and hands them to its
 ``blockpartition.solve`` (a block-partition heuristic); calling that solver on our
 own per-layer costs compares the algorithms on the same numbers, not two noisy
 measurements.
+
+    # n: layers, k: stages (p * v), s: stage
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def equal_balance(n_layers: int, n_stages: int) -> list[int]:
     if not 1 <= n_stages <= n_layers:
         raise ValueError(f"n_stages ({n_stages}) must be from 1 to the number of layers ({n_layers})")
     base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if j < extra else 0) for j in range(n_stages)]
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
 def torchgpipe_balance(costs: Sequence[float], n_stages: int) -> list[int]:

@@ -1,47 +1,43 @@
 """Per-stage memory under a schedule: weights, gradients, optimizer state and held activations.
 
-    # p: ranks, v: stages per rank, m: micro-batches, s: stage (s = c * p + r), r: rank, c: chunk
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer
 
 A stage holds, at its peak::
 
     params * (1 + 1 + optimizer_state_factor)        weights, their gradients, optimizer state
-    + saved_bytes * in_flight[s]                     activations of micro-batches whose F has run
-                                                     and whose last backward part has not
+    + saved_bytes * sets[s]                          activation sets autograd keeps
+    + input_bytes(s) * inputs[s]                     stage inputs a recomputing stage keeps
 
-``in_flight`` comes from the schedule itself when ``pipeline.schedule`` imports: walking a rank's
-ordered actions (F adds one to its stage, the last of B/W removes one) gives exact per-stage peaks,
-independent of timing since a rank runs its actions one after another. Otherwise closed forms:
+``in_flight`` walks the schedule itself: on each rank the actions run one after another,
+so counting F (one more micro-batch held by its stage) and the last backward part (B, or
+W when the schedule splits the backward: one fewer) gives each stage's exact peak, whatever
+the timing. ``held`` turns that peak N into what a stage keeps under a recomputation mode::
 
-    gpipe              m
-    1f1b, zb-h1        min(m, p - s)      (zb-h1 really holds more: W runs late; use the schedule)
-    interleaved-1f1b   min(m, (v - 1 - c) * p + min(p, 2 * (p - r - 1) + 1))
+    recompute      sets    inputs
+    never          N       0          every in-flight micro-batch keeps its activations
+    always         1       N          inputs only, plus the one being recomputed for its backward
+    except_last    2       N          the last micro-batch keeps its activations (N >= 2; m >= 2)
+                   1       1          (N = 1: the one held is the last, or one being recomputed)
 
-The interleaved form follows Megatron's warm-up: rank r runs 2 (p - r - 1) + (v - 1) p forwards,
-chunk by chunk in groups of p micro-batches, before its first backward (of its last chunk); each
-earlier chunk c has (v - 1 - c) more groups in flight. It is an upper bound on the schedule's exact
-count (checked against ``pipeline.schedule`` for p <= 6, v <= 4).
+``except_last`` with m = 1 recomputes nothing and counts as ``never``. Both recomputing rows
+are upper bounds: they charge every held micro-batch its input besides the activation sets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["SCHEDULE_NAMES", "in_flight", "layer_memory"]
+from pipeline.runtime.recompute import check_mode
+from pipeline.schedules.actions import Kind
+from pipeline.schedules.schedule import Schedule
 
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+__all__ = ["held", "in_flight", "layer_memory"]
 
 
-def in_flight(schedule: str, n_stages: int, n_microbatches: int, *, n_virtual: int = 1) -> list[int]:
-    """Peak number of micro-batches whose activations stage s holds, for every stage (p * v)."""
-    _check(schedule, n_stages, n_microbatches, n_virtual)
-    try:
-        from pipeline.schedules.actions import Kind
-        from pipeline.schedules.schedule import schedule as build
-    except ImportError:
-        return _closed_form(schedule, n_stages, n_microbatches, n_virtual)
-    sched = build(schedule, n_stages // n_virtual, n_microbatches, n_virtual=n_virtual)
+def in_flight(sched: Schedule) -> list[int]:
+    """Peak number of micro-batches whose activations stage s holds, for every stage (k = p * v)."""
     last = Kind.W if sched.split_backward else Kind.B
-    live, peak = [0] * n_stages, [0] * n_stages
+    live, peak = [0] * sched.n_stages, [0] * sched.n_stages
     for actions in sched.compute:
         for a in actions:
             if a.kind is Kind.F:
@@ -52,39 +48,27 @@ def in_flight(schedule: str, n_stages: int, n_microbatches: int, *, n_virtual: i
     return peak
 
 
-def _closed_form(schedule: str, n_stages: int, m: int, v: int) -> list[int]:
-    p = n_stages // v
-    if schedule == "gpipe":
-        return [m] * n_stages
-    if schedule in ("1f1b", "zb-h1"):
-        return [min(m, p - s) for s in range(n_stages)]
-    return [min(m, (v - 1 - s // p) * p + min(p, 2 * (p - s % p - 1) + 1)) for s in range(n_stages)]
+def held(recompute: str, n_microbatches: int, in_flight_counts: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Per stage, (activation sets, stage inputs) kept at the peak under ``recompute``; see above."""
+    check_mode(recompute)
+    if recompute == "never" or (recompute == "except_last" and n_microbatches < 2):
+        return list(in_flight_counts), [0] * len(in_flight_counts)
+    most = 1 if recompute == "always" else 2
+    return [min(most, n) for n in in_flight_counts], list(in_flight_counts)
 
 
 def layer_memory(
     param_bytes: Sequence[int],
     saved_bytes: Sequence[int],
-    in_flight_counts: Sequence[int],
+    sets: Sequence[int],
     optimizer_state_factor: float,
 ) -> list[list[float]]:
-    """Row s, entry i: bytes layer i costs when it sits on stage s (the rows ``solve`` takes)."""
+    """Row s, entry l: bytes layer l costs when it sits on stage s, which keeps ``sets[s]``
+    activation sets (the rows ``solve`` takes; a recomputing stage's inputs come on top)."""
     if not optimizer_state_factor >= 0:
         raise ValueError(
             f"optimizer_state_factor ({optimizer_state_factor!r}) must be >= 0: bytes of optimizer state "
             "per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
         )
     static = [pb * (2.0 + optimizer_state_factor) for pb in param_bytes]
-    return [[w + float(sb) * n for w, sb in zip(static, saved_bytes, strict=True)] for n in in_flight_counts]
-
-
-def _check(schedule: str, n_stages: int, m: int, v: int) -> None:
-    if schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid schedules are {', '.join(SCHEDULE_NAMES)}")
-    if v < 1 or n_stages % v != 0:
-        raise ValueError(f"n_stages ({n_stages}) must be a multiple of n_virtual ({v}) >= 1")
-    if schedule == "interleaved-1f1b" and v < 2:
-        raise ValueError("schedule 'interleaved-1f1b' needs n_virtual >= 2 stages per rank; pass n_virtual=2")
-    if schedule != "interleaved-1f1b" and v != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank; pass n_virtual=1")
-    if m < 1:
-        raise ValueError(f"n_microbatches ({m}) must be >= 1")
+    return [[w + float(sb) * n for w, sb in zip(static, saved_bytes, strict=True)] for n in sets]

@@ -1,12 +1,16 @@
 """Per-layer profile of an ``nn.Sequential``: time, flops, bytes; the model is left exactly as it was.
 
-    # i: layer, B: batch
+    # l: layer, n: layers
 
-Each layer i is run on the output of layer i - 1 (detached, so its backward stops at the layer):
+Each layer l is run on the output of layer l - 1 (detached, so its backward stops at the layer):
 
     sample -> layer 0 -> x1 -> layer 1 -> x2 ... -> layer n-1 -> out
               |---------|     |---------|
               timed fwd+bwd   timed fwd+bwd      (warm-up runs first, then medians of `repeat`)
+
+The backward is timed twice: whole, and for the layer's input alone (``autograd.grad`` to the
+input computes no parameter gradient); their difference is the weight-gradient part, what a
+split-backward schedule such as zb-h1 runs later as W.
 
 The layers run in training mode (the pipeline trains them); afterwards parameters, buffers
 (BatchNorm running statistics), ``.grad`` (None stays None), ``requires_grad`` and every
@@ -27,33 +31,23 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["LayerProfile", "Profile", "profile"]
+from partitioner.figures import LayerProfile
+from partitioner.graph import layer_graph
 
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """Figures for one layer; times in seconds, sizes in bytes, for one micro-batch (the sample)."""
-
-    index: int
-    name: str
-    kind: str
-    forward_time: float
-    backward_time: float
-    flops: int
-    param_bytes: int
-    activation_bytes: int  # its output: what crosses a cut right after it
-    saved_bytes: int  # what autograd keeps for its backward (parameters excluded)
-    output_shape: tuple[int, ...]
-    output_dtype: str
+__all__ = ["LayerProfile", "Profile", "profile"]  # LayerProfile is defined in partitioner.figures
 
 
 @dataclass
 class Profile:
-    """The layers' figures plus ``graph``: a DiGraph with a node per layer and bytes on its edges."""
+    """The layers' figures plus ``graph``: a DiGraph with a node per layer and bytes on its edges.
+
+    ``input_bytes`` is the sample's size: what stage 0 keeps per micro-batch when it recomputes.
+    """
 
     layers: list[LayerProfile]
     device: str
     graph: nx.DiGraph = field(repr=False)
+    input_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -69,8 +63,6 @@ def profile(
 ) -> Profile:
     """Profile every layer of ``model`` on ``sample`` (one micro-batch). Raises ``ValueError`` for an
     empty model, bad counts, or a sample the model rejects (naming the layer and its input's shape)."""
-    from partitioner.graph import layer_graph
-
     if not isinstance(model, nn.Sequential):
         raise ValueError(
             f"model must be an nn.Sequential, got {type(model).__name__}; wrap the layers in one"
@@ -87,37 +79,38 @@ def profile(
         inputs = _chain_inputs(model, layers, _to(sample, dev))
         names = [name for name, _ in model.named_children()]
         found = [
-            _profile_layer(i, names[i], layer, x, dev, warmup, repeat)
-            for i, (layer, x) in enumerate(zip(layers, inputs, strict=True))
+            _profile_layer(index, names[index], layer, x, dev, warmup, repeat)
+            for index, (layer, x) in enumerate(zip(layers, inputs, strict=True))
         ]
     finally:
         _restore(model, state)
-    return Profile(found, str(dev), layer_graph(found))
+    return Profile(found, str(dev), layer_graph(found), input_bytes=_nbytes(sample))
 
 
 def _chain_inputs(model: nn.Sequential, layers: list[nn.Module], sample: Any) -> list[Any]:
     # One forward pass without autograd, keeping every layer's input; a failure names the layer.
     inputs, x = [], sample
     with torch.no_grad():
-        for i, ((name, _), layer) in enumerate(zip(model.named_children(), layers, strict=True)):
+        for index, ((name, _), layer) in enumerate(zip(model.named_children(), layers, strict=True)):
             inputs.append(x)
             try:
                 x = layer(x)
             except Exception as err:
                 raise ValueError(
-                    f"layer {i} ({name}: {type(layer).__name__}) rejected its input {_describe(x)}: {err}; "
+                    f"layer {index} ({name}: {type(layer).__name__}) rejected its input "
+                    f"{_describe(x)}: {err}; "
                     "pass a sample that the model accepts (one micro-batch)"
                 ) from err
     return inputs
 
 
 def _profile_layer(
-    i: int, name: str, layer: nn.Module, x: Any, dev: torch.device, warmup: int, repeat: int
+    index: int, name: str, layer: nn.Module, x: Any, dev: torch.device, warmup: int, repeat: int
 ) -> LayerProfile:
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    fwd, bwd = [], []
+    fwd, bwd, bwd_input = [], [], []
     out: Any = None
-    for r in range(warmup + repeat):
+    for run in range(warmup + repeat):
         xin = _detached(x)
         _sync(dev)
         t0 = time.perf_counter()
@@ -129,9 +122,11 @@ def _profile_layer(
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         _sync(dev)
         t2 = time.perf_counter()
-        if r >= warmup:  # first calls (allocation, kernel selection, CUDA start-up) do not count
+        input_only = _input_backward_time(layer, x, dev)
+        if run >= warmup:  # first calls (allocation, kernel selection, CUDA start-up) do not count
             fwd.append(t1 - t0)
             bwd.append(t2 - t1 if outs else 0.0)
+            bwd_input.append(input_only)
 
     saved: dict[int, int] = {}
 
@@ -147,19 +142,38 @@ def _profile_layer(
     with FlopCounterMode(display=False) as counter:
         layer(_detached(x))
     first = _tensors(out)[0] if _tensors(out) else None
+    backward = statistics.median(bwd)
+    has_params = any(p.requires_grad for p in layer.parameters())
+    # The two medians are separate measurements: clamp their difference into [0, backward].
+    weight = min(backward, max(0.0, backward - statistics.median(bwd_input))) if has_params else 0.0
     return LayerProfile(
-        index=i,
+        index=index,
         name=name,
         kind=type(layer).__name__,
         forward_time=statistics.median(fwd),
-        backward_time=statistics.median(bwd),
+        backward_time=backward,
         flops=int(counter.get_total_flops()),
         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-        activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
+        activation_bytes=_nbytes(out),
         saved_bytes=sum(saved.values()),
         output_shape=tuple(first.shape) if first is not None else (),
         output_dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
+        weight_time=weight,
     )
+
+
+def _input_backward_time(layer: nn.Module, x: Any, dev: torch.device) -> float:
+    """Seconds of the backward to the layer's input alone (0 when no input takes a gradient)."""
+    xin = _detached(x)
+    wanted = [t for t in _tensors(xin) if t.requires_grad]
+    outs = [t for t in _tensors(layer(xin)) if t.requires_grad]
+    if not wanted or not outs:
+        return 0.0
+    _sync(dev)
+    t0 = time.perf_counter()
+    torch.autograd.grad(outs, wanted, [torch.ones_like(t) for t in outs], allow_unused=True)
+    _sync(dev)
+    return time.perf_counter() - t0
 
 
 # -- state snapshot and restore --------------------------------------------------------------------
@@ -236,6 +250,10 @@ def _detached(x: Any) -> Any:
 
 def _to(x: Any, dev: torch.device) -> Any:
     return _map(x, lambda t: t.to(dev))
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
 def _describe(x: Any) -> str:

@@ -1,14 +1,14 @@
 """Exact chains-on-chains: split n layer costs into k contiguous, non-empty stages so that the
 largest stage cost (the bottleneck) is as small as it can be.
 
-    # n: layers, k: stages, i: layer, j: stage, [a, b): the layers of one stage
+    # n: layers, k: stages, l: layer, s: stage, [a, b): the layers of one stage
 
 The stage cost, shared by every function here and by the tests' brute force::
 
-    cost_j(a, b) = (P[b] - P[a]) / speeds[j]  +  cut_costs[b - 1]   (the cut term only if j < k - 1)
+    cost_s(a, b) = (P[b] - P[a]) / speeds[s]  +  cut_costs[b - 1]   (the cut term only if s < k - 1)
 
 P holds the prefix sums of ``costs``, each the correctly rounded value of the exact sum (exact
-integer arithmetic, then one rounding), so P is non-decreasing and cost_j is monotone in a and in
+integer arithmetic, then one rounding), so P is non-decreasing and cost_s is monotone in a and in
 the summed part; no epsilon appears anywhere and the answer is exact for float costs. A stage's
 memory is the same difference over the prefix sums of ``memory`` (one row, or one row per stage).
 
@@ -23,11 +23,11 @@ Two exact algorithms, one answer:
 
            A greedy balance priced under the full model gives UB >= opt. A stage costs at least
            (P[b] - P[a]) / max(speeds), so one with cost <= UB holds at most w layers, and the DP
-           looks only at ends b = a+1 .. a+w (entries past n are inf) and at starts a that j
-           earlier and k-j later stages of 1..w layers allow. Every stage of an optimal balance
+           looks only at ends b = a+1 .. a+w (entries past n are inf) and at starts a that s
+           earlier and k-s later stages of 1..w layers allow. Every stage of an optimal balance
            costs <= opt <= UB, so it lies in the band: the answer, ties included, is unchanged.
 
-                 b ->  1 2 3 4 5 6 7 8          # window row a: C_j[a, a+1 .. a+w], here w = 3
+                 b ->  1 2 3 4 5 6 7 8          # window row a: C_s[a, a+1 .. a+w], here w = 3
             a = 0      # # #                    work per stage O(n * w), not O(n^2)
             a = 1        # # #
             a = 2          # # #
@@ -71,7 +71,7 @@ def solve(
 ) -> list[int]:
     """The balance (layers per stage) with the smallest bottleneck; see the module docstring.
 
-    ``memory`` is per layer, or one row per stage (memory of layer i when it sits on stage j);
+    ``memory`` is per layer, or one row per stage (memory of layer l when it sits on stage s);
     ``memory_limit`` is one number or one per stage. Raises ``ValueError`` for bad input and, when no
     balance fits the memory limit, one that states the smallest limit that would.
     """
@@ -90,9 +90,9 @@ def solve(
         and (rows is None or (len(rows) == 1 and len(set(limits)) == 1))
     )
     if uniform:
-        s = 1.0 if speed is None else speed[0]
+        one_speed = 1.0 if speed is None else speed[0]
         mem = None if rows is None else (rows[0], limits[0])
-        ends = _probe_search(prefix, k, s, mem)
+        ends = _probe_search(prefix, k, one_speed, mem)
     else:
         ends = _dp(prefix, k, cut, speed, rows, limits)
     if ends is None:
@@ -108,17 +108,17 @@ def stage_costs(
     cut_costs: Sequence[float] | None = None,
     speeds: Sequence[float] | None = None,
 ) -> list[float]:
-    """cost_j of every stage of ``balance``: the definition that ``solve`` minimises the max of."""
+    """cost_s of every stage of ``balance``: the definition that ``solve`` minimises the max of."""
     n = len(costs)
     prefix = _prefix(_check_values("costs", costs, n))
     cut = None if cut_costs is None else _check_values("cut_costs", cut_costs, n)
     speed = None if speeds is None else _check_speeds(speeds, len(balance))
     out = []
-    for j, (a, b) in enumerate(_ranges(balance, n)):
+    for s, (a, b) in enumerate(_ranges(balance, n)):
         c = prefix[b] - prefix[a]
         if speed is not None:
-            c = c / speed[j]
-        if cut is not None and j < len(balance) - 1:
+            c = c / speed[s]
+        if cut is not None and s < len(balance) - 1:
             c = c + cut[b - 1]
         out.append(c)
     return out
@@ -130,8 +130,8 @@ def stage_memory(memory: Sequence[float] | Sequence[Sequence[float]], balance: S
     rows, _ = _check_memory(memory, 0.0, n, len(balance))
     assert rows is not None
     return [
-        rows[j if len(rows) > 1 else 0][b] - rows[j if len(rows) > 1 else 0][a]
-        for j, (a, b) in enumerate(_ranges(balance, n))
+        rows[s if len(rows) > 1 else 0][b] - rows[s if len(rows) > 1 else 0][a]
+        for s, (a, b) in enumerate(_ranges(balance, n))
     ]
 
 
@@ -139,7 +139,7 @@ def stage_memory(memory: Sequence[float] | Sequence[Sequence[float]], balance: S
 
 
 def _probe_search(
-    prefix: list[float], k: int, s: float, mem: tuple[list[float], float] | None
+    prefix: list[float], k: int, speed: float, mem: tuple[list[float], float] | None
 ) -> list[int] | None:
     """Exact search over identical stages; returns the stage ends, or None if memory never fits."""
     n = len(prefix) - 1
@@ -148,10 +148,10 @@ def _probe_search(
         # Returns (ends or None, bottleneck of the ends, smallest threshold > t that changes anything).
         ends: list[int] = []
         a, worst, nxt = 0, 0.0, _INF
-        for j in range(k):
+        for s in range(k):
             pa = prefix[a]
-            cap = n - (k - 1 - j)  # leave one layer for each later stage
-            b = bisect.bisect_right(prefix, t, a + 1, cap + 1, key=lambda x: (x - pa) / s) - 1
+            cap = n - (k - 1 - s)  # leave one layer for each later stage
+            b = bisect.bisect_right(prefix, t, a + 1, cap + 1, key=lambda x: (x - pa) / speed) - 1
             if mem is not None:
                 mp, lim = mem
                 ma = mp[a]
@@ -160,10 +160,10 @@ def _probe_search(
             else:
                 grow_fits = b < cap
             if grow_fits:  # one more layer would fit in memory; it costs this much
-                nxt = min(nxt, (prefix[b + 1] - pa) / s)
-            if b <= a or (j == k - 1 and b < n):
+                nxt = min(nxt, (prefix[b + 1] - pa) / speed)
+            if b <= a or (s == k - 1 and b < n):
                 return None, _INF, nxt
-            worst = max(worst, (prefix[b] - pa) / s)
+            worst = max(worst, (prefix[b] - pa) / speed)
             ends.append(b)
             a = b
         return ends, worst, nxt
@@ -172,8 +172,8 @@ def _probe_search(
     if ends is None:
         return None
     # opt >= the costliest single layer, since any stage holding it costs at least that much
-    lo = max((prefix[i + 1] - prefix[i]) / s for i in range(n))
-    guess = prefix[n] / s / k
+    lo = max((prefix[layer + 1] - prefix[layer]) / speed for layer in range(n))
+    guess = prefix[n] / speed / k
     while lo < hi:
         mid = guess if lo < guess < hi else lo + (hi - lo) / 2
         guess = _INF

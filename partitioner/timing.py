@@ -1,54 +1,44 @@
-"""Predicted step time and bubble of a split under a schedule.
+"""Predicted step time and bubble of a split under a schedule: the simulator on per-stage costs.
 
-    # p: ranks, v: stages per rank, m: micro-batches, s: stage, r: rank
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage
 
-With ``pipeline.simulate`` importable the prediction is the simulator's makespan and bubble for the
-named schedule and these per-stage costs. Otherwise closed forms (work t_s = f_s + b_s)::
+``predict`` hands the schedule and the stage costs to ``pipeline.schedules.simulate``, which
+runs every rank's actions in order, each as soon as its dependencies are done. The costs are
+per micro-batch; ``backward`` is the whole backward of a stage and ``weight`` the part of it
+that computes parameter gradients, which a split-backward schedule (zb-h1) runs as W::
 
-    gpipe, 1f1b, zb-h1    T = sum_s t_s + (m - 1) * max_s t_s
-    interleaved-1f1b      T = m * max_r sum_{s on r} t_s + (p - 1) * max_s t_s
-    bubble                1 - m * sum_s t_s / (p * T)
+    B (input gradient) = backward - weight        W = weight
 
-For equal stages of work t these give (m + p - 1) t and (m v + p - 1) t; the first is exact when the
-slowest stage never waits, the second is the usual interleaved estimate.
+A schedule that does not split the backward runs B for the whole of it. Without ``weight``
+a split schedule's W costs nothing and its B everything: no worse than 1F1B's prediction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipeline.schedules.schedule import Schedule
+from pipeline.schedules.simulate import simulate
+
 __all__ = ["predict"]
 
 
 def predict(
-    schedule: str,
+    sched: Schedule,
     forward: Sequence[float],
     backward: Sequence[float],
-    n_microbatches: int,
-    *,
-    n_virtual: int = 1,
-) -> tuple[float, float, str]:
-    """(step time, bubble fraction, source) where source is "simulator" or "closed form"."""
-    n_stages = len(forward)
-    try:
-        from pipeline.schedules.schedule import schedule as build
-        from pipeline.schedules.simulate import simulate
-    except ImportError:
-        return (*_closed_form(schedule, forward, backward, n_microbatches, n_virtual), "closed form")
-    sched = build(schedule, n_stages // n_virtual, n_microbatches, n_virtual=n_virtual)
-    line = simulate(sched, list(forward), list(backward))
-    return float(line.makespan), float(line.bubble_fraction), "simulator"
-
-
-def _closed_form(
-    schedule: str, forward: Sequence[float], backward: Sequence[float], m: int, v: int
+    weight: Sequence[float] | None = None,
 ) -> tuple[float, float]:
-    work = [f + b for f, b in zip(forward, backward, strict=True)]
-    p = len(work) // v
-    if schedule == "interleaved-1f1b":
-        per_rank = [sum(work[r::p]) for r in range(p)]
-        step = m * max(per_rank) + (p - 1) * max(work)
-    else:
-        step = sum(work) + (m - 1) * max(work)
-    bubble = 1.0 - m * sum(work) / (p * step) if step > 0 else 0.0
-    return step, bubble
+    """(step time, bubble fraction) of one step of ``sched`` with these per-stage costs (seconds)."""
+    whole = [float(b) for b in backward]
+    parts = [0.0] * len(whole) if weight is None else [float(w) for w in weight]
+    if len(parts) != len(whole):
+        raise ValueError(f"weight has {len(parts)} costs but backward has {len(whole)}; pass one per stage")
+    for s, (b, w) in enumerate(zip(whole, parts, strict=True)):
+        if not 0.0 <= w <= b:
+            raise ValueError(
+                f"weight cost of stage {s} ({w!r}) must be from 0 to its whole backward ({b!r}): "
+                "weight is the parameter-gradient part of backward"
+            )
+    line = simulate(sched, list(forward), [b - w for b, w in zip(whole, parts, strict=True)], parts)
+    return float(line.makespan), float(line.bubble_fraction)

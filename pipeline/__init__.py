@@ -1,14 +1,34 @@
 """stagewise's runtime: schedules as data, a simulator, and an executor across processes.
 
-``pipeline.schedule`` is the schedule factory; import the module's other names with
-``from pipeline.schedules.schedule import ...``.
+    pipeline/
+      plan.py           Plan: what every rank of a run agrees on (balance, schedule, m, v, recompute)
+      schedules/        the schedule IR, pure data (no processes, no torch.distributed): actions,
+                        generators, schedule, validate, simulate, timeline, trace
+      runtime/          what executes a plan: pipe (Pipeline), options, executor, program, stage,
+                        p2p, metadata, stream, microbatch, recompute, grads, gather
+      launch.py         start ranks: local processes, or join a torchrun job
+      checkpointing.py  save and load training state with torch.distributed.checkpoint
+      reference/        reference models and data for the scripts, tests and examples (not the runtime)
+
+Index letters, with these meanings in every module's comments (partitioner/ too):
+
+    p   pipeline ranks (the devices of one pipeline); r a rank, q a peer rank
+    v   stages per rank ("virtual" stages: 2 or more only for interleaved-1f1b)
+    k   stages in all, k = p * v; s a stage, held by rank s % p; c = s // p its chunk there
+    m   micro-batches per step; i a micro-batch
+    n   layers of the model; l a layer
+    t   a step of a rank's action list
+    B, T, C, V   tensor shapes: batch, sequence, channels (width), vocabulary
+
+``pipeline.schedule`` is the schedule factory; the IR's other names live in
+``pipeline.schedules.<module>``.
 """
 
 from pipeline.launch import DistInfo, RankError, init_distributed, launch
 from pipeline.plan import Plan, StagePlan
 from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.recompute import CHECKPOINT_MODES
+from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
 from pipeline.schedules.actions import Action, Kind, format_action, parse_action
 from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
 from pipeline.schedules.simulate import simulate
@@ -18,6 +38,7 @@ from pipeline.schedules.validate import validate
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "RECOMPUTE_MODES",
     "SCHEDULES",
     "Action",
     "DistInfo",

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.runtime.recompute import check_mode
-from pipeline.schedules.schedule import Schedule, schedule, schedule_options
+from pipeline.schedules.schedule import Schedule, default_n_virtual, schedule, schedule_options
 
 __all__ = ["Plan", "StagePlan"]
 
@@ -92,7 +92,7 @@ class Plan:
             raise ValueError(f"balance {list(balance)} must hold at least one stage, each of >= 1 layers")
         object.__setattr__(self, "balance", list(balance))
         v_given = self.n_virtual or None
-        v = v_given if v_given is not None else (2 if self.schedule == "interleaved-1f1b" else 1)
+        v = v_given if v_given is not None else default_n_virtual(self.schedule)
         if isinstance(v, int) and v >= 1 and len(balance) % v != 0:
             raise ValueError(
                 f"balance has {len(balance)} stages, not a multiple of n_virtual ({v}) stages per rank; "

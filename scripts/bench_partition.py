@@ -3,7 +3,7 @@
     python scripts/bench_partition.py            # about a minute on 2 cores
     python scripts/bench_partition.py --quick    # synthetic profiles only
 
-    # n: layers, k: stages
+    # n: layers, k: stages (p ranks x v stages per rank: what solve splits into)
 
 Part 1, for synthetic cost profiles (n = 128) and the built-in models' measured profiles, and
 k = 2 .. 64: the bottleneck of torchgpipe's ``balance_by_time`` (its ``blockpartition.solve`` on the

@@ -2,10 +2,15 @@
 
     python scripts/profile_balance.py --model gpt --stages 4
     python scripts/profile_balance.py --model resnet --stages 2 --schedule gpipe --microbatches 8
+    python scripts/profile_balance.py --model gpt --stages 2 --schedule interleaved-1f1b   # 2 ranks x 2
     python scripts/profile_balance.py --model mypkg.models:build --stages 4 --json plan.json --plot plan.png
-    python scripts/profile_balance.py --model gpt --stages 2 --measure     # run the plan, time each stage
+    python scripts/profile_balance.py --model gpt --stages 2 --measure     # run the plan, time each rank
 
-``--model`` is a built-in (gpt, resnet, mlp from ``pipeline.models``) or ``module:function`` returning
+    # p: ranks (--stages), v: stages per rank (--virtual), k = p * v stages
+
+``--stages`` is the number of pipeline ranks (devices), as ``partition``'s ``n_ranks``; with
+``--schedule interleaved-1f1b`` each rank holds ``--virtual`` stages (default 2). ``--model`` is a
+built-in (gpt, resnet, mlp from ``pipeline.reference.models``) or ``module:function`` returning
 ``(nn.Sequential, sample)``; the sample is one micro-batch. All three splits use the same per-layer
 costs, so the bottleneck ratios compare the algorithms, not the measurements.
 """
@@ -16,15 +21,24 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from partitioner import COSTS, Plan, layer_costs, partition, plan_for, profile
 from partitioner.baselines import equal_balance, torchgpipe_balance
-from partitioner.memory import SCHEDULE_NAMES
 from pipeline.reference import models
+from pipeline.schedules.schedule import SCHEDULES, schedule_options
+
+# The library's arguments behind this script's flags, to say which flag an error is about.
+FLAGS = {
+    "n_ranks": "--stages",
+    "n_microbatches": "--microbatches",
+    "n_virtual": "--virtual",
+    "recompute": "--recompute",
+    "memory_limit": "--memory-limit",
+}
 
 BUILT_IN: dict[str, Callable[[], tuple[nn.Sequential, Any]]] = {
     "gpt": models.gpt,
@@ -52,7 +66,7 @@ def load_model(spec: str, parser: argparse.ArgumentParser) -> tuple[nn.Sequentia
 def print_profile(prof: Any) -> None:
     print(f"per-layer profile on {prof.device} (one micro-batch; times are medians)")
     print(
-        f"{'i':>3} {'name':<6} {'kind':<18} {'fwd ms':>8} {'bwd ms':>8} {'MFLOP':>9} "
+        f"{'l':>3} {'name':<6} {'kind':<18} {'fwd ms':>8} {'bwd ms':>8} {'MFLOP':>9} "
         f"{'params MB':>9} {'out MB':>7} {'saved MB':>8}  output"
     )
     for lp in prof.layers:
@@ -72,9 +86,9 @@ def plot(plans: dict[str, Plan], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(plans)
-    for n, (label, p) in enumerate(plans.items()):
-        xs = [j + n * width for j in range(len(p.stages))]
-        ax.bar(xs, [s.cost for s in p.stages], width=width, label=label)
+    for shift, (label, plan) in enumerate(plans.items()):
+        xs = [s + shift * width for s in range(len(plan.stages))]
+        ax.bar(xs, [st.cost for st in plan.stages], width=width, label=label)
     ax.set_xlabel("stage")
     ax.set_ylabel(f"stage cost ({next(iter(plans.values())).cost})")
     ax.legend()
@@ -90,7 +104,7 @@ def _square_loss(output: Any, target: Any) -> Any:
     return output.float().square().mean()
 
 
-def _measured_rank(spec: str, balance: list[int], schedule: str, m: int, n_virtual: int, steps: int) -> Any:
+def _measured_rank(spec: str, plan_json: str, steps: int) -> Any:
     import statistics
     import time
 
@@ -100,11 +114,11 @@ def _measured_rank(spec: str, balance: list[int], schedule: str, m: int, n_virtu
 
     torch.manual_seed(0)  # every rank builds the same model
     model, sample = load_model(spec, argparse.ArgumentParser())
-    batch = torch.cat([sample] * m)  # the sample is one micro-batch
+    plan = Plan.from_json(plan_json)
+    batch = torch.cat([sample] * plan.n_microbatches)  # the sample is one micro-batch
     targets = torch.zeros(batch.shape[0])
-    pipe = Pipeline(
-        model, balance, schedule=schedule, n_microbatches=m, n_virtual=n_virtual, loss_fn=_square_loss
-    )
+    pipe = Pipeline(model, plan, loss_fn=_square_loss)  # the schedule, m and v come from the plan
+    ran = pipe.schedule
     walls, busy = [], []
     for step in range(steps + 1):
         start = time.perf_counter()
@@ -114,31 +128,30 @@ def _measured_rank(spec: str, balance: list[int], schedule: str, m: int, n_virtu
         if step > 0:  # the first step sets up shapes and buffers
             walls.append(time.perf_counter() - start)
             busy.append(pipe.busy_time)
-    return statistics.median(walls), statistics.median(busy)
+    return statistics.median(walls), statistics.median(busy), (ran.name, ran.n_microbatches, ran.n_virtual)
 
 
 def measure(spec: str, plan: Plan, steps: int) -> str:
     """Per rank: the plan's predicted busy time beside the measured one, and the step times."""
     from pipeline import launch
 
-    n_virtual = plan.n_virtual
-    n_ranks = len(plan.balance) // n_virtual
-    results = launch(
-        _measured_rank, n_ranks, spec, plan.balance, plan.schedule, plan.n_microbatches, n_virtual, steps
-    )
-    m = plan.n_microbatches
+    p = plan.n_ranks
+    results = launch(_measured_rank, p, spec, plan.to_json(), steps)
+    name, m, v = results[0][2]
+    ran = f"[{name}, m={m}, v={v}]"
+    planned = f"[{plan.schedule}, m={plan.n_microbatches}, v={plan.n_virtual}]"
     lines = [
-        f"== measured: {steps} steps after a warm-up, {n_ranks} processes (gloo, 1 thread each), "
-        f"{plan.schedule}, m={m}",
+        f"== measured: {steps} steps after a warm-up, {p} processes (gloo, 1 thread each), ran {ran}"
+        + ("" if ran == planned else f" -- NOT the plan's {planned}: the times below are not the plan's"),
         f"{'rank':>4}  {'stages':<8} {'predicted busy ms':>17} {'measured busy ms':>16} "
         f"{'measured/pred':>13}",
     ]
-    for r, ((_, busy), pred) in enumerate(zip(results, plan.predicted_busy(), strict=True)):
-        stages = list(range(r, len(plan.balance), n_ranks))
+    for r, ((_, busy, _), pred) in enumerate(zip(results, plan.predicted_busy(), strict=True)):
+        stages = list(range(r, plan.n_stages, p))
         ratio = busy / pred if pred > 0 else float("nan")
         names = ",".join(map(str, stages))
         lines.append(f"{r:>4}  {names:<8} {pred * 1e3:>17.2f} {busy * 1e3:>16.2f} {ratio:>13.3f}")
-    wall = max(w for w, _ in results)
+    wall = max(w for w, _, _ in results)
     lines.append(
         f"step time: predicted {plan.step_time * 1e3:.2f} ms, measured {wall * 1e3:.2f} ms "
         f"({wall / plan.step_time:.3f}x the prediction)"
@@ -151,9 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="gpt", help="gpt | resnet | mlp | module:function")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=4,
+        help="pipeline ranks (devices), p; each holds --virtual stages, so the split has p x v stages",
+    )
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=None, help="default: one per rank")
+    parser.add_argument(
+        "--virtual", type=int, default=None, help="stages per rank (default: 2 for interleaved-1f1b, else 1)"
+    )
+    parser.add_argument("--recompute", default="never", help="never | except_last | always")
+    parser.add_argument("--memory-limit", type=float, default=None, help="bytes per rank")
     parser.add_argument("--cost", default="time", choices=COSTS)
     parser.add_argument("--device", default=None, help="where to profile (default: the model's device)")
     parser.add_argument(
@@ -166,39 +189,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--measure-steps", type=int, default=3, help="timed steps after one warm-up step")
     args = parser.parse_args(argv)
-    if args.stages < 1:
-        parser.error(f"--stages ({args.stages}) must be >= 1")
     if args.measure_steps < 1:
         parser.error(f"--measure-steps ({args.measure_steps}) must be >= 1")
-    if args.microbatches is not None and args.microbatches < 1:
-        parser.error(f"--microbatches ({args.microbatches}) must be >= 1")
-
     if args.threads < 1:
         parser.error(f"--threads ({args.threads}) must be >= 1")
+    try:  # the schedule's options are the library's to check, before the slow profile
+        schedule_options(args.schedule, args.stages, args.microbatches, args.virtual)
+    except ValueError as err:
+        _library_error(parser, err)
     torch.set_num_threads(args.threads)  # profile each layer as a rank will run it
     model, sample = load_model(args.model, parser)
-    if args.stages > len(model):
-        parser.error(f"--stages ({args.stages}) must be at most the model's {len(model)} layers")
+    opts: dict[str, Any] = {
+        "schedule": args.schedule,
+        "n_microbatches": args.microbatches,
+        "n_virtual": args.virtual,
+        "recompute": args.recompute,
+        "cost": args.cost,
+    }
     try:
         prof = profile(model, sample, device=args.device)
-        opts: dict[str, Any] = {
-            "schedule": args.schedule,
-            "n_microbatches": args.microbatches,
-            "cost": args.cost,
-        }
-        ours = partition(model, args.stages, sample, profile=prof, **opts)
+        ours = partition(model, args.stages, sample, memory_limit=args.memory_limit, profile=prof, **opts)
     except ValueError as err:
-        parser.error(str(err))
-    costs, _ = layer_costs(prof, args.cost)
-    plans = {
-        "ours (exact)": ours,
-        "equal layer counts": plan_for(prof, equal_balance(len(model), args.stages), **opts),
-        "torchgpipe balance_by_time": plan_for(prof, torchgpipe_balance(costs, args.stages), **opts),
-    }
+        _library_error(parser, err)
+    # the baselines split into the same k = p * v stages, priced with the costs ours minimised
+    k, m = ours.n_stages, ours.n_microbatches
+    costs, _ = layer_costs(prof, args.cost, recompute=args.recompute, n_microbatches=m)
+    plans = {"ours (exact)": ours}
     print_profile(prof)
-    for label, p in plans.items():
+    for label, balance in (
+        ("equal layer counts", equal_balance(len(model), k)),
+        ("torchgpipe balance_by_time", torchgpipe_balance(costs, k)),
+    ):
+        if min(balance) < 1:
+            print(f"\n== {label}\nbalance {balance} leaves a stage empty: no pipeline can run it")
+            continue
+        plans[label] = plan_for(prof, balance, **opts)
+    for label, plan in plans.items():
         print()
-        print(p.table(f"== {label}", reference=ours.bottleneck))
+        print(plan.table(f"== {label}", reference=ours.bottleneck))
     if args.measure:
         print()
         print(measure(args.model, ours, args.measure_steps))
@@ -210,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         plot(plans, args.plot)
         print(f"saved the plot to {args.plot}")
     return 0
+
+
+def _library_error(parser: argparse.ArgumentParser, err: ValueError) -> NoReturn:
+    """Exit with the library's message, naming the flag behind each argument it mentions."""
+    text = str(err)
+    named = [f"{flag} sets {arg}" for arg, flag in FLAGS.items() if arg in text]
+    parser.error(text + (f" ({'; '.join(named)})" if named else ""))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Exact orders of the built-in schedules and the makespan / memory properties they must have.
 
-# p: ranks, v: virtual stages per rank, m: micro-batches, r: rank
+# p: ranks, v: stages per rank, m: micro-batches, r: rank (letters: pipeline/__init__.py)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ PM = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 COSTS = [(1, 1), (1, 2), (2, 1), (3, 5)]  # (F, B)
 
 
-def _rank_text(name: str, n_stages: int, m: int, r: int, v: int = 1) -> str:
-    return " ".join(str(a) for a in schedule(name, n_stages, m, n_virtual=v).compute[r])
+def _rank_text(name: str, p: int, m: int, r: int, v: int = 1) -> str:
+    return " ".join(str(a) for a in schedule(name, p, m, n_virtual=v).compute[r])
 
 
 def test_exact_orders() -> None:
@@ -37,10 +37,10 @@ def test_exact_orders() -> None:
     )
     # Megatron's interleaved order, p = 2, v = 2, m = 4: groups of p micro-batches per stage;
     # rank 0 warms up with 2(p - r - 1) + (v - 1)p = 4 forwards.
-    assert _rank_text("interleaved-1f1b", 4, 4, 0, v=2) == (
+    assert _rank_text("interleaved-1f1b", 2, 4, 0, v=2) == (
         "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
     )
-    assert _rank_text("interleaved-1f1b", 4, 4, 1, v=2) == (
+    assert _rank_text("interleaved-1f1b", 2, 4, 1, v=2) == (
         "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
     )
 
@@ -62,11 +62,11 @@ def test_non_split_weight_folds_into_backward(p: int, m: int) -> None:
     assert simulate(schedule("1f1b", p, m), 1, 2, weight=3).makespan == (m + p - 1) * 6
 
 
-@pytest.mark.parametrize(("p", "v", "k"), list(itertools.product(range(1, 6), range(2, 5), range(1, 4))))
-def test_interleaved_makespan(p: int, v: int, k: int) -> None:
-    m = k * p
-    sched = schedule("interleaved-1f1b", p * v, m, n_virtual=v)
-    assert sched.n_ranks == p and sched.n_virtual == v
+@pytest.mark.parametrize(("p", "v", "groups"), list(itertools.product(range(1, 6), range(2, 5), range(1, 4))))
+def test_interleaved_makespan(p: int, v: int, groups: int) -> None:
+    m = groups * p
+    sched = schedule("interleaved-1f1b", p, m, n_virtual=v)
+    assert sched.n_ranks == p and sched.n_virtual == v and sched.n_stages == p * v
     for f, b in COSTS:
         assert simulate(sched, f, b).makespan == (m * v + p - 1) * (f + b)
 

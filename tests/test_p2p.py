@@ -12,7 +12,8 @@ from tests.dist import run_ranks
 
 
 def _exchange() -> list[Any]:
-    """Batched exchange, a timeout, then a published failure seen by a waiting rank."""
+    """Batched exchange, a receive's timeout, a store key's timeout, then a published failure seen by
+    a waiting rank."""
     rank, out = dist.get_rank(), []
     group = dist.new_group(backend="gloo")  # a timeout closes its connections: keep the world's healthy
     comm = Comm(group, "test", timeout=0.5)
@@ -28,6 +29,13 @@ def _exchange() -> list[Any]:
         try:
             (works,) = comm.post([], [([torch.zeros(1)], 1)], "0RECV_F9 from rank 1")
             comm.wait(works, "0RECV_F9 from rank 1")
+        except PipelineTimeout as exc:
+            out.append((str(exc), time.monotonic() - start))
+    # rank 0 waits for a store key rank 1 never sets: a timeout naming what it waited for
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            comm.wait_key("test/never-set", "rank 1's output signature")
         except PipelineTimeout as exc:
             out.append((str(exc), time.monotonic() - start))
     dist.barrier()
@@ -52,6 +60,9 @@ def test_exchange_timeout_and_failure(tmp_path: Path) -> None:
     assert message == "rank 0 timed out after 0.5 s waiting for 0RECV_F9 from rank 1"
     assert 0.4 < elapsed < 2.0
     message, elapsed = r0[2]
+    assert message == "rank 0 timed out after 0.5 s waiting for rank 1's output signature"
+    assert 0.4 < elapsed < 2.0
+    message, elapsed = r0[3]
     assert message == (
         "rank 1 failed while rank 0 waited for stage 3's output signature: ValueError: bad things"
     )

@@ -1,23 +1,40 @@
-"""``partitioner.partition`` on real small models: cost modes, memory model, bad input."""
+"""``partitioner.partition`` and ``plan_for`` on real small models: the count means ranks, the plan
+carries the options, cost modes, the memory model, recomputation, bad input.
+
+# p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, n: layers
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from torch import nn
 
-from partitioner import partition, plan_for, profile, solve
+from partitioner import (
+    LayerProfile,
+    Plan,
+    Profile,
+    layer_costs,
+    layer_graph,
+    partition,
+    plan_for,
+    predict,
+    profile,
+    solve,
+)
 from partitioner.memory import in_flight
 from pipeline.reference.models import gpt, mlp
+from pipeline.schedules.schedule import schedule
 
 
 @pytest.fixture(scope="module")
 def small_gpt() -> tuple[nn.Sequential, torch.Tensor, object]:
     torch.manual_seed(0)
     model, sample = gpt(vocab_size=64, width=32, n_layers=4, n_heads=2, max_seq_len=16, batch_size=2)
-    return model, sample, profile(model, sample, warmup=1, repeat=2)
+    return model, sample, profile(model, sample, warmup=1, repeat=2)  # 7 layers
 
 
 def test_cost_modes(small_gpt) -> None:  # type: ignore[no-untyped-def]
@@ -32,7 +49,45 @@ def test_cost_modes(small_gpt) -> None:  # type: ignore[no-untyped-def]
     assert t.balance == solve([lp.forward_time + lp.backward_time for lp in prof.layers], 2)
     assert t.bottleneck == max(s.cost for s in t.stages)
     assert t.stages[0].sent_bytes == prof.layers[t.balance[0] - 1].activation_bytes
-    assert t.prediction == "simulator" and t.step_time > 0
+    assert t.prediction == "simulator" and t.step_time > 0 and t.cost == "time"
+
+
+def test_count_means_ranks_for_interleaved(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    # The old meaning made this a one-rank plan with bubble 0: now 2 ranks x 2 stages, m = 2.
+    model, sample, prof = small_gpt
+    plan = partition(model, 2, sample, schedule="interleaved-1f1b", profile=prof)
+    assert isinstance(plan, Plan)
+    assert (plan.n_ranks, plan.n_virtual, plan.n_stages, plan.n_microbatches) == (2, 2, 4, 2)
+    times = [lp.forward_time + lp.backward_time for lp in prof.layers]
+    assert plan.balance == solve(times, 4) and len(plan.stages) == 4
+    assert plan.bubble > 0
+    sched = schedule("interleaved-1f1b", 2, 2, n_virtual=2)
+    fwd, bwd = [st.forward_time for st in plan.stages], [st.backward_time for st in plan.stages]
+    weight = [st.weight_time for st in plan.stages]
+    assert (plan.step_time, plan.bubble) == predict(sched, fwd, bwd, weight)
+    three = partition(
+        model, 2, sample, schedule="interleaved-1f1b", n_virtual=3, n_microbatches=4, profile=prof
+    )
+    assert (three.n_ranks, three.n_virtual, three.n_stages, three.n_microbatches) == (2, 3, 6, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "shape"),
+    [
+        ("1f1b", {}, (3, 1, 3)),  # (p, v, m): m defaults to p
+        ("gpipe", {"n_microbatches": 5}, (3, 1, 5)),
+        ("zb-h1", {"recompute": "always"}, (3, 1, 3)),
+        ("interleaved-1f1b", {"n_microbatches": 6, "recompute": "except_last"}, (3, 2, 6)),
+    ],
+)
+def test_plan_records_the_options(small_gpt, name: str, kw: dict, shape: tuple[int, int, int]) -> None:  # type: ignore[no-untyped-def, type-arg]
+    model, sample, prof = small_gpt
+    plan = partition(model, 3, sample, schedule=name, profile=prof, **kw)
+    assert plan.schedule == name and (plan.n_ranks, plan.n_virtual, plan.n_microbatches) == shape
+    assert plan.recompute == kw.get("recompute", "never")
+    assert Plan.from_json(plan.to_json()) == plan
+    same = plan_for(prof, plan.balance, schedule=name, **kw)
+    assert same == plan  # the plan of a balance is the same whoever made it
 
 
 def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-def]
@@ -43,7 +98,7 @@ def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-d
         want = sum(4 * lp.param_bytes + 4 * lp.saved_bytes for lp in lps)  # (1 + 1 + 2) x params, m = 4
         assert st.memory_bytes == want
     one = partition(model, 2, sample, schedule="1f1b", n_microbatches=4, cost="uniform", profile=prof)
-    assert in_flight("1f1b", 2, 4) == [2, 1]
+    assert in_flight(schedule("1f1b", 2, 4)) == [2, 1]
     last = one.stages[1]
     assert last.memory_bytes == sum(
         4 * lp.param_bytes + lp.saved_bytes for lp in prof.layers[last.start : last.stop]
@@ -62,6 +117,74 @@ def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-d
         assert ok.balance != free.balance
 
 
+def test_recompute_costs_a_forward_and_keeps_inputs(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    model, sample, prof = small_gpt
+    opts = {"schedule": "1f1b", "n_microbatches": 4}
+    never = plan_for(prof, [3, 4], **opts)
+    always = plan_for(prof, [3, 4], recompute="always", **opts)
+    last = plan_for(prof, [3, 4], recompute="except_last", **opts)
+    stage_input = [prof.input_bytes, prof.layers[2].activation_bytes]
+    for s, (a, b, c) in enumerate(zip(never.stages, always.stages, last.stages, strict=True)):
+        lps = prof.layers[a.start : a.stop]
+        fwd = math.fsum(lp.forward_time for lp in lps)
+        static = sum(4 * lp.param_bytes for lp in lps)
+        saved = sum(lp.saved_bytes for lp in lps)
+        held = in_flight(schedule("1f1b", 2, 4))[s]  # [2, 1]
+        assert b.forward_time == a.forward_time
+        assert b.backward_time == pytest.approx(a.backward_time + fwd)
+        assert c.backward_time == pytest.approx(a.backward_time + 0.75 * fwd)  # 3 of 4 recompute
+        assert a.memory_bytes == static + saved * held
+        assert b.memory_bytes == static + saved + stage_input[s] * held
+        assert c.memory_bytes == static + saved * min(2, held) + stage_input[s] * held
+    assert always.step_time > never.step_time
+    costs, _ = layer_costs(prof, "time", recompute="always", n_microbatches=4)
+    assert costs == [lp.forward_time * 2 + lp.backward_time for lp in prof.layers]
+    plan = partition(model, 2, sample, recompute="always", profile=prof, **opts)
+    assert plan.balance == solve(costs, 2)
+
+
+def test_recompute_memory_limit_is_kept(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    # With recomputation each stage keeps its inputs; the split must still fit the limit.
+    model, sample, prof = small_gpt
+    opts = {"schedule": "gpipe", "n_microbatches": 4, "recompute": "always", "cost": "uniform"}
+    peaks = {b: max(s.memory_bytes for s in plan_for(prof, [b, 7 - b], **opts).stages) for b in range(1, 7)}
+    limit = sorted(peaks.values())[len(peaks) // 2] * 1.5
+    plan = partition(model, 2, sample, profile=prof, memory_limit=limit, **opts)
+    assert max(st.memory_bytes for st in plan.stages) <= limit
+    with pytest.raises(ValueError, match="recompute='always', where a stage keeps up to 4 stage inputs"):
+        partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
+
+
+def _synthetic(n: int, f: float, b: float, w: float) -> Profile:
+    """A profile with known figures: every layer takes f forward, b backward of which w is W."""
+    layers = [
+        LayerProfile(layer, str(layer), "Linear", f, b, 10, 4, 8, 8, (1,), "float32", weight_time=w)
+        for layer in range(n)
+    ]
+    return Profile(layers, "cpu", layer_graph(layers), input_bytes=8)
+
+
+def test_weight_time_feeds_the_zb_h1_prediction() -> None:
+    prof = _synthetic(4, 1.0, 2.0, 1.0)
+    plan = plan_for(prof, [2, 2], schedule="zb-h1", n_microbatches=4)
+    assert [(st.forward_time, st.backward_time, st.weight_time) for st in plan.stages] == [
+        (2.0, 4.0, 2.0)
+    ] * 2
+    sched = schedule("zb-h1", 2, 4)
+    assert (plan.step_time, plan.bubble) == predict(sched, [2.0] * 2, [4.0] * 2, [2.0] * 2)
+    # m (f + b + w) + (p - 1)(f + b - w) with f = 2, input gradient b = 2, w = 2: W fills the bubble
+    assert plan.step_time == 4 * 6.0 + 1 * 2.0
+    assert plan.step_time < predict(sched, [2.0] * 2, [4.0] * 2)[0] == (4 + 1) * 6.0
+
+
+def test_measured_weight_time_reaches_the_plan(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    model, sample, prof = small_gpt
+    plan = partition(model, 2, sample, schedule="zb-h1", n_microbatches=4, profile=prof)
+    for st in plan.stages:
+        assert st.weight_time == math.fsum(lp.weight_time for lp in prof.layers[st.start : st.stop])
+        assert 0.0 <= st.weight_time <= st.backward_time
+
+
 def test_bandwidth_adds_cut_costs(small_gpt) -> None:  # type: ignore[no-untyped-def]
     model, sample, prof = small_gpt
     plan = partition(model, 2, sample, profile=prof, bandwidth=1e6)
@@ -73,12 +196,6 @@ def test_bandwidth_adds_cut_costs(small_gpt) -> None:  # type: ignore[no-untyped
     )
 
 
-def test_interleaved_plan(small_gpt) -> None:  # type: ignore[no-untyped-def]
-    model, sample, prof = small_gpt
-    plan = partition(model, 4, sample, schedule="interleaved-1f1b", n_microbatches=4, profile=prof)
-    assert len(plan.balance) == 4 and plan.step_time > 0
-
-
 def test_profiles_when_not_given_and_split_runs() -> None:
     model, sample = mlp(width=16, depth=4, batch_size=4)
     plan = partition(model, 2, sample)
@@ -88,34 +205,75 @@ def test_profiles_when_not_given_and_split_runs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("k", "kw", "match"),
+    ("p", "kw", "match"),
     [
-        (0, {}, r"n_stages \(0\)"),
-        (8, {}, r"n_stages \(8\).*\(7\)"),
+        (0, {}, r"n_ranks \(0\) must be an integer >= 1"),
+        (True, {}, r"n_ranks \(True\) must be an integer >= 1"),
+        (8, {}, r"n_ranks \(8\) x n_virtual \(1\) is 8 stages but the model has 7 layers.*at most 7 ranks"),
+        (
+            4,
+            {"schedule": "interleaved-1f1b"},
+            r"n_ranks \(4\) x n_virtual \(2\) is 8 stages but the model has 7 layers.*"
+            r"at most 3 ranks or fewer stages per rank \(n_virtual\)",
+        ),
         (2, {"cost": "joules"}, "unknown cost 'joules'"),
         (2, {"schedule": "nope"}, "unknown schedule 'nope'"),
         (2, {"bandwidth": 0.0}, r"bandwidth \(0.0\)"),
         (2, {"bandwidth": 1e9, "cost": "flops"}, "needs cost='time'"),
-        (3, {"schedule": "interleaved-1f1b"}, r"multiple of n_virtual \(2\)"),
+        (2, {"memory_limit": -1.0}, r"memory_limit \(-1.0\) must be a number of bytes >= 0"),
+        (2, {"optimizer_state_factor": -1.0}, r"optimizer_state_factor \(-1.0\) must be >= 0"),
+        (2, {"recompute": "sometimes"}, "'sometimes'"),
+        (2, {"n_virtual": 2}, r"n_virtual \(2\) must be 1 for '1f1b'"),
+        (2, {"n_microbatches": 0}, r"n_microbatches \(0\) must be an integer >= 1"),
+        (2, {"schedule": "interleaved-1f1b", "n_microbatches": 3}, r"multiple of the number of ranks \(2\)"),
     ],
 )
-def test_bad_input(small_gpt, k: int, kw: dict, match: str) -> None:  # type: ignore[no-untyped-def, type-arg]
+def test_bad_input(small_gpt, p: int, kw: dict, match: str) -> None:  # type: ignore[no-untyped-def, type-arg]
     model, sample, prof = small_gpt
     with pytest.raises(ValueError, match=match):
-        partition(model, k, sample, profile=prof, **kw)
+        partition(model, p, sample, profile=prof, **kw)
 
 
 def test_bad_input_before_profiling() -> None:
     with pytest.raises(ValueError, match="empty"):
         partition(nn.Sequential(), 1, torch.randn(1))
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2))
+    with pytest.raises(ValueError, match=r"must be an nn\.Sequential, got Linear"):
+        partition(nn.Linear(2, 2), 1, torch.randn(1, 2))  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2))  # rejects the sample at layer 1
     with pytest.raises(ValueError, match=r"layer 1 .* shape \(2, 4\)"):
         partition(model, 2, torch.randn(2, 4))
-    with pytest.raises(ValueError, match="profile has 7 layers"):
-        prof = profile(
-            *gpt(vocab_size=8, width=8, n_layers=4, n_heads=2, max_seq_len=4, batch_size=1),
-            warmup=0,
-            repeat=1,
-        )
+    for kw in ({"schedule": "nope"}, {"recompute": "sometimes"}, {"cost": "joules"}):  # checked first
+        with pytest.raises(ValueError, match=r"unknown|'sometimes'"):
+            partition(model, 2, torch.randn(2, 4), **kw)  # type: ignore[arg-type]
+    prof = profile(
+        *gpt(vocab_size=8, width=8, n_layers=4, n_heads=2, max_seq_len=4, batch_size=1), warmup=0, repeat=1
+    )
+    with pytest.raises(ValueError, match="profile has 7 layers but the model has 2"):
         partition(model, 2, torch.randn(2, 4), profile=prof)
-    assert plan_for is not None
+
+
+def test_plan_for_defaults_and_errors(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    _, _, prof = small_gpt
+    plan = plan_for(prof, [3, 4])
+    assert (plan.schedule, plan.n_ranks, plan.n_microbatches, plan.n_virtual) == ("1f1b", 2, 2, 1)
+    inter = plan_for(prof, [2, 2, 2, 1], schedule="interleaved-1f1b")
+    assert (inter.n_ranks, inter.n_virtual, inter.n_microbatches) == (2, 2, 2)
+    cases = [
+        ({"balance": [3, 3]}, "balance \\[3, 3\\] covers 6 layers but the profile has 7"),
+        ({"balance": [3, 4], "n_microbatches": 0}, r"n_microbatches \(0\) must be an integer >= 1"),
+        (
+            {"balance": [2, 2, 3], "schedule": "interleaved-1f1b"},
+            r"3 stages, not a multiple of n_virtual \(2\)",
+        ),
+        (
+            {"balance": [2, 2, 2, 1], "schedule": "interleaved-1f1b", "n_virtual": 0},
+            r"n_virtual \(0\) must be",
+        ),
+        ({"balance": [3, 4], "cost": "joules"}, "unknown cost 'joules'"),
+        ({"balance": [3, 4], "recompute": "sometimes"}, "'sometimes'"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            plan_for(prof, **kw)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="balance must be a list of layer counts"):
+        plan_for(prof, "3,4")

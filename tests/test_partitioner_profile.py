@@ -66,6 +66,20 @@ def test_figures_of_a_linear_layer() -> None:
     assert sorted(prof.graph.nodes) == [0, 1, 2]
     assert prof.graph.edges[0, 1]["bytes"] == lin.activation_bytes
     assert prof.graph.nodes[2]["flops"] == head.flops
+    assert relu.weight_time == 0.0  # no parameters: the whole backward is the input gradient
+    assert all(0.0 <= lp.weight_time <= lp.backward_time for lp in prof.layers)
+    assert prof.graph.nodes[0]["weight_time"] == lin.weight_time
+    assert prof.input_bytes == 4 * 16 * 4
+
+
+def test_weight_time_is_the_parameter_gradient_part() -> None:
+    # Linear's backward is two matmuls of the same size, one for the input, one for the weight:
+    # the weight part is a real share of it (measured, so only a loose bound).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 384, bias=False))
+    prof = profile(model, torch.randn(384, 384), warmup=2, repeat=7)
+    lin = prof.layers[0]
+    assert 0.2 * lin.backward_time < lin.weight_time <= lin.backward_time
 
 
 def test_views_of_one_storage_count_once() -> None:
@@ -83,6 +97,9 @@ def test_gpt_profiles_int_input() -> None:
     prof = profile(model, sample, warmup=0, repeat=1)
     assert prof.layers[0].kind == "Embedding" and prof.layers[-1].output_shape == (2, 8, 11)
     assert prof.layers[1].flops > 0
+    # token ids take no gradient: all of the embedding's backward is its weight gradient
+    assert prof.layers[0].weight_time == prof.layers[0].backward_time > 0
+    assert prof.input_bytes == 2 * 8 * 8  # int64 ids, one micro-batch
 
 
 def test_bad_sample_names_layer_and_shape() -> None:

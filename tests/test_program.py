@@ -30,7 +30,7 @@ class _Host:
 def _compile(rank: int, lookahead: bool) -> tuple[Compiled, _Host]:
     sched = schedule("1f1b", 2, 4)
     stage = StageRuntime(rank, nn.Sequential(nn.Linear(2, 2)), n_stages=2, n_microbatches=4,
-                         split_backward=False, checkpoint="never", loss_fn=None,
+                         split_backward=False, recompute="never", loss_fn=None,
                          device=torch.device("cpu"))  # fmt: skip
     host = _Host()
     return compile_rank(sched, rank, {rank: stage}, host, lookahead), host

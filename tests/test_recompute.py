@@ -14,7 +14,7 @@ def test_modes() -> None:
 
 
 def test_unknown_mode() -> None:
-    with pytest.raises(ValueError, match=r"unknown checkpoint mode 'sometimes'; use one of never, except_"):
+    with pytest.raises(ValueError, match=r"unknown recompute mode 'sometimes'; use one of never, except_"):
         check_mode("sometimes")
 
 

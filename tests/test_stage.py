@@ -21,8 +21,8 @@ def _reference(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> tuple[
     return float(loss.detach()), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
-def _two_stages(model: nn.Sequential, split_backward: bool, checkpoint: str) -> list[StageRuntime]:
-    kw = dict(n_stages=2, n_microbatches=M, split_backward=split_backward, checkpoint=checkpoint, device=cpu)
+def _two_stages(model: nn.Sequential, split_backward: bool, recompute: str) -> list[StageRuntime]:
+    kw = dict(n_stages=2, n_microbatches=M, split_backward=split_backward, recompute=recompute, device=cpu)
     return [
         StageRuntime(0, model[:2], loss_fn=None, **kw),  # type: ignore[arg-type]
         StageRuntime(1, model[2:], loss_fn=nn.functional.mse_loss, **kw),  # type: ignore[arg-type]
@@ -30,14 +30,14 @@ def _two_stages(model: nn.Sequential, split_backward: bool, checkpoint: str) -> 
 
 
 @pytest.mark.parametrize("split_backward", [False, True])
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_gradients_equal_one_backward(split_backward: bool, checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_gradients_equal_one_backward(split_backward: bool, recompute: str) -> None:
     torch.manual_seed(0)
     model, x = mlp(width=16, depth=4, batch_size=8)
     y = torch.randn(8, 16)
     loss_ref, grads_ref = _reference(model, x, y)
     model.zero_grad()
-    s0, s1 = _two_stages(model, split_backward, checkpoint)
+    s0, s1 = _two_stages(model, split_backward, recompute)
     for i, (xi, yi) in enumerate(zip(split(x, M), split(y, M), strict=True)):
         out = s0.forward(i, xi)
         assert isinstance(out, torch.Tensor) and s1.forward(i, out, yi) is None
@@ -57,10 +57,81 @@ def test_gradients_equal_one_backward(split_backward: bool, checkpoint: str) -> 
         torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-7)
 
 
+def _dropout_grads(split_backward: bool, recompute: str) -> tuple[list[float], list[torch.Tensor]]:
+    """Two stages with dropout in each, one step of M micro-batches (forwards in order, then the
+    backwards in reverse, the last stage's first): the losses and the weight gradients."""
+    torch.manual_seed(0)
+    width = 16
+    model = nn.Sequential(
+        nn.Linear(width, width),
+        nn.Dropout(0.5),
+        nn.Linear(width, width),
+        nn.Dropout(0.5),
+        nn.Linear(width, 4),
+    )
+    x, y = torch.randn(8, width), torch.randn(8, 4)
+    kw = dict(n_stages=2, n_microbatches=M, split_backward=split_backward, recompute=recompute, device=cpu)
+    s0 = StageRuntime(0, model[:2], loss_fn=None, **kw)  # type: ignore[arg-type]
+    s1 = StageRuntime(1, model[2:], loss_fn=nn.functional.mse_loss, **kw)  # type: ignore[arg-type]
+    torch.manual_seed(1)  # the dropout masks: the same draws in F whatever the mode
+    for i, (xi, yi) in enumerate(zip(split(x, M), split(y, M), strict=True)):
+        s1.forward(i, s0.forward(i, xi), yi)
+    for i in reversed(range(M)):
+        s0.backward(i, s1.backward(i, None))
+        if split_backward:
+            s1.weight(i)
+            s0.weight(i)
+    return [float(v) for v in s1.losses], [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+@pytest.mark.parametrize("recompute", ["except_last", "always"])
+def test_recomputed_dropout_draws_the_masks_of_its_forward(split_backward: bool, recompute: str) -> None:
+    # a replay without the forward's RNG state draws other masks: other gradients, same losses
+    losses_ref, grads_ref = _dropout_grads(split_backward, "never")
+    losses, grads = _dropout_grads(split_backward, recompute)
+    assert losses == losses_ref
+    for g, ref in zip(grads, grads_ref, strict=True):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, ref, rtol=1e-6, atol=0.0)
+    # the split and unsplit backwards agree too, so the reference is not the same mistake twice
+    for g, ref in zip(_dropout_grads(not split_backward, "never")[1], grads_ref, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_recomputation_updates_batchnorm_statistics_once(split_backward: bool) -> None:
+    def run(recompute: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2))
+        x, y = torch.randn(16, 4), torch.randn(16, 2)
+        kw = dict(
+            n_stages=2, n_microbatches=M, split_backward=split_backward, recompute=recompute, device=cpu
+        )
+        s0 = StageRuntime(0, model[:2], loss_fn=None, **kw)  # type: ignore[arg-type]
+        s1 = StageRuntime(1, model[2:], loss_fn=nn.functional.mse_loss, **kw)  # type: ignore[arg-type]
+        for i, (xi, yi) in enumerate(zip(split(x, M), split(y, M), strict=True)):
+            s1.forward(i, s0.forward(i, xi), yi)
+        for i in range(M):
+            s0.backward(i, s1.backward(i, None))
+            if split_backward:
+                s1.weight(i)
+                s0.weight(i)
+        return dict(model.state_dict()), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    state_ref, grads_ref = run("never")
+    state, grads = run("always")
+    assert int(state["1.num_batches_tracked"]) == M
+    for k, t in state.items():
+        torch.testing.assert_close(t, state_ref[k], rtol=0.0, atol=0.0)
+    for g, ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-6, atol=0.0)
+
+
 def test_split_b_computes_no_weight_gradients() -> None:
     model, x = mlp(width=8, depth=3, batch_size=2)
     stage = StageRuntime(
-        1, model, n_stages=2, n_microbatches=1, split_backward=True, checkpoint="never",
+        1, model, n_stages=2, n_microbatches=1, split_backward=True, recompute="never",
         loss_fn=lambda out, _: out.sum(), device=cpu,
     )  # fmt: skip
     stage.forward(0, x, None)
@@ -74,7 +145,7 @@ def test_split_b_computes_no_weight_gradients() -> None:
 def test_loss_must_be_scalar() -> None:
     model, x = mlp(width=4, depth=2, batch_size=4)
     stage = StageRuntime(
-        0, model, n_stages=1, n_microbatches=1, split_backward=False, checkpoint="never",
+        0, model, n_stages=1, n_microbatches=1, split_backward=False, recompute="never",
         loss_fn=lambda out, _: out, device=cpu,
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar \(0-dim\) tensor, got \(4, 4\)"):
@@ -84,7 +155,7 @@ def test_loss_must_be_scalar() -> None:
 def test_infer_does_not_compute_or_touch_buffers() -> None:
     layer = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
     stage = StageRuntime(
-        0, layer, n_stages=2, n_microbatches=1, split_backward=False, checkpoint="never",
+        0, layer, n_stages=2, n_microbatches=1, split_backward=False, recompute="never",
         loss_fn=None, device=cpu,
     )  # fmt: skip
     assert stage.infer((((7, 3), torch.float32),)) == (((7, 5), torch.float32),)

@@ -46,6 +46,17 @@ def test_broken_dependency_on_one_rank() -> None:
     assert "broken dependency: 0W0" in msg
 
 
+def test_broken_backward_dependency_between_local_stages() -> None:
+    # One rank holds stages 0 and 1: B(0, 0) needs the gradient that B(1, 0) computes.
+    # No communication is involved, so only the local-order check can see it.
+    msg = _error("0F0 1F0 0B0 1B0")
+    assert "broken dependency: 0B0 at rank 0 step 2 runs before 1B0 (step 3), which it needs" in msg
+    assert "[0B0]" in msg and "[1B0]" in msg
+    validate(_load("0F0 1F0 1B0 0B0"))  # the right order passes
+    # across ranks (p = 2, v = 2) the receive of 3B0's gradient orders 2B0 after it
+    validate(_load("0F0 2F0 2B0 0B0\n1F0 3F0 3B0 1B0"))
+
+
 def test_deadlock() -> None:
     # Rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activation,
     # while rank 1 wants both activations before its first backward.

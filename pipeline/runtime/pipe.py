@@ -2,15 +2,21 @@
 
     # p: ranks, v: virtual stages per rank, m: micro-batches, s: stage
 
-    pipe = Pipeline(model, [3, 3, 2, 2], schedule="1f1b", n_microbatches=8, loss_fn=F.cross_entropy)
-    loss = pipe.step(inputs, targets)        # on every rank; returns the mean micro-batch loss
+    plan = partition(model, 4, sample, schedule="1f1b", n_microbatches=8)   # or Plan(balance=[...], ...)
+    pipe = Pipeline(model, plan, loss_fn=F.cross_entropy)    # on every rank
     opt = torch.optim.AdamW(pipe.parameters())
+    loss = pipe.step(inputs, targets)        # the mean micro-batch loss, on every rank
+    pipe.clip_grad_norm_(1.0)                # the norm over every stage's gradients
+    opt.step(); opt.zero_grad()
+    state = pipe.gather_state_dict()         # the whole model's state dict on rank 0
 
-Stage s (``balance[s]`` consecutive layers of the ``nn.Sequential``) lives on rank
-s % p. Only this rank's stages are kept. ``step`` leaves in ``.grad`` the gradient
-of the mean micro-batch loss, exactly what one process computes for the whole
-batch (each micro-batch loss is scaled by 1/m); grads accumulate across steps
-as usual, so call ``opt.zero_grad()`` between steps.
+The plan says the balance, schedule, m, v and recomputation mode; a plain
+balance list with those as keywords works too (see options.py). Stage s
+(``balance[s]`` consecutive layers of the ``nn.Sequential``) lives on rank
+s % p. Only this rank's stages are kept. ``step`` leaves in ``.grad`` the
+gradient of the mean micro-batch loss, exactly what one process computes for
+the whole batch (each micro-batch loss is scaled by 1/m); grads accumulate
+across steps as usual, so call ``opt.zero_grad()`` between steps.
 
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,81 +37,77 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.runtime import stream
+from pipeline.plan import Plan
+from pipeline.runtime import grads, stream
 from pipeline.runtime.executor import Executor
+from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.microbatch import Batch, split
+from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
-from pipeline.runtime.recompute import check_mode
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.schedules.schedule import Schedule, forward_only
-from pipeline.schedules.schedule import schedule as make_schedule
 from pipeline.schedules.timeline import Timeline
-from pipeline.schedules.validate import validate
 
 __all__ = ["Pipeline"]
 
-_instances = itertools.count()  # same order of construction on every rank -> same store keys
-_DEFAULT_M = 8
-
-
-def _as_balance(balance: object) -> list[int]:
-    raw = getattr(balance, "balance", balance)
-    if not isinstance(raw, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in raw):
-        raise TypeError(f"balance must be a list of layer counts or a Plan with .balance, got {balance!r}")
-    values = list(raw)
-    if not values or any(b < 1 for b in values):
-        raise ValueError(f"balance {values} must hold at least one stage, each of >= 1 layers")
-    return values
+# per process group (its global ranks): every member builds its Pipelines on it in the same
+# order, so the n-th one has the same store keys on every member, whatever other groups exist
+_instances: dict[tuple[int, ...], Iterator[int]] = {}
 
 
 class Pipeline:
-    """This rank's stages of ``model`` and the executor that runs ``schedule`` over them.
+    """This rank's stages of ``model`` and the executor that runs the plan's schedule over them.
 
-    ``timeout`` (seconds) bounds every wait on another rank. ``init_fn(module)``
-    runs on each local stage after a meta-device model is materialised: its
-    parameters then come from ``reset_parameters`` (re-initialisation, not the
-    values of any other copy of the model) and then ``init_fn``.
+    ``plan`` is a ``Plan`` (it says balance, schedule, ``n_microbatches``,
+    ``n_virtual`` and ``recompute``; a keyword may repeat it, not contradict it)
+    or a list of layer counts per stage, with those options as keywords
+    (defaults: 1f1b, m = p, v = 2 for interleaved-1f1b, recompute "never"), or
+    with ``schedule=`` a ``Schedule`` object. ``checkpoint=`` is the old name of
+    ``recompute=``. ``timeout`` (seconds) bounds every wait on another rank.
+    ``init_fn(module)`` runs on each local stage after a meta-device model is
+    materialised: its parameters then come from ``reset_parameters``
+    (re-initialisation, not the values of any other copy of the model) and then
+    ``init_fn``.
     """
 
     def __init__(
         self,
         model: nn.Sequential,
-        balance: Sequence[int] | Any,
+        plan: Plan | Sequence[int],
         *,
-        schedule: str | Schedule = "1f1b",
+        loss_fn: LossFn | None,
+        schedule: str | Schedule | None = None,
         n_microbatches: int | None = None,
-        loss_fn: LossFn | None = None,
-        n_virtual: int = 1,
-        checkpoint: str = "never",
+        n_virtual: int | None = None,
+        recompute: str | None = None,
+        checkpoint: str | None = None,
         group: Any = None,
         device: torch.device | str | None = None,
         timeout: float = 300.0,
         init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
-        self.checkpoint = check_mode(checkpoint)
-        self.balance = _as_balance(balance)
-        distributed = dist.is_available() and dist.is_initialized()
-        world = dist.get_world_size(group) if distributed else 1
-        self.rank = dist.get_rank(group) if distributed else 0
-        n_stages = len(self.balance)
-        if n_stages != world * n_virtual:
-            raise ValueError(
-                f"balance has {n_stages} stages but world size ({world}) x n_virtual ({n_virtual}) is "
-                f"{world * n_virtual}; pass {world * n_virtual} layer counts or change n_virtual"
-            )
-        if sum(self.balance) != len(model):
-            raise ValueError(
-                f"balance {self.balance} sums to {sum(self.balance)} layers but the model has {len(model)}; "
-                "the layer counts must add up to len(model)"
-            )
-        self.schedule = self._schedule(schedule, n_stages, world, n_microbatches, n_virtual)
-        self.n_microbatches = self.schedule.n_microbatches
+        options = resolve(
+            plan,
+            schedule=schedule,
+            n_microbatches=n_microbatches,
+            n_virtual=n_virtual,
+            recompute=recompute,
+            checkpoint=checkpoint,
+        )
+        check_model(model, options.balance)
         if loss_fn is None:
             raise ValueError("loss_fn is required: pass loss_fn=f with f(output, target) -> scalar tensor")
+        distributed = dist.is_available() and dist.is_initialized()
+        check_group(options, distributed, dist.get_world_size(group) if distributed else 1)
+        self.plan: Plan | None = options.plan  # None when a Schedule object was given
+        self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
+        self.n_microbatches = self.schedule.n_microbatches
+        self.rank = dist.get_rank(group) if distributed else 0
         if device is None:
             on_gpu = distributed and dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.device = torch.device(device)
+        n_stages = len(self.balance)
         self._stage_ids = self.schedule.stages_of(self.rank)
         self._modules = [self._local_stage(model, s, init_fn) for s in self._stage_ids]
         self.module: nn.Module = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
@@ -115,51 +118,28 @@ class Pipeline:
                 n_stages=n_stages,
                 n_microbatches=self.n_microbatches,
                 split_backward=self.schedule.split_backward,
-                checkpoint=checkpoint,
+                recompute=self.recompute,
                 loss_fn=loss_fn,
                 device=self.device,
             )
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
-        self._prefix = f"stagewise/pipe{next(_instances)}"
+        self._prefix = _store_prefix(group, distributed)
         self.comm = Comm(group, self._prefix, timeout) if distributed else None
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
+        self._gathers = itertools.count()  # gather_state_dict calls: a store key each
         self.last_loss_rank = self.schedule.rank_of(n_stages - 1)
 
     # ---- construction
-
-    @staticmethod
-    def _schedule(
-        schedule: str | Schedule, n_stages: int, world: int, n_microbatches: int | None, n_virtual: int
-    ) -> Schedule:
-        if isinstance(schedule, str):
-            return make_schedule(schedule, n_stages, n_microbatches or _DEFAULT_M, n_virtual=n_virtual)
-        if schedule.n_stages != n_stages or schedule.n_ranks != world:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.n_stages} stages on {schedule.n_ranks} ranks, "
-                f"but balance has {n_stages} stages on a world of {world}; build the schedule for these"
-            )
-        if schedule.n_virtual != n_virtual:
-            raise ValueError(
-                f"n_virtual ({n_virtual}) does not match the schedule's ({schedule.n_virtual}); "
-                f"pass n_virtual={schedule.n_virtual}"
-            )
-        if n_microbatches is not None and n_microbatches != schedule.n_microbatches:
-            raise ValueError(
-                f"n_microbatches ({n_microbatches}) does not match the schedule's "
-                f"({schedule.n_microbatches}); omit n_microbatches or pass {schedule.n_microbatches}"
-            )
-        validate(schedule)
-        return schedule
 
     def _local_stage(
         self, model: nn.Sequential, s: int, init_fn: Callable[[nn.Module], None] | None
     ) -> nn.Sequential:
         start = sum(self.balance[:s])
-        layers = OrderedDict((str(k), model[k]) for k in range(start, start + self.balance[s]))
-        module = nn.Sequential(layers)  # keys are the original indices: names stay "3.weight"
+        keys = list(model._modules)[start : start + self.balance[s]]
+        module = nn.Sequential(OrderedDict((k, model._modules[k]) for k in keys))  # names as in the model
         if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
             module.to_empty(device=self.device)
             with torch.no_grad():
@@ -179,15 +159,81 @@ class Pipeline:
         if self.comm is not None:
             self.comm.close()
 
-    # ---- parameters
+    # ---- parameters and buffers (this rank's stages; names as in the model, e.g. "3.weight")
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Each parameter once, even when a module appears in two local stages (as nn.Module does)."""
+        seen: set[int] = set()
         for mod in self._modules:
-            yield from mod.named_parameters()
+            for name, p in mod.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        for mod in self._modules:
+            for name, b in mod.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield name, b
+
+    def buffers(self) -> Iterator[torch.Tensor]:
+        for _, b in self.named_buffers():
+            yield b
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The local gradients, each parameter's once (``named_parameters`` skips repeats)."""
+        return [p.grad for p in self.parameters() if p.grad is not None]
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (parameters and buffers, the model's names, CPU copies) on rank
+        ``dst``, None on the others; call on every rank."""
+        world = self.comm.world_size if self.comm is not None else 1
+        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world:
+            raise ValueError(f"dst ({dst!r}) must be a rank of the pipeline's group, 0 to {world - 1}")
+        local = {s: mod.state_dict() for s, mod in zip(self._stage_ids, self._modules, strict=True)}
+        key = f"{self._prefix}/state{next(self._gathers)}"
+        with self._publish_failure():
+            return gather_state_dict(local, self.comm, dst, key, self._comm_device())
+
+    # ---- the optimizer step's companions: call on every rank, after step()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> float:
+        """Clip the gradients of every stage, on every rank, by their total norm; returns that norm.
+
+        The same as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on the
+        whole model in one process: the total is the ``norm_type`` norm of all
+        gradients (inf: the largest absolute value), each parameter counted once, and
+        every gradient is scaled by ``min(1, max_norm / (total + 1e-6))``.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm >= 0:
+            raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
+        gs = self._grads()
+        with self._publish_failure():
+            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device())
+        value = float(total)
+        # every rank has the same value, so every rank raises the same error
+        if error_if_nonfinite and not math.isfinite(value):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the pipeline's gradients is {value}, so they "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway, or skip the optimizer "
+                "step when grads_finite() is False"
+            )
+        grads.clip_(gs, float(max_norm), total)
+        return value
+
+    def grads_finite(self) -> bool:
+        """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
+        gs = self._grads()
+        with self._publish_failure():
+            return grads.all_finite(gs, self.comm, self._comm_device())
 
     # ---- the step
 
@@ -336,6 +382,14 @@ class Pipeline:
             write_chrome_trace(path, measured, names=["measured"])
         else:
             write_chrome_trace(path, simulated, measured, names=["simulated", "measured"])
+
+
+def _store_prefix(group: Any, distributed: bool) -> str:
+    """This Pipeline's store keys: the n-th Pipeline on the group's ranks."""
+    members: tuple[int, ...] = ()
+    if distributed:
+        members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return f"stagewise/pipe{next(_instances.setdefault(members, itertools.count()))}"
 
 
 def _pinned(batch: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Activation checkpointing: which micro-batches recompute their forward in backward.
+"""Activation recomputation: which micro-batches recompute their forward in backward.
 
     # i: micro-batch, m: micro-batches
 
@@ -7,10 +7,12 @@
                    backward follows its forward at once, so saving it costs little
     "always"       every micro-batch recomputes
 
-A checkpointed forward runs under ``no_grad`` and keeps only its input and the
-random-number state; the backward replays the forward with the same state, so
-dropout and friends draw the same numbers and the gradients are identical to
-those without checkpointing.
+A recomputed micro-batch's forward runs under ``no_grad`` and keeps only its input
+and the random-number state; the backward replays the forward with the same state,
+so dropout and friends draw the same numbers and the gradients are identical to
+those without recomputation. (torch calls this activation checkpointing and
+Megatron activation recomputation; "checkpoint" in this library means a training
+checkpoint on disk, see pipeline/checkpointing.py.)
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CHECKPOINT_MODES", "RNGState", "check_mode", "recomputes"]
+__all__ = ["CHECKPOINT_MODES", "RECOMPUTE_MODES", "RNGState", "check_mode", "recomputes"]
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
+RECOMPUTE_MODES = ("never", "except_last", "always")
+CHECKPOINT_MODES = RECOMPUTE_MODES  # the old name, kept for one release
 
 
 def check_mode(mode: str) -> str:
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"unknown checkpoint mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}")
+    """``mode`` if it is one of RECOMPUTE_MODES, else a ValueError naming them."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; use one of {', '.join(RECOMPUTE_MODES)}")
     return mode
 
 

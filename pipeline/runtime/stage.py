@@ -22,8 +22,9 @@ runs ``autograd.backward(o_l, g_l, inputs=params_l)`` per layer: the weight
 gradients, from the same graphs, after which everything is freed. The sums are
 those of one whole backward, so the gradients equal the unsplit ones.
 
-Checkpointed micro-batches (see recompute.py) run F under ``no_grad`` keeping
-only the input and the RNG state, and rebuild the graphs at the start of B.
+Recomputed micro-batches (see recompute.py) run F under ``no_grad`` keeping
+only the input and the RNG state, and rebuild the graphs at the start of B with
+that state restored, so dropout draws the same masks as in F.
 """
 
 from __future__ import annotations
@@ -81,17 +82,17 @@ class StageRuntime:
         n_stages: int,
         n_microbatches: int,
         split_backward: bool,
-        checkpoint: str,
+        recompute: str,
         loss_fn: LossFn | None,
         device: torch.device,
     ) -> None:
         self.index, self.module, self.device = index, module, device
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.n_microbatches, self.split, self.checkpoint = n_microbatches, split_backward, checkpoint
+        self.n_microbatches, self.split, self.recompute = n_microbatches, split_backward, recompute
         self.loss_fn = loss_fn
         self.layers = list(module)
         self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
-        self.recompute = [recomputes(checkpoint, i, n_microbatches) for i in range(n_microbatches)]
+        self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
         self.scale = 1.0 / n_microbatches
         self._saved: dict[int, _Saved] = {}
         self.losses: list[torch.Tensor] = []  # last stage: unscaled micro-batch losses of this step
@@ -137,7 +138,7 @@ class StageRuntime:
         """F of micro-batch ``i``: the output for the next stage (None on the last stage)."""
         x = x if self.is_first else _leaves(x)
         saved = _Saved(inputs=x, target=target)
-        if self.recompute[i]:
+        if self.recomputes[i]:
             saved.rng = RNGState.capture(self.device)
             with torch.no_grad():
                 out = self._run(x, target, None)
@@ -151,12 +152,23 @@ class StageRuntime:
         return None if self.is_last else out
 
     def _replay(self, saved: _Saved) -> None:
-        """Rebuild a checkpointed micro-batch's graph with the RNG state of its F."""
+        """Rebuild a recomputed micro-batch's graph with the RNG state of its F.
+
+        The buffers are put back afterwards: F updated them already (BatchNorm's
+        running statistics, ``num_batches_tracked``), and a second update would
+        count the micro-batch twice.
+        """
         assert saved.rng is not None
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             saved.rng.restore()
             with torch.enable_grad():
                 out = self._run(saved.inputs, saved.target, saved.chain if self.split else None, record=False)
+        # through .data: the graph holds the buffers as inputs (BatchNorm's running statistics),
+        # so a tracked write would fail its backward's version check, although a training-mode
+        # backward never reads them (and in eval mode their values are unchanged)
+        for b, before in buffers:
+            b.data.copy_(before)
         saved.outputs = None if self.split else out
 
     # ---- backward

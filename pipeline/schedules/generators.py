@@ -1,6 +1,7 @@
 """Per-rank compute orders of the built-in schedules.
 
-    # p: ranks, v: virtual stages per rank, m: micro-batches, r: rank, i: micro-batch, k: virtual index
+    # p: ranks, v: stages per rank, m: micro-batches, r: rank, i: micro-batch, c: chunk,
+    # t: position in a rank's order
 
 Each generator returns, per rank, the ordered F/B/W actions; ``schedule.schedule``
 wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on rank r
@@ -79,18 +80,18 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Orders:
     """
     total = m * v
 
-    def _action(k: int, kind: Kind, r: int) -> Action:
-        chunk = (k % (p * v)) // p
+    def _action(t: int, kind: Kind, r: int) -> Action:
+        c = (t % (p * v)) // p
         if kind is Kind.B:
-            chunk = v - 1 - chunk
-        return Action(chunk * p + r, kind, (k // (p * v)) * p + k % p)
+            c = v - 1 - c
+        return Action(c * p + r, kind, (t // (p * v)) * p + t % p)
 
     orders = []
     for r in range(p):
         warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-        out = [_action(k, Kind.F, r) for k in range(warmup)]
-        for j in range(total - warmup):
-            out += [_action(warmup + j, Kind.F, r), _action(j, Kind.B, r)]
-        out += [_action(k, Kind.B, r) for k in range(total - warmup, total)]
+        out = [_action(t, Kind.F, r) for t in range(warmup)]
+        for t in range(total - warmup):
+            out += [_action(warmup + t, Kind.F, r), _action(t, Kind.B, r)]
+        out += [_action(t, Kind.B, r) for t in range(total - warmup, total)]
         orders.append(tuple(out))
     return tuple(orders)

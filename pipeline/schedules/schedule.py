@@ -32,7 +32,15 @@ from pipeline.schedules import generators
 from pipeline.schedules.actions import Action, Kind, parse_action
 from pipeline.schedules.validate import ScheduleError, validate
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "forward_only", "schedule", "schedule_options"]
+__all__ = [
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "default_n_virtual",
+    "forward_only",
+    "schedule",
+    "schedule_options",
+]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
@@ -124,6 +132,11 @@ class Schedule:
         return sched
 
 
+def default_n_virtual(name: str) -> int:
+    """v when not given: 2 stages per rank for interleaved-1f1b, 1 for every other schedule."""
+    return 2 if name == "interleaved-1f1b" else 1
+
+
 def schedule_options(
     name: str, n_ranks: int, n_microbatches: int | None = None, n_virtual: int | None = None
 ) -> tuple[int, int]:
@@ -137,7 +150,7 @@ def schedule_options(
         raise ValueError(f"unknown schedule {name!r}; valid schedules are {', '.join(SCHEDULES)}")
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
         raise ValueError(f"n_ranks ({n_ranks!r}) must be an integer >= 1: the pipeline's ranks (devices)")
-    v = n_virtual if n_virtual is not None else (2 if name == "interleaved-1f1b" else 1)
+    v = n_virtual if n_virtual is not None else default_n_virtual(name)
     m = n_microbatches if n_microbatches is not None else n_ranks
     for label, value in (("n_virtual", v), ("n_microbatches", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,6 +1,6 @@
 """Validate a schedule before it runs: every check raises ``ScheduleError`` with a rank x step grid.
 
-    # p: ranks, s: stage, i: micro-batch, r: rank, k: step
+    # p: ranks, k: stages, s: stage, i: micro-batch, r: rank, t: step (position in a rank's list)
 
 Checks, in order, each with its own message:
 
@@ -61,6 +61,7 @@ class Schedule(Protocol):
 
     def lowered(self) -> tuple[tuple[Action, ...], ...]: ...
 
+
 _MAX_COLUMNS = 16  # wider grids keep only the columns around the marked steps
 
 
@@ -70,30 +71,30 @@ def render_program(program: Sequence[Sequence[Action]], marks: set[tuple[int, in
     n_steps = max((len(row) for row in program), default=0)
     cols = list(range(n_steps))
     if n_steps > _MAX_COLUMNS and marks:
-        keep = {k for _, step in marks for k in range(step - 3, step + 3)}
-        cols = [k for k in cols if k in keep]
+        keep = {t for _, step in marks for t in range(step - 3, step + 3)}
+        cols = [t for t in cols if t in keep]
     elif n_steps > _MAX_COLUMNS:
         cols = cols[:_MAX_COLUMNS]
 
-    def cell(r: int, k: int) -> str:
-        if k >= len(program[r]):
+    def cell(r: int, t: int) -> str:
+        if t >= len(program[r]):
             return ""
-        text = str(program[r][k])
-        return f"[{text}]" if (r, k) in marks else text
+        text = str(program[r][t])
+        return f"[{text}]" if (r, t) in marks else text
 
-    widths = {k: max([len(str(k)), *(len(cell(r, k)) for r in range(len(program)))]) for k in cols}
+    widths = {t: max([len(str(t)), *(len(cell(r, t)) for r in range(len(program)))]) for t in cols}
     header: list[str] = ["step  "]
     rows: list[list[str]] = [[f"rank {r}"] for r in range(len(program))]
     prev = -1
-    for k in cols:
-        if k != prev + 1:  # elided columns
+    for t in cols:
+        if t != prev + 1:  # elided columns
             header.append("...")
             for row in rows:
                 row.append("...")
-        header.append(str(k).ljust(widths[k]))
+        header.append(str(t).ljust(widths[t]))
         for r, row in enumerate(rows):
-            row.append(cell(r, k).ljust(widths[k]))
-        prev = k
+            row.append(cell(r, t).ljust(widths[t]))
+        prev = t
     if cols and prev != n_steps - 1:
         header.append("...")
         for row in rows:
@@ -111,15 +112,15 @@ def _fail(
 
 
 def _check_shape(sched: Schedule) -> None:
-    p, n, m = sched.n_ranks, sched.n_stages, sched.n_microbatches
-    if p < 1 or n < 1 or m < 1:
+    p, k, m = sched.n_ranks, sched.n_stages, sched.n_microbatches
+    if p < 1 or k < 1 or m < 1:
         raise ScheduleError(
-            f"schedule {sched.name!r}: n_ranks ({p}), n_stages ({n}) and n_microbatches ({m}) "
+            f"schedule {sched.name!r}: n_ranks ({p}), n_stages ({k}) and n_microbatches ({m}) "
             "must all be >= 1"
         )
-    if n % p != 0:
+    if k % p != 0:
         raise ScheduleError(
-            f"schedule {sched.name!r}: n_stages ({n}) must be a multiple of n_ranks ({p}), "
+            f"schedule {sched.name!r}: n_stages ({k}) must be a multiple of n_ranks ({p}), "
             "so that every rank holds the same number of stages"
         )
     if len(sched.compute) != p:
@@ -127,12 +128,12 @@ def _check_shape(sched: Schedule) -> None:
             f"schedule {sched.name!r} has {len(sched.compute)} rank programs but n_ranks is {p}"
         )
     for r, actions in enumerate(sched.compute):
-        for k, a in enumerate(actions):
+        for t, a in enumerate(actions):
             problem = ""
             if not a.kind.is_compute:
                 problem = "is a communication action; compute programs hold only F, B and W"
-            elif not 0 <= a.stage < n:
-                problem = f"names stage {a.stage}, outside 0..{n - 1}"
+            elif not 0 <= a.stage < k:
+                problem = f"names stage {a.stage}, outside 0..{k - 1}"
             elif not 0 <= a.microbatch < m:
                 problem = f"names micro-batch {a.microbatch}, outside 0..{m - 1}"
             elif a.stage % p != r:
@@ -140,14 +141,14 @@ def _check_shape(sched: Schedule) -> None:
             elif a.kind is Kind.W and not sched.split_backward:
                 problem = "is a W but split_backward is False: B already holds the whole backward"
             if problem:
-                _fail(sched, f"action {a} at rank {r} step {k} {problem}", sched.compute, {(r, k)})
+                _fail(sched, f"action {a} at rank {r} step {t} {problem}", sched.compute, {(r, t)})
 
 
 def _check_once(sched: Schedule) -> None:
     where: dict[Action, list[tuple[int, int]]] = {}
     for r, actions in enumerate(sched.compute):
-        for k, a in enumerate(actions):
-            where.setdefault(a, []).append((r, k))
+        for t, a in enumerate(actions):
+            where.setdefault(a, []).append((r, t))
     dups = {a: at for a, at in where.items() if len(at) > 1}
     if dups:
         names = ", ".join(str(a) for a in sorted(dups))
@@ -170,8 +171,8 @@ def _check_once(sched: Schedule) -> None:
 
 def _check_local_order(sched: Schedule) -> None:
     for r, actions in enumerate(sched.compute):
-        step = {a: k for k, a in enumerate(actions)}
-        for k, a in enumerate(actions):
+        step = {a: t for t, a in enumerate(actions)}
+        for t, a in enumerate(actions):
             s, i = a.stage, a.microbatch
             needs = {
                 Kind.F: [Action(s - 1, Kind.F, i)],
@@ -179,13 +180,13 @@ def _check_local_order(sched: Schedule) -> None:
                 Kind.W: [Action(s, Kind.B, i)],
             }[a.kind]
             for d in needs:
-                if d in step and step[d] > k:
+                if d in step and step[d] > t:
                     _fail(
                         sched,
-                        f"broken dependency: {a} at rank {r} step {k} runs before {d} (step {step[d]}), "
+                        f"broken dependency: {a} at rank {r} step {t} runs before {d} (step {step[d]}), "
                         "which it needs",
                         sched.compute,
-                        {(r, k), (r, step[d])},
+                        {(r, t), (r, step[d])},
                     )
 
 
@@ -202,10 +203,10 @@ def _check_channels(sched: Schedule, lowered: Sequence[Sequence[Action]]) -> Non
     sent: dict[tuple[int, int], list[tuple[Action, int]]] = {}
     recv: dict[tuple[int, int], list[tuple[Action, int]]] = {}
     for actions in lowered:
-        for k, a in enumerate(actions):
+        for t, a in enumerate(actions):
             if a.kind.is_send or a.kind.is_recv:
                 src, dst, msg = _message(sched, a)
-                (sent if a.kind.is_send else recv).setdefault((src, dst), []).append((msg, k))
+                (sent if a.kind.is_send else recv).setdefault((src, dst), []).append((msg, t))
     for src, dst in sorted(set(sent) | set(recv)):
         sends, recvs = sent.get((src, dst), []), recv.get((src, dst), [])
         for n in range(max(len(sends), len(recvs))):
@@ -268,7 +269,7 @@ def _check_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]], blocki
     }
     if stuck:
         model = "blocking sends (a batch waits for all its ops)" if blocking_sends else "non-blocking sends"
-        waits = "; ".join(f"rank {r} waits at {lowered[r][k]}" for r, k in sorted(stuck))
+        waits = "; ".join(f"rank {r} waits at {lowered[r][t]}" for r, t in sorted(stuck))
         _fail(
             sched,
             f"deadlock: with {model} and blocking receives no rank can proceed ({waits})",

@@ -1,0 +1,77 @@
+"""Models, balances and references shared by the tests/test_pipe_*.py files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.reference.models import gpt, gpt_loss, mlp
+
+__all__ = [
+    "BATCH",
+    "CONFIGS",
+    "MODELS",
+    "RECOMPUTES",
+    "M",
+    "assert_close",
+    "balance_of",
+    "build",
+    "grads_of",
+    "microbatched_reference",
+    "reference",
+]
+
+M, BATCH = 4, 8
+MODELS = ("mlp", "gpt")
+CONFIGS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]  # (schedule, v)
+RECOMPUTES = ("never", "except_last", "always")
+
+
+def build(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
+    """(model, inputs, targets, loss_fn), the same on every call (seeded)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model, x = mlp(width=8, depth=8, batch_size=BATCH)
+        return model, x, torch.randn(BATCH, 8), nn.functional.mse_loss
+    model, x = gpt(vocab_size=16, width=16, n_layers=6, n_heads=2, max_seq_len=8, batch_size=BATCH)
+    return model, x, torch.randint(0, 16, (BATCH, 8)), gpt_loss
+
+
+def balance_of(n_layers: int, n_stages: int) -> list[int]:
+    """``n_layers`` spread over ``n_stages`` as evenly as possible, the first stages one more."""
+    return [n_layers // n_stages + (1 if k < n_layers % n_stages else 0) for k in range(n_stages)]
+
+
+def grads_of(named: Any) -> dict[str, torch.Tensor]:
+    return {k: p.grad.detach().clone() for k, p in named}
+
+
+def reference(name: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, the whole batch at once: the loss and the gradients."""
+    model, x, y, loss_fn = build(name)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return float(loss.detach()), grads_of(model.named_parameters())
+
+
+def microbatched_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> float:
+    """One process, micro-batch by micro-batch as the pipeline runs them (per-batch statistics such
+    as BatchNorm's then match): the gradient of the mean micro-batch loss; returns that loss."""
+    losses = []
+    for a, b in zip(x.chunk(M), y.chunk(M), strict=True):
+        loss = loss_fn(model(a), b)
+        (loss * (1.0 / M)).backward()
+        losses.append(loss.detach().float())
+    return float(torch.stack(losses).mean())
+
+
+def assert_close(
+    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], label: str, rel: float = 1e-5
+) -> None:
+    """Same keys, and per tensor max |got - ref| / max |ref| below ``rel``."""
+    assert set(got) == set(ref), label
+    for k, g in got.items():
+        err = float((g.double() - ref[k].double()).abs().max() / ref[k].double().abs().max().clamp_min(1e-12))
+        assert err < rel, f"{label}: {k} relative error {err:.2e}"

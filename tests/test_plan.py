@@ -1,0 +1,189 @@
+"""``pipeline.plan.Plan``: the contract's defaults and checks, JSON of every field, split, the table.
+
+# p: ranks, v: stages per rank, m: micro-batches (letters: pipeline/__init__.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import partitioner
+from pipeline.plan import Plan, StagePlan
+
+
+def _stage(start: int, stop: int, fwd: float, bwd: float, weight: float = 0.0) -> StagePlan:
+    return StagePlan(
+        start=start,
+        stop=stop,
+        names=[str(layer) for layer in range(start, stop)],
+        forward_time=fwd,
+        backward_time=bwd,
+        cost=fwd + bwd,
+        memory_bytes=1e6 * (start + 1),
+        sent_bytes=512 * stop,
+        weight_time=weight,
+    )
+
+
+def _plan() -> Plan:
+    return Plan(
+        balance=[2, 1],
+        schedule="1f1b",
+        n_microbatches=4,
+        stages=[_stage(0, 2, 0.001, 0.002), _stage(2, 3, 0.002, 0.002)],
+        bottleneck=0.004,
+        step_time=0.02,
+        bubble=0.25,
+        cost="time",
+        prediction="simulator",
+    )
+
+
+def test_one_definition() -> None:
+    assert partitioner.Plan is Plan and partitioner.StagePlan is StagePlan
+
+
+def test_defaults_follow_schedule_options() -> None:
+    plan = Plan(balance=[1, 2, 3])
+    assert (plan.schedule, plan.n_microbatches, plan.n_virtual, plan.recompute) == ("1f1b", 3, 1, "never")
+    assert (plan.n_ranks, plan.n_stages, plan.n_layers) == (3, 3, 6)
+    assert (plan.stages, plan.prediction, plan.extra) == ([], "none", {})
+    inter = Plan(balance=[1, 1, 1, 1, 1, 1], schedule="interleaved-1f1b")
+    assert (inter.n_virtual, inter.n_ranks, inter.n_microbatches) == (2, 3, 3)  # v = 2, m = p
+    three = Plan(balance=[1] * 6, schedule="interleaved-1f1b", n_virtual=3, n_microbatches=4)
+    assert (three.n_ranks, three.n_microbatches) == (2, 4)
+    sched = three.build_schedule()
+    assert (sched.name, sched.n_ranks, sched.n_virtual, sched.n_microbatches) == ("interleaved-1f1b", 2, 3, 4)
+    assert three.build_schedule() is sched  # built once per plan shape
+
+
+def test_json_round_trips_every_field() -> None:
+    plan = Plan(
+        balance=[1, 2, 1, 3],
+        schedule="interleaved-1f1b",
+        n_microbatches=4,
+        n_virtual=2,
+        recompute="except_last",
+        stages=[
+            _stage(0, 1, 1.0, 2.0, 0.5),
+            _stage(1, 3, 0.5, 0.5, 0.25),
+            _stage(3, 4, 2.0, 2.0, 1.0),
+            _stage(4, 7, 0.25, 0.25, 0.125),
+        ],
+        bottleneck=4.0,
+        step_time=30.5,
+        bubble=0.125,
+        cost="flops",
+        prediction="simulator",
+        extra={"note": "measured on cpu", "speeds": [1.0, 2.0], "nested": {"k": 4}},
+    )
+    defaults = Plan(balance=[1, 1])
+    for f in dataclasses.fields(Plan):  # every field is set away from its default, so the test sees it
+        if f.name != "balance":
+            assert getattr(plan, f.name) != getattr(defaults, f.name), f.name
+    assert all(st.weight_time > 0 for st in plan.stages)
+    text = plan.to_json()
+    assert set(json.loads(text)) == {f.name for f in dataclasses.fields(Plan)}
+    back = Plan.from_json(text)
+    assert back == plan
+    for f in dataclasses.fields(Plan):
+        assert getattr(back, f.name) == getattr(plan, f.name), f.name
+    assert all(isinstance(st, StagePlan) for st in back.stages)
+    assert Plan.from_json(Plan(balance=[3, 4]).to_json()) == Plan(balance=[3, 4])  # no predictions
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"balance": []}, ValueError, r"balance \[\] must hold at least one stage"),
+        ({"balance": [2, 0]}, ValueError, r"balance \[2, 0\] must hold at least one stage, each of >= 1"),
+        ({"balance": "3,4"}, TypeError, r"balance must be a list of layer counts per stage, got '3,4'"),
+        ({"balance": [1.5, 2]}, TypeError, r"got \[1\.5, 2\]"),
+        ({"balance": [True, 2]}, TypeError, r"got \[True, 2\]"),
+        ({"balance": 4}, TypeError, "got 4"),
+        ({"balance": [1, 1], "recompute": "sometimes"}, ValueError, "'sometimes'"),
+        (
+            {"balance": [1, 1, 1], "schedule": "interleaved-1f1b"},
+            ValueError,
+            r"balance has 3 stages, not a multiple of n_virtual \(2\) stages per rank",
+        ),
+        (
+            {"balance": [1, 1, 1, 1], "schedule": "interleaved-1f1b", "n_virtual": 3},
+            ValueError,
+            r"balance has 4 stages, not a multiple of n_virtual \(3\)",
+        ),
+        ({"balance": [1, 1], "schedule": "nope"}, ValueError, "unknown schedule 'nope'"),
+        ({"balance": [1, 1], "n_virtual": 2}, ValueError, r"n_virtual \(2\) must be 1 for '1f1b'"),
+        ({"balance": [1, 1], "n_virtual": -1}, ValueError, r"n_virtual \(-1\) must be an integer >= 1"),
+        (
+            {"balance": [1, 1, 1, 1], "schedule": "interleaved-1f1b", "n_microbatches": 3},
+            ValueError,
+            r"n_microbatches \(3\) must be a multiple of the number of ranks \(2\)",
+        ),
+        (
+            {"balance": [1, 1], "stages": [_stage(0, 1, 1.0, 1.0)]},
+            ValueError,
+            "plan has 1 stage predictions for 2 stages",
+        ),
+    ],
+)
+def test_bad_plans(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Plan(**kwargs)  # type: ignore[arg-type]
+
+
+def test_replace_checks_again() -> None:
+    plan = Plan(balance=[1, 1, 1, 1], schedule="interleaved-1f1b")
+    assert plan.replace(n_microbatches=4).n_microbatches == 4
+    with pytest.raises(ValueError, match="multiple of the number of ranks"):
+        plan.replace(n_microbatches=3)
+    with pytest.raises(TypeError):
+        Plan([1, 1])  # type: ignore[misc]  # keyword-only
+
+
+def test_split_keeps_layers_and_names() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    first, second = _plan().split(model)
+    assert first[0] is model[0] and first[1] is model[1] and second[0] is model[2]
+    assert [n for n, _ in second.named_parameters()] == ["2.weight", "2.bias"]
+    names = [n for part in (first, second) for n, _ in part.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]
+    x = torch.randn(5, 3)
+    assert torch.equal(second(first(x)), model(x))
+    # a plan without predictions splits by its balance alone
+    a, b = Plan(balance=[1, 2]).split(model)
+    assert len(a) == 1 and len(b) == 2 and b[1] is model[2]
+
+
+def test_split_rejects_another_model() -> None:
+    with pytest.raises(ValueError, match=r"nn\.Sequential of 3 layers, got 2 layers"):
+        _plan().split(nn.Sequential(nn.ReLU(), nn.ReLU()))
+    with pytest.raises(ValueError, match="got Linear"):
+        _plan().split(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_table() -> None:
+    text = str(_plan())
+    assert "stage" in text and "0-1" in text and "balance [2, 1]" in text and "bubble 0.250" in text
+    assert "[1f1b, m=4, v=1, recompute never]" in text
+    assert "(2.000x ours)" in _plan().table(reference=0.002)
+    assert str(Plan(balance=[3, 4])) == "balance [3, 4]  [1f1b, m=2, v=1, recompute never] (no predictions)"
+
+
+def test_predicted_busy_sums_each_ranks_stages() -> None:
+    stages = [
+        _stage(0, 1, 1.0, 2.0),
+        _stage(1, 2, 0.5, 0.5),
+        _stage(2, 3, 2.0, 2.0),
+        _stage(3, 4, 0.25, 0.25),
+    ]
+    plan = Plan(balance=[1, 1, 1, 1], schedule="interleaved-1f1b", n_microbatches=4, stages=stages)
+    # p = 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; every stage runs m = 4 micro-batches
+    assert plan.predicted_busy() == [4 * (3.0 + 4.0), 4 * (1.0 + 0.5)]
+    flat = Plan(balance=[1, 1, 1, 1], n_microbatches=2, stages=stages)
+    assert flat.predicted_busy() == [6.0, 2.0, 8.0, 1.0]
