@@ -24,17 +24,49 @@ Index letters, with these meanings in every module's comments (partitioner/ too)
 ``pipeline.schedules.<module>``.
 """
 
-from pipeline.launch import DistInfo, RankError, init_distributed, launch
-from pipeline.plan import Plan, StagePlan
-from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
-from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pipeline.schedules.actions import Action, Kind, format_action, parse_action
 from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import TimedAction, Timeline
 from pipeline.schedules.trace import chrome_trace, render_grid, write_chrome_trace
 from pipeline.schedules.validate import validate
+
+if TYPE_CHECKING:
+    from pipeline.launch import DistInfo, RankError, init_distributed, launch
+    from pipeline.plan import Plan, StagePlan
+    from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
+    from pipeline.runtime.pipe import Pipeline
+    from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
+
+# The runtime (torch, processes) loads on first use, so that ``import pipeline.schedules`` is pure data.
+_LAZY = {
+    "DistInfo": "pipeline.launch",
+    "RankError": "pipeline.launch",
+    "init_distributed": "pipeline.launch",
+    "launch": "pipeline.launch",
+    "Plan": "pipeline.plan",
+    "StagePlan": "pipeline.plan",
+    "PeerFailure": "pipeline.runtime.p2p",
+    "PipelineTimeout": "pipeline.runtime.p2p",
+    "Pipeline": "pipeline.runtime.pipe",
+    "CHECKPOINT_MODES": "pipeline.runtime.recompute",
+    "RECOMPUTE_MODES": "pipeline.runtime.recompute",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CHECKPOINT_MODES",

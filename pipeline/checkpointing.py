@@ -14,10 +14,12 @@ so a checkpoint taken with 4 stages loads into 2: each rank just asks for the
 names it now holds. Saving is atomic:
 
     folder/.tmp-step-00000100   every rank writes here (dcp.save), then a barrier
+    folder/.old-step-00000100   rank 0 moves an earlier save of the same step aside
     folder/step-00000100        rank 0 renames the finished folder into place
     folder/latest               then points here (write a temporary file + os.replace)
 
-A crash at any moment leaves ``latest`` naming a complete checkpoint.
+A crash at any moment leaves ``latest`` naming a complete checkpoint: the new
+one, or the one it named before (``latest()`` finds a step moved aside).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = ["LATEST", "latest", "load", "save", "training_state"]
 
 LATEST = "latest"
 _PREFIX = "step-"
+_OLD = ".old-"  # a step's previous checkpoint while the step is saved again
 _KEEP = 2  # complete checkpoints kept; older ones are removed after a successful save
 
 
@@ -98,7 +101,7 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any]) -> Pa
     _dcp_save(state, storage_writer=FileSystemWriter(tmp))
     _barrier()
     if _rank() == 0:
-        old = root / f".old-{_PREFIX}{step:08d}"
+        old = root / f"{_OLD}{final.name}"
         if final.exists():  # saving a step again, e.g. after resuming from it
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
@@ -109,7 +112,8 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any]) -> Pa
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer, root / LATEST)
-        shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob(f"{_OLD}*"):  # this save's, and any a crash left behind
+            shutil.rmtree(stale, ignore_errors=True)
         for stale in _complete(root)[:-_KEEP]:
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
@@ -123,13 +127,19 @@ def _complete(root: Path) -> list[Path]:
 
 
 def latest(folder: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint ``latest`` names, else the newest complete one, else None."""
+    """The checkpoint ``latest`` names, else the newest complete one, else None.
+
+    A crash while a step is saved again, between moving its previous folder
+    aside and moving the new one into place, leaves only ``.old-step-...``:
+    that previous folder is then the one ``latest`` means.
+    """
     root = Path(folder)
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if (named / ".metadata").is_file():
-            return named
+        name = pointer.read_text().strip()
+        for named in (root / name, root / f"{_OLD}{name}"):
+            if (named / ".metadata").is_file():
+                return named
     found = _complete(root)
     return found[-1] if found else None
 
@@ -154,7 +164,8 @@ def load(
     if missing:
         raise ValueError(
             f"checkpoint {str(path)!r} lacks {missing[:5]} (of {len(missing)} missing); "
-            "was it written by a different model? start without --resume or point at the right folder"
+            "was it written by a different model? pass load() a checkpoint written for these "
+            "named_parameters, and only extra_keys that were saved with it"
         )
     wrong = [
         f"{name}: saved {tuple(getattr(meta[f'model/{name}'], 'size', ()))}, now {tuple(p.shape)}"
@@ -164,7 +175,7 @@ def load(
     if wrong:
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit this model ({'; '.join(wrong[:3])}); "
-            "resume with the model options (--layers, --width, --seq-len) it was written with"
+            "build the model with the configuration it was saved with before calling load"
         )
     for name, p in params.items():
         state[f"model/{name}"] = p.detach()
@@ -179,7 +190,9 @@ def load(
             state[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
     for key in (f"rng/{_rank()}/cpu", f"rng/{_rank()}/cuda"):
         if key in meta and (key.endswith("cpu") or torch.cuda.is_available()):
-            state[key] = torch.empty(tuple(getattr(meta[key], "size", ())), dtype=torch.uint8)
+            # RNG states are CPU byte tensors for both generators; never the default device
+            size = tuple(getattr(meta[key], "size", ()))
+            state[key] = torch.empty(size, dtype=torch.uint8, device="cpu")
     for key in extra_keys:
         state[key] = None
     _load_checked(state, path)

@@ -1,6 +1,6 @@
 """Start ranks: ``launch`` spawns local processes, ``init_distributed`` joins a ``torchrun`` job.
 
-    results = pipeline.launch(train_fn, 4, config)   # train_fn(config) on ranks 0..3
+    results = pipeline.launch(train_fn, 4, config)   # train_fn(config) on ranks r = 0..3
 
 Each spawned rank gets ``torch.distributed`` initialised through a ``FileStore``
 in a fresh temporary folder (no ports to collide on), one intra-op thread on
@@ -8,15 +8,36 @@ CPU, and the usual RANK / WORLD_SIZE / LOCAL_RANK environment. The parent
 watches every rank: the first exception or unexpected exit is raised at once,
 naming the rank and carrying its traceback, and the other ranks are killed,
 so a failure never turns into a hang.
+
+Backends (``backend=`` of both functions):
+
+    None             "gloo", unless the environment sets STAGEWISE_EMULATE_NCCL=1
+                     ("nccl-emulated"); never chosen from the GPUs present, so a
+                     CPU run on a GPU host does not touch CUDA
+    "gloo"           CPU tensors; clears STAGEWISE_EMULATE_NCCL in the ranks
+    "nccl"           one CUDA device per local rank (a ValueError when too few)
+    "nccl-emulated"  a gloo group, with STAGEWISE_EMULATE_NCCL=1 set in every rank
+                     before ``fn`` runs: the runtime then takes its NCCL code path,
+                     checked on CPU. Under torchrun, export STAGEWISE_EMULATE_NCCL=1
+                     yourself (or pass backend="nccl-emulated" to init_distributed).
+
+Ranks are started with multiprocessing's "spawn": each one imports the
+caller's main module again before running ``fn``. A script whose
+``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
+again from every rank; the rank notices (its process is a launched rank that
+has not started ``fn`` yet), exits with a reserved code, and the parent raises
+one error that says so.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -28,12 +49,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["BACKENDS", "DistInfo", "RankError", "default_backend", "init_distributed", "launch"]
+__all__ = [
+    "BACKENDS",
+    "EMULATE_NCCL_ENV",
+    "DistInfo",
+    "RankError",
+    "default_backend",
+    "init_distributed",
+    "launch",
+]
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "nccl-emulated")
+EMULATE_NCCL_ENV = "STAGEWISE_EMULATE_NCCL"  # "1": the runtime emulates NCCL on a gloo group
 _POLL_S = 0.05
 _KILL_GRACE_S = 2.0
 _SETTLE_S = 0.3  # how long to let a failure's echoes on other ranks arrive
+_RANK_NAME = "stagewise-rank-"  # process-name prefix of the ranks launch starts
+_EXIT_UNGUARDED_MAIN = 87  # a rank's exit code when its import of the main module called launch
+_rank_started = False  # set in a rank once its fn may run: launch() from inside fn is deliberate
 
 
 class RankError(RuntimeError):
@@ -50,50 +83,78 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    backend: str  # one of BACKENDS
 
 
-def default_backend(world_size: int) -> str:
-    """NCCL when every local rank can have its own GPU, gloo otherwise."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+def default_backend() -> str:
+    """``backend=None``: "nccl-emulated" when STAGEWISE_EMULATE_NCCL=1, else "gloo" (never probes CUDA)."""
+    return "nccl-emulated" if os.environ.get(EMULATE_NCCL_ENV) == "1" else "gloo"
 
 
 def _check_backend(backend: str | None) -> None:
     if backend is not None and backend not in BACKENDS:
         raise ValueError(
-            f"unknown backend {backend!r}; use one of {BACKENDS} or None to choose automatically"
+            f"unknown backend {backend!r}; use one of {BACKENDS} or None (gloo, or nccl-emulated "
+            f"when {EMULATE_NCCL_ENV}=1)"
         )
 
 
+def _group_backend(backend: str) -> str:
+    """The torch.distributed backend behind one of ours."""
+    return "nccl" if backend == "nccl" else "gloo"
+
+
+def _set_emulation(backend: str) -> None:
+    if backend == "nccl-emulated":
+        os.environ[EMULATE_NCCL_ENV] = "1"
+    else:
+        os.environ.pop(EMULATE_NCCL_ENV, None)
+
+
 def _local_device(backend: str, local_rank: int) -> torch.device:
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """This rank's device; only "nccl" touches CUDA."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if torch.cuda.device_count() <= local_rank:
+        raise ValueError(
+            f"backend 'nccl' needs one GPU per local rank: local rank {local_rank}, "
+            f"{torch.cuda.device_count()} GPUs visible; use backend='gloo' or fewer ranks per node"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def init_distributed(backend: str | None = None, timeout: float = 300.0) -> DistInfo:
     """Initialise from the environment ``torchrun`` sets; selects the local GPU for NCCL.
 
-    Already initialised (for example by ``launch``): returns the current ranks.
+    Already initialised (for example by ``launch``): returns the current ranks,
+    and refuses a ``backend`` that contradicts the running group.
     """
     _check_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():
+        running = dist.get_backend()
+        if backend is not None and _group_backend(backend) != running:
+            raise ValueError(
+                f"init_distributed(backend={backend!r}) but the process group already runs {running!r}; "
+                "pass backend=None, or the backend the ranks were started with"
+            )
+        chosen = backend or ("nccl" if running == "nccl" else default_backend())
+        _set_emulation(chosen)
+        return DistInfo(
+            dist.get_rank(), dist.get_world_size(), local_rank, _local_device(chosen, local_rank), chosen
+        )
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if not dist.is_initialized() and missing:
+    if missing:
         raise ValueError(
             f"environment variables {missing} are not set; run under torchrun "
             "(torchrun --nproc-per-node N script.py) or spawn ranks with pipeline.launch"
         )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not dist.is_initialized():
-        world_size = int(os.environ["WORLD_SIZE"])
-        backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        device = _local_device(backend, local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    else:
-        device = _local_device(dist.get_backend(), local_rank)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    chosen = backend or default_backend()
+    device = _local_device(chosen, local_rank)
+    _set_emulation(chosen)
+    dist.init_process_group(_group_backend(chosen), timeout=datetime.timedelta(seconds=timeout))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, chosen)
 
 
 def _run_rank(
@@ -107,15 +168,18 @@ def _run_rank(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
+    global _rank_started
+    _rank_started = True
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
+    _set_emulation(backend)
     try:
-        if backend == "gloo":
+        if _group_backend(backend) == "gloo":
             torch.set_num_threads(threads or 1)
         _local_device(backend, rank)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         dist.init_process_group(
-            backend,
+            _group_backend(backend),
             store=store,
             rank=rank,
             world_size=world_size,
@@ -129,6 +193,11 @@ def _run_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _reimported_by_a_rank() -> bool:
+    """True while a rank launch started imports the main module, before its fn may run."""
+    return multiprocessing.current_process().name.startswith(_RANK_NAME) and not _rank_started
 
 
 def _stop(processes: list[Any]) -> None:
@@ -154,11 +223,17 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new local processes; return their results by rank.
 
-    ``timeout`` (seconds) bounds every collective and point-to-point wait inside
-    the ranks. ``threads`` sets intra-op threads per rank on CPU (default 1, so
-    that ranks do not fight over cores). ``store_dir`` holds the rendezvous
-    file (default: a temporary folder removed afterwards).
+    ``backend``: see the module docstring (None: gloo, or nccl-emulated when
+    STAGEWISE_EMULATE_NCCL=1). ``timeout`` (seconds) bounds every collective and
+    point-to-point wait inside the ranks. ``threads`` sets intra-op threads per
+    rank on CPU (default 1, so that ranks do not fight over cores). ``store_dir``
+    holds the rendezvous file (created if missing; default: a temporary folder
+    removed afterwards).
+    Call it under ``if __name__ == "__main__":``: every rank imports the main module.
     """
+    if _reimported_by_a_rank():
+        # This script's launch call runs at import; the parent explains, so stay silent here.
+        raise SystemExit(_EXIT_UNGUARDED_MAIN)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     _check_backend(backend)
@@ -169,7 +244,7 @@ def launch(
             f"fn and its arguments must be picklable to reach the spawned ranks ({exc}); "
             "define fn at module level (not a lambda or a local function)"
         ) from exc
-    backend = backend or default_backend(world_size)
+    backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"backend 'nccl' needs one GPU per rank: world_size {world_size}, "
@@ -180,11 +255,13 @@ def launch(
     results = ctx.Queue()
     own_dir = store_dir is None
     folder = tempfile.mkdtemp(prefix="stagewise-store-") if store_dir is None else os.fspath(store_dir)
+    os.makedirs(folder, exist_ok=True)  # a FileStore in a missing folder would retry until its timeout
     store_path = tempfile.mktemp(prefix="store-", dir=folder)
     processes = [
         ctx.Process(
             target=_run_rank,
             args=(rank, world_size, backend, store_path, timeout, threads, results, fn, args),
+            name=f"{_RANK_NAME}{rank}",
             daemon=True,
         )
         for rank in range(world_size)
@@ -205,6 +282,8 @@ def _collect(processes: list[Any], results: Any) -> list[Any]:
         try:
             rank, ok, payload = results.get(timeout=_POLL_S)
         except queue.Empty:
+            rank = -1  # raise below, outside the handler: queue.Empty is not part of any failure
+        if rank < 0:
             if any(r not in values and p.exitcode is not None for r, p in enumerate(processes)):
                 _raise_first_failure(processes, results, values, [])
             continue
@@ -214,13 +293,24 @@ def _collect(processes: list[Any], results: Any) -> list[Any]:
     return [values[rank] for rank in range(len(processes))]
 
 
+def _unguarded_main_error(rank: int) -> RankError:
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+    return RankError(
+        rank,
+        f"rank {rank} stopped while starting: {script} calls pipeline.launch when it is imported, and "
+        "every rank imports the main module again (multiprocessing's spawn), so each rank tried to "
+        'launch ranks of its own. Put the launch call under `if __name__ == "__main__":`.',
+    )
+
+
 def _raise_first_failure(
     processes: list[Any], results: Any, values: dict[int, Any], failures: list[tuple[int, str]]
 ) -> None:
     """Raise for the root cause: one failure usually makes its peers fail too, a moment later.
 
-    A rank that died without a word comes first (its peers only report a lost
-    connection), then exceptions in the order they arrived.
+    A launch call outside ``if __name__ == "__main__":`` comes first (every rank
+    stops for it), then a rank that died without a word (its peers only report
+    a lost connection), then exceptions in the order they arrived.
     """
     time.sleep(_SETTLE_S)
     while True:
@@ -232,6 +322,9 @@ def _raise_first_failure(
             values[rank] = pickle.loads(payload)
         else:
             failures.append((rank, f"rank {rank} failed: {payload}"))
+    unguarded = [r for r, proc in enumerate(processes) if proc.exitcode == _EXIT_UNGUARDED_MAIN]
+    if unguarded:
+        raise _unguarded_main_error(unguarded[0])
     reported = {rank for rank, _ in failures} | set(values)
     dead = [
         (

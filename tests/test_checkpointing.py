@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from pipeline import checkpointing
 from tests.dist import run_ranks
@@ -95,6 +97,80 @@ def test_crash_while_saving_leaves_the_previous_checkpoint(tmp_path: Path, monke
     assert not (tmp_path / ".tmp-step-00000002").exists()
 
 
+def test_load_restores_the_rng_state_saved_with_the_checkpoint(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    with torch.random.fork_rng():
+        torch.manual_seed(123)
+        torch.rand(3)
+        saved = torch.get_rng_state()
+        path = checkpointing.save(tmp_path, 1, checkpointing.training_state(model.named_parameters(), opt))
+        expected = torch.rand(8, generator=torch.Generator().set_state(saved))  # the draws after the save
+        torch.manual_seed(999)  # the run goes on, or a new process seeds differently
+        checkpointing.load(path, model.named_parameters(), opt)
+        assert torch.equal(torch.get_rng_state(), saved)
+        assert torch.equal(torch.rand(8), expected)
+
+
+def _fresh_state(path: Path) -> dict[str, torch.Tensor]:
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    checkpointing.load(path, fresh.named_parameters(), fresh_opt)
+    return _state(fresh, fresh_opt)
+
+
+def test_crash_while_writing_the_step_latest_names_keeps_its_old_values(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    model, opt = _trained(1)
+    step_two = checkpointing.save(tmp_path, 2, checkpointing.training_state(model.named_parameters(), opt))
+    old = _state(model, opt)
+    _step(model, opt, 1)
+    assert not torch.equal(_state(model, opt)["model/0.weight"], old["model/0.weight"])
+
+    real_save = checkpointing._dcp_save
+
+    def partial(state: dict[str, Any], storage_writer: Any) -> None:
+        scratch = tmp_path.parent / f"{tmp_path.name}-scratch"
+        real_save(state, storage_writer=FileSystemWriter(scratch))
+        target = Path(storage_writer.path)
+        target.mkdir(parents=True, exist_ok=True)
+        for f in scratch.glob("*.distcp"):  # the data lands, then the process dies before the metadata
+            shutil.copy(f, target / f.name)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpointing, "_dcp_save", partial)
+    with pytest.raises(KeyboardInterrupt):  # saving step 2 again, e.g. after resuming from it
+        checkpointing.save(tmp_path, 2, checkpointing.training_state(model.named_parameters(), opt))
+    monkeypatch.undo()
+    assert checkpointing.latest(tmp_path) == step_two
+    _assert_same(_fresh_state(step_two), old)
+
+
+def test_crash_between_the_renames_of_a_resave_keeps_the_old_step(tmp_path: Path, monkeypatch: Any) -> None:
+    model, opt = _trained(1)
+    checkpointing.save(tmp_path, 2, checkpointing.training_state(model.named_parameters(), opt))
+    old = _state(model, opt)
+    _step(model, opt, 1)
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if Path(src).name.startswith(".tmp-"):  # the previous folder is aside, the new one not yet in place
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpointing.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save(tmp_path, 2, checkpointing.training_state(model.named_parameters(), opt))
+    monkeypatch.undo()
+    found = checkpointing.latest(tmp_path)
+    assert found is not None and found.name == ".old-step-00000002"
+    _assert_same(_fresh_state(found), old)
+
+    checkpointing.save(tmp_path, 2, checkpointing.training_state(model.named_parameters(), opt))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+    _assert_same(_fresh_state(tmp_path / "step-00000002"), _state(model, opt))
+
+
 def test_latest_pointer_and_pruning(tmp_path: Path) -> None:
     assert checkpointing.latest(tmp_path) is None
     model, opt = _trained(1)
@@ -148,3 +224,23 @@ def test_checkpoint_sharded_over_ranks_loads_into_one_process(tmp_path: Path) ->
         checkpointing.latest(folder) or "", model.named_parameters(), opt, ["step"]
     ) == {"step": 2}
     _assert_same(_state(model, opt), reference)
+
+
+def _rng_round_trip(folder: str) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    rank = dist.get_rank()
+    model, opt = _trained(1)
+    mine = [(n, p) for n, p in model.named_parameters() if int(n.split(".")[0]) in _owned(rank, 2)]
+    torch.manual_seed(100 + rank)  # every rank its own stream, as dropout masks differ by stage
+    saved = torch.get_rng_state()
+    checkpointing.save(folder, 1, checkpointing.training_state(mine, opt))
+    expected = torch.rand(4, generator=torch.Generator().set_state(saved))
+    torch.manual_seed(7)  # the same on every rank: a restore from the wrong rank would show
+    checkpointing.load(checkpointing.latest(folder) or "", mine, opt)
+    return torch.equal(torch.get_rng_state(), saved), torch.rand(4), expected
+
+
+def test_load_restores_every_ranks_own_rng_state(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path, _rng_round_trip, 2, str(tmp_path / "ckpt"))
+    for restored, drawn, expected in results:
+        assert restored and torch.equal(drawn, expected)
+    assert not torch.equal(results[0][1], results[1][1])

@@ -66,7 +66,7 @@ def test_split_is_nine_to_one_and_covers_the_text(tmp_path: Path) -> None:
 
 def test_batches_are_a_pure_function_of_split_step_and_seed(tmp_path: Path) -> None:
     (tmp_path / "t.txt").write_text("".join(CHARS[i % 97] for i in range(5000)))
-    a, b = CharDataset.load(tmp_path), CharDataset.load(tmp_path)
+    a, b = CharDataset.load(tmp_path), CharDataset.from_files(text_files(tmp_path), str(tmp_path))
     x1, y1 = a.batch("train", 5, 4, 16, seed=0)
     x2, y2 = b.batch("train", 5, 4, 16, seed=0)
     assert x1.shape == y1.shape == (4, 16) and x1.dtype == torch.int64
@@ -76,6 +76,37 @@ def test_batches_are_a_pure_function_of_split_step_and_seed(tmp_path: Path) -> N
     assert not torch.equal(x1, a.batch("train", 5, 4, 16, seed=1)[0])
     xv, _ = a.batch("val", 5, 4, 16, seed=0)
     assert all(decode(row) in decode(a.val) for row in xv)
+
+
+def test_a_source_is_read_once_per_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "t.txt").write_text("abc\n" * 100)
+    reads: list[str] = []
+    real = CharDataset.from_files
+
+    def counted(files: list[Path], source: str) -> CharDataset:
+        reads.append(source)
+        return real(files, source)
+
+    monkeypatch.setattr(CharDataset, "from_files", counted)
+    first = CharDataset.load(tmp_path / "t.txt")
+    (tmp_path / "t.txt").write_text("changed\n" * 100)  # not read again
+    assert CharDataset.load(str(tmp_path / ".." / tmp_path.name / "t.txt")) is first  # same resolved path
+    assert decode(first.train).startswith("abc") and reads == [str(tmp_path / "t.txt")]
+    other = CharDataset.load(tmp_path)  # another source: the folder
+    assert other is not first and len(reads) == 2
+
+
+def test_batches_do_not_use_the_default_device(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("".join(CHARS[i % 97] for i in range(500)))
+    ds = CharDataset.load(tmp_path)
+    x, y = ds.batch("train", 3, 2, 8, seed=0)
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        xm, ym = ds.batch("train", 3, 2, 8, seed=0)
+    finally:
+        torch.set_default_device(previous)
+    assert xm.device.type == "cpu" and torch.equal(xm, x) and torch.equal(ym, y)
 
 
 def test_too_little_text_for_the_sequence_length_is_a_clear_error(tmp_path: Path) -> None:

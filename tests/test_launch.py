@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.launch import RankError, init_distributed, launch
+from pipeline.launch import EMULATE_NCCL_ENV, RankError, default_backend, init_distributed, launch
 from tests.dist import run_ranks
 
 
@@ -91,7 +94,9 @@ def test_unpicklable_fn() -> None:
 
 
 def test_unknown_backend() -> None:
-    with pytest.raises(ValueError, match=r"unknown backend 'mpi'; use one of \('gloo', 'nccl'\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'mpi'; use one of \('gloo', 'nccl', 'nccl-emulated'\)"
+    ):
         launch(_one_thread, 1, backend="mpi")
 
 
@@ -128,3 +133,104 @@ def test_init_distributed_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     assert _torchrun_like(tmp_path) == [(0, 2, "cpu"), (1, 2, "cpu")]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+_SCRIPT = """
+import pipeline
+
+def work():
+    return 7
+
+{call}
+"""
+
+
+def _run_script(tmp_path: Path, call: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT.format(call=textwrap.dedent(call)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+
+
+def test_launch_outside_the_main_guard_is_one_short_clear_error(tmp_path: Path) -> None:
+    proc = _run_script(tmp_path, "print(pipeline.launch(work, 2))")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "calls pipeline.launch when it is imported" in out, out
+    assert 'Put the launch call under `if __name__ == "__main__":`' in out, out
+    assert "os._exit" not in out and "bootstrapping phase" not in out, out
+    assert len(out.splitlines()) < 20, out  # the parent's one traceback, no rank's
+
+    guarded = _run_script(tmp_path, 'if __name__ == "__main__":\n    print(pipeline.launch(work, 2))')
+    assert guarded.returncode == 0 and guarded.stdout.strip() == "[7, 7]", guarded.stderr
+
+
+def _backend_seen() -> tuple[str, str | None, int, str, str]:
+    total = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(total)  # the group works
+    try:
+        init_distributed("nccl")
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    info = init_distributed()
+    return dist.get_backend(), os.environ.get(EMULATE_NCCL_ENV), int(total), info.backend, refused
+
+
+def test_none_is_gloo_even_where_gpus_are_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EMULATE_NCCL_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as launch can tell
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert default_backend() == "gloo"
+    results = run_ranks(tmp_path, _backend_seen, 2, backend=None)
+    assert [r[:4] for r in results] == [("gloo", None, 3, "gloo")] * 2
+
+
+def test_nccl_emulated_is_a_gloo_group_with_the_variable_set_in_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path, _backend_seen, 2, backend="nccl-emulated")
+    assert [r[:4] for r in results] == [("gloo", "1", 3, "nccl-emulated")] * 2
+    assert all("already runs 'gloo'" in r[4] for r in results)  # init_distributed refuses a contradiction
+
+
+def test_the_environment_asks_for_emulation_and_explicit_gloo_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(EMULATE_NCCL_ENV, "1")  # what a torchrun user exports
+    assert default_backend() == "nccl-emulated"
+    assert [r[:4] for r in run_ranks(tmp_path / "a", _backend_seen, 2, backend=None)] == [
+        ("gloo", "1", 3, "nccl-emulated")
+    ] * 2
+    assert [r[:4] for r in run_ranks(tmp_path / "b", _backend_seen, 2, backend="gloo")] == [
+        ("gloo", None, 3, "gloo")
+    ] * 2
+
+
+def _torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", "1")  # never reached: the backend is refused first
+
+
+def test_init_distributed_nccl_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    _torchrun_env(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(
+        ValueError, match=r"backend 'nccl' needs one GPU per local rank: local rank 0, 0 GPUs"
+    ):
+        init_distributed("nccl")
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_sets_the_emulation_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    _torchrun_env(monkeypatch)
+    monkeypatch.setenv(EMULATE_NCCL_ENV, "0")  # so that undo removes what init_distributed sets
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    calls: list[str] = []
+    info = init_distributed("nccl-emulated")
+    assert calls == ["gloo"] and info.backend == "nccl-emulated" and info.device == torch.device("cpu")
+    assert os.environ[EMULATE_NCCL_ENV] == "1"

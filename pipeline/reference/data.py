@@ -1,9 +1,17 @@
-"""Character-level text data for ``scripts/train.py``: sources, vocabulary, split and batches.
+"""Reference data: character-level text for the scripts, tests and examples.
+
+Importable by users (``from pipeline.reference.data import CharDataset``), but
+not part of the runtime: nothing in ``pipeline.runtime`` or ``pipeline.schedules``
+depends on it.
 
     # B: batch, T: time (sequence), N: characters in a split
 
     ds = CharDataset.load(None)                       # the Python standard library's sources
     x, y = ds.batch("train", step=7, batch_size=16, seq_len=128, seed=0)   # (B, T), (B, T)
+
+A source is read once per process: ``CharDataset.load`` keeps what it loaded,
+by resolved path, so a script that checks the data and then trains on it reads
+the files once.
 
 The vocabulary is fixed, so every rank and every checkpoint agree on it without
 reading the data: tab, newline and the 95 printable ASCII characters (space to
@@ -73,7 +81,8 @@ def stdlib_files() -> list[Path]:
         files += [Path(folder, n) for n in names if n.endswith(".py")]
     if not files:
         raise FileNotFoundError(
-            f"no .py files under the standard library folder {root}; pass a text file or folder with --data"
+            f"no .py files under the standard library folder {root}; "
+            "pass CharDataset.load the path of a text file or folder instead of None"
         )
     return sorted(files)
 
@@ -124,10 +133,19 @@ class CharDataset:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None) -> CharDataset:
-        """``path`` None: the standard library's sources; else a text file or folder."""
-        if path is None:
-            return cls.from_files(stdlib_files(), "python standard library")
-        return cls.from_files(text_files(path), os.fspath(path))
+        """``path`` None: the standard library's sources; else a text file or folder.
+
+        Read once per process: a later call for the same source (the same
+        resolved path) returns the same dataset, and files changed since are
+        not read again (``from_files`` always reads).
+        """
+        key = None if path is None else str(Path(path).resolve())
+        if key not in _LOADED:
+            if path is None:
+                _LOADED[key] = cls.from_files(stdlib_files(), "python standard library")
+            else:
+                _LOADED[key] = cls.from_files(text_files(path), os.fspath(path))
+        return _LOADED[key]
 
     def check(self, seq_len: int) -> None:
         """Both splits must hold at least one window of ``seq_len + 1`` characters."""
@@ -135,7 +153,7 @@ class CharDataset:
             if len(ids) < seq_len + 1:
                 raise ValueError(
                     f"the {name} split of {self.source!r} has {len(ids)} characters, fewer than "
-                    f"seq_len + 1 = {seq_len + 1}; use more text or a smaller --seq-len"
+                    f"seq_len + 1 = {seq_len + 1}; use more text or a smaller seq_len"
                 )
 
     def batch(
@@ -147,9 +165,13 @@ class CharDataset:
         ids = self.train if split == "train" else self.val
         self.check(seq_len)
         g = torch.Generator().manual_seed(_mix(seed, step, split == "val"))
-        starts = torch.randint(0, len(ids) - seq_len, (batch_size,), generator=g)  # (B,)
-        window = ids[starts[:, None] + torch.arange(seq_len + 1)].long()  # (B, T + 1)
+        # on the data's device, whatever the default device is (the generator is a CPU one)
+        starts = torch.randint(0, len(ids) - seq_len, (batch_size,), generator=g, device=ids.device)  # (B,)
+        window = ids[starts[:, None] + torch.arange(seq_len + 1, device=ids.device)].long()  # (B, T + 1)
         return window[:, :-1], window[:, 1:]
+
+
+_LOADED: dict[str | None, CharDataset] = {}  # resolved source path (None: stdlib) -> its dataset
 
 
 def _mix(seed: int, step: int, val: bool) -> int:

@@ -1,10 +1,17 @@
-"""Reference models written as ``nn.Sequential``, so that any layer boundary can be a stage cut.
+"""Reference models for the scripts, tests and examples, each an ``nn.Sequential`` of n layers.
+
+Importable by users (``from pipeline.reference.models import gpt``), but not
+part of the runtime: nothing in ``pipeline.runtime`` or ``pipeline.schedules``
+depends on them. Each entry of the chain is one layer l, so a stage s can be
+cut at any boundary between layers l and l + 1.
 
     # B: batch, T: time (sequence), C: channels (width), V: vocabulary, H: heads
 
 Each builder returns the model and a sample input; ``gpt`` is the default model
 of ``scripts/train.py``, and all three are the built-in models of
-``scripts/profile_balance.py``.
+``scripts/profile_balance.py``. Every tensor a ``forward`` makes is made on its
+input's device, never on the default one: the runtime runs steps with the
+default device set to "meta" to prove that nothing relies on it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ class Embedding(nn.Module):
                 f"sequence length {t} exceeds the model's max_seq_len {self.position.num_embeddings}; "
                 "build the model with a larger max_seq_len or feed shorter sequences"
             )
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device)  # (T,), on the input's device
         out: torch.Tensor = self.token(idx) + self.position(pos)  # (B, T, C)
         return out
 
@@ -69,7 +76,10 @@ def gpt(
     max_seq_len: int = 128,
     batch_size: int = 8,
 ) -> tuple[nn.Sequential, torch.Tensor]:
-    """A GPT as a chain: embedding, ``n_layers`` blocks, final norm, LM head (B, T) -> (B, T, V)."""
+    """A GPT as a chain of n = n_layers + 3 layers: embedding, blocks, final norm, LM head.
+
+    (B, T) int64 -> (B, T, V); the sample is (batch_size, max_seq_len) token ids.
+    """
     layers: list[nn.Module] = [Embedding(vocab_size, width, max_seq_len)]
     layers += [Block(width, n_heads) for _ in range(n_layers)]
     layers += [nn.LayerNorm(width), nn.Linear(width, vocab_size, bias=False)]
@@ -99,7 +109,7 @@ class ResidualBlock(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn1(self.conv1(x)))  # (B, C_out, H', W'); H' = H / stride
         return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))  # (B, C_out, H', W')
 
 
@@ -110,7 +120,10 @@ def resnet(
     image_size: int = 32,
     batch_size: int = 8,
 ) -> tuple[nn.Sequential, torch.Tensor]:
-    """A ResNet-style CNN whose widths grow while its resolution shrinks (B, 3, H, W) -> (B, classes)."""
+    """A ResNet-style CNN whose widths grow while its resolution shrinks: (B, 3, H, W) -> (B, classes).
+
+    n = 1 + len(widths) * blocks_per_width + 3 layers: stem, residual blocks, pool, flatten, classifier.
+    """
     layers: list[nn.Module] = [
         nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
     ]
@@ -127,7 +140,7 @@ def resnet(
 def mlp(
     width: int = 1024, depth: int = 8, in_features: int | None = None, batch_size: int = 128
 ) -> tuple[nn.Sequential, torch.Tensor]:
-    """``depth`` layers of Linear + ReLU (each one entry of the chain) (B, in) -> (B, width)."""
+    """n = ``depth`` layers of Linear + ReLU (each one entry of the chain): (B, in) -> (B, width)."""
     d_in = width if in_features is None else in_features
     layers = [nn.Sequential(nn.Linear(d_in if k == 0 else width, width), nn.ReLU()) for k in range(depth)]
     return nn.Sequential(*layers), torch.randn(batch_size, d_in)
