@@ -105,10 +105,14 @@ def _at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], A
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the whole usage text
+        _fail(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     d, count, more = Config(), _at_least(1), _at_least(0)
-    p = argparse.ArgumentParser(prog="train.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--stages", type=int, help=f"pipeline ranks (default {d.stages}; under torchrun: the world size)")
     add("--schedule", choices=SCHEDULES, default=d.schedule)

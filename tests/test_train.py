@@ -39,13 +39,19 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--stages", "6", "--layers", "2"], "--stages 6 --layers 2: "),  # the partitioner's message follows
+        (
+            ["--stages", "6", "--layers", "2"],
+            "--stages 6 --layers 2: n_ranks (6) x n_virtual (1) is 6 stages",
+        ),
         (["--schedule", "2f2b"], "invalid choice: '2f2b'"),
         (["--recompute", "sometimes"], "invalid choice: 'sometimes'"),
         (["--data", "/nonexistent/corpus"], "'/nonexistent/corpus' does not exist"),
         (["--batch-size", "10", "--microbatches", "4"], "--batch-size 10 --microbatches 4: "),
         (["--batch-size", "10", "--microbatches", "4"], "size (10) is not divisible by n_microbatches (4)"),
-        (["--balance", "4,4"], "--stages 2 --balance 4,4 --layers 4: "),
+        (
+            ["--balance", "4,4"],
+            "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the profile has 7",
+        ),
         (["--balance", "3,1,1,1,1"], "--balance gives 5 stages, 5 ranks x 1, but --stages is 2"),
         (["--balance", "a,b"], "must be comma-separated layer counts"),
         (["--resume"], "--resume needs --checkpoint-dir"),
@@ -96,8 +102,9 @@ def test_script_reports_a_bad_flag_without_traceback() -> None:
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
     assert (
-        proc.stderr.startswith("train.py: error: --stages 9 --layers 4: ") and "(7)" in proc.stderr
-    )  # layers
+        proc.stderr.startswith("train.py: error: --stages 9 --layers 4: ")
+        and "model has 7 layers" in proc.stderr
+    )
 
 
 # ---- progress output
@@ -120,11 +127,12 @@ def test_progress_without_tqdm_or_terminal_prints_plain_lines(
     for done in range(1, 41):
         progress.step(done, loss=1.0 / done)
     progress.write("step 40 | message")
-    err = sys.stderr.getvalue() if terminal else capsys.readouterr().err  # type: ignore[attr-defined]
+    captured = capsys.readouterr()
+    err = sys.stderr.getvalue() if terminal else captured.err  # type: ignore[attr-defined]
     lines = err.splitlines()
     assert [line.split(" steps")[0] for line in lines] == [f"{k}/40" for k in range(2, 41, 2)]  # every 5%
     assert "\r" not in err and lines[-1].startswith("40/40 steps | loss 0.025 | tokens/s ")
-    assert capsys.readouterr().out == "step 40 | message\n"
+    assert captured.out == "step 40 | message\n"
 
 
 def test_quiet_progress_prints_nothing_and_needs_no_tqdm(
