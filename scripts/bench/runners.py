@@ -38,6 +38,7 @@ from bench.workloads import (
     work_done,
 )
 from pipeline.launch import launch
+from pipeline.plan import Plan
 from pipeline.reference import models
 
 __all__ = ["run_cases"]
@@ -88,9 +89,8 @@ def _ours(case: Case, run: Run) -> _Stepper:
     from pipeline.runtime.pipe import Pipeline
 
     w = _workload(case, run.v)
-    pipe = Pipeline(
-        w.model, w.balance, schedule=run.schedule, n_microbatches=case.m, loss_fn=w.loss_fn, n_virtual=run.v
-    )
+    plan = Plan(balance=w.balance, schedule=run.schedule, n_microbatches=case.m, n_virtual=run.v)
+    pipe = Pipeline(w.model, plan, loss_fn=w.loss_fn)
 
     def record() -> list[Event]:
         pipe.step(w.x, w.y, record=True)
