@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
 
+import _train_support  # noqa: E402
 import train  # noqa: E402
 
 # a model that trains a step in milliseconds: 2 blocks + embedding, norm, head = 5 layers
@@ -36,26 +39,38 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--stages", "6", "--layers", "2"], "6 stages (6 ranks x 1 virtual) exceed the model's 5 layers"),
+        (
+            ["--stages", "6", "--layers", "2"],
+            "--stages 6 --layers 2: n_ranks (6) x n_virtual (1) is 6 stages",
+        ),
         (["--schedule", "2f2b"], "invalid choice: '2f2b'"),
-        (["--data", "/nonexistent/corpus"], "--data '/nonexistent/corpus' does not exist"),
-        (["--batch-size", "10", "--microbatches", "4"], "--batch-size (10) must be divisible by --m"),
-        (["--balance", "4,4"], "--balance '4,4' must give 2 positive layer counts summing to 7"),
+        (["--recompute", "sometimes"], "invalid choice: 'sometimes'"),
+        (["--data", "/nonexistent/corpus"], "'/nonexistent/corpus' does not exist"),
+        (["--batch-size", "10", "--microbatches", "4"], "--batch-size 10 --microbatches 4: "),
+        (["--batch-size", "10", "--microbatches", "4"], "size (10) is not divisible by n_microbatches (4)"),
+        (
+            ["--balance", "4,4"],
+            "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the profile has 7",
+        ),
+        (["--balance", "3,1,1,1,1"], "--balance gives 5 stages, 5 ranks x 1, but --stages is 2"),
         (["--balance", "a,b"], "must be comma-separated layer counts"),
         (["--resume"], "--resume needs --checkpoint-dir"),
-        (["--width", "30"], "--width (30) must be a multiple of 4"),
-        (["--steps", "0"], "--steps must be >= 1"),
+        (["--width", "30"], "--width 30 --layers 4: width (30) must be divisible by n_heads (4)"),
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--lr", "-1"], "argument --lr: must be >= 0.0, got -1"),
         (
             ["--schedule", "interleaved-1f1b", "--microbatches", "3", "--batch-size", "6"],
             "must be a multiple of the number of ranks (2)",
         ),
-        (["--virtual", "2"], "--virtual 2 needs --schedule interleaved-1f1b"),
-        (["--trace", "/nonexistent/dir/t.json"], "folder '/nonexistent/dir' does not exist"),
+        (
+            ["--virtual", "2"],
+            "--schedule 1f1b --stages 2 --virtual 2 --microbatches 4: n_virtual (2) must be 1",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, capsys: Any) -> None:
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(args)
+        train.main(args)  # every check runs before a rank is started
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
@@ -64,18 +79,19 @@ def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, capsys: A
 def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys: Any) -> None:
     with pytest.raises(SystemExit):
         train.parse_args(["--resume", "--checkpoint-dir", str(tmp_path)])
-    assert "no complete checkpoint in" in capsys.readouterr().err
+    assert f"holding a complete checkpoint; {str(tmp_path)!r} has none" in capsys.readouterr().err
     if not train.torch.cuda.is_available():
         with pytest.raises(SystemExit):
             train.parse_args(["--device", "cuda"])
-        assert "CUDA is not available" in capsys.readouterr().err
+        assert "--device cuda needs a GPU per rank: 2 ranks, 0 GPUs here" in capsys.readouterr().err
 
 
 def test_too_short_data_file_is_a_flag_error(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "tiny.txt").write_text("abc" * 10)
     with pytest.raises(SystemExit):
         train.parse_args(["--data", str(tmp_path / "tiny.txt"), "--seq-len", "64"])
-    assert "fewer than seq_len + 1 = 65" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--seq-len 64: " in err and "fewer than seq_len + 1 = 65" in err
 
 
 def test_script_reports_a_bad_flag_without_traceback() -> None:
@@ -85,14 +101,56 @@ def test_script_reports_a_bad_flag_without_traceback() -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
-    assert "9 stages (9 ranks x 1 virtual) exceed the model's 7 layers" in proc.stderr
+    assert (
+        proc.stderr.startswith("train.py: error: --stages 9 --layers 4: ")
+        and "model has 7 layers" in proc.stderr
+    )
+
+
+# ---- progress output
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_without_tqdm_or_terminal_prints_plain_lines(
+    terminal: bool, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if tqdm were not installed: importing it fails
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", _Terminal())
+    progress = _train_support.Progress(total=40, start=0, tokens_per_step=10, show=True)
+    assert progress.bar is None
+    for done in range(1, 41):
+        progress.step(done, loss=1.0 / done)
+    progress.write("step 40 | message")
+    captured = capsys.readouterr()
+    err = sys.stderr.getvalue() if terminal else captured.err  # type: ignore[attr-defined]
+    lines = err.splitlines()
+    assert [line.split(" steps")[0] for line in lines] == [f"{k}/40" for k in range(2, 41, 2)]  # every 5%
+    assert "\r" not in err and lines[-1].startswith("40/40 steps | loss 0.025 | tokens/s ")
+    assert captured.out == "step 40 | message\n"
+
+
+def test_quiet_progress_prints_nothing_and_needs_no_tqdm(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    progress = _train_support.Progress(total=3, start=0, tokens_per_step=10, show=False)
+    for done in range(1, 4):
+        progress.step(done, loss=1.0)
+    assert sys.stderr.getvalue() == "" and capsys.readouterr().out == ""
 
 
 # ---- runs
 
 
 def test_end_to_end_two_stages_partitioned_with_trace_and_sample(tmp_path: Path) -> None:
-    trace = tmp_path / "step.json"
+    trace = tmp_path / "runs" / "new" / "step.json"  # its folders do not exist yet
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "train.py"), *TINY, "--steps", "6", "--eval-every", "3",
          "--dtype", "bf16", "--sample-chars", "40", "--trace", str(trace),
@@ -117,7 +175,24 @@ def test_end_to_end_two_stages_partitioned_with_trace_and_sample(tmp_path: Path)
         f"1{k}{i}" for k in "FB" for i in range(4)
     )  # every forward and backward of stage 1's four micro-batches
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000006\n"
-    assert "6/6" in proc.stderr  # the progress bar of the last stage
+    # stderr is a pipe, not a terminal: one plain progress line per step (6 steps < 20), no "\r" updates
+    progress = [line for line in proc.stderr.splitlines() if " steps | loss " in line]
+    assert [line.split(" steps")[0] for line in progress] == [f"{k}/6" for k in range(1, 7)]
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+
+
+def test_without_tqdm_the_script_still_runs(tmp_path: Path) -> None:
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    (blocker / "tqdm.py").write_text("raise ImportError('tqdm is not installed here')\n")
+    env = {**os.environ, "PYTHONPATH": f"{blocker}:{SCRIPTS.parent}"}
+    for extra in ([], ["--quiet"]):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPTS / "train.py"), *TINY, "--steps", "2", "--sample-chars", "0", *extra],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("2/2 steps | loss " in proc.stderr) == (not extra), proc.stderr
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path) -> None:
@@ -148,7 +223,7 @@ def test_fp16_with_grad_scaler_trains(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
 
 
-def test_seed_and_lr_steer_the_run(tmp_path: Path) -> None:
+def test_seed_lr_and_recompute_steer_the_run(tmp_path: Path) -> None:
     base = _run(tmp_path, "--steps", "3", "--balance", "3,2")[0]["losses"]
     assert _run(tmp_path, "--steps", "3", "--balance", "3,2")[0]["losses"] == base  # deterministic
     other_seed = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--seed", "7")[0]["losses"]
@@ -156,3 +231,6 @@ def test_seed_and_lr_steer_the_run(tmp_path: Path) -> None:
     frozen = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--lr", "1e-12")[0]["losses"]
     assert frozen[0] == base[0]  # the first loss is computed before any update
     assert frozen[1:] != base[1:]  # then the learning rate decides how far the weights move
+    # recomputing activations changes the memory, not the numbers
+    recomputed = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--recompute", "always")[0]["losses"]
+    assert recomputed == base

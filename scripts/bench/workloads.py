@@ -1,4 +1,4 @@
-"""Workloads and machine measurements for ``scripts/bench_schedules.py``.
+"""Workload A's timed layers, and this machine's limits: p2p latency and how long a sleep lasts.
 
     # p: ranks, s: stage, m: micro-batches, t_f / t_b / t_w: forward / input-grad / weight-grad sleep
 
@@ -31,7 +31,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TimedLayer", "p2p_latency", "reset_work", "sleep_duration", "timed_loss", "work_done"]
+__all__ = [
+    "MB_ROWS",
+    "WIDTH",
+    "TimedLayer",
+    "p2p_latency",
+    "reset_work",
+    "sleep_duration",
+    "timed_loss",
+    "work_done",
+]
+
+WIDTH = 16  # timed layers' activation width: messages stay small
+MB_ROWS = 2  # rows per micro-batch of the timed workload
 
 # seconds this process slept in timed layers, by part: as asked (nominal) and as measured (real)
 _NOMINAL = {"F": 0.0, "B": 0.0, "W": 0.0}
