@@ -49,6 +49,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline.runtime import emulation
+from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV  # "1": the runtime emulates NCCL on gloo
+
 __all__ = [
     "BACKENDS",
     "EMULATE_NCCL_ENV",
@@ -60,7 +63,6 @@ __all__ = [
 ]
 
 BACKENDS = ("gloo", "nccl", "nccl-emulated")
-EMULATE_NCCL_ENV = "STAGEWISE_EMULATE_NCCL"  # "1": the runtime emulates NCCL on a gloo group
 _POLL_S = 0.05
 _KILL_GRACE_S = 2.0
 _SETTLE_S = 0.3  # how long to let a failure's echoes on other ranks arrive
@@ -88,7 +90,7 @@ class DistInfo:
 
 def default_backend() -> str:
     """``backend=None``: "nccl-emulated" when STAGEWISE_EMULATE_NCCL=1, else "gloo" (never probes CUDA)."""
-    return "nccl-emulated" if os.environ.get(EMULATE_NCCL_ENV) == "1" else "gloo"
+    return "nccl-emulated" if emulation.enabled() else "gloo"
 
 
 def _check_backend(backend: str | None) -> None:
