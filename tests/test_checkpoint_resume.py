@@ -276,6 +276,10 @@ def _four_ranks(root: str) -> dict[str, Any]:
     drop.load(f"{root}/fp32/step-00000002")
     out["val_dropout"] = drop.val()
     drop.save(f"{root}/dropout4", 2)
+    try:  # extra is saved once: every rank must pass the same
+        checkpointing.save(f"{root}/differ", 2, **drop.objects(), extra={"rank": dist.get_rank()})
+    except ValueError as exc:
+        out["differ"] = str(exc)
     return out
 
 
@@ -286,7 +290,7 @@ def four(two: Any) -> list[dict[str, Any]]:
 
 
 def test_two_rank_checkpoint_resumes_at_four_ranks(two: Any, four: list[dict[str, Any]]) -> None:
-    _, results = two
+    root, results = two
     assert [r["extra"] for r in four] == [{"step": 2, "seen": [2, "batches"]}] * 4
     # each parameter's group values moved with it (lr and weight decay differ between the groups)
     assert _merged(four, "hyper") == _merged(results, "hyper")
@@ -295,6 +299,10 @@ def test_two_rank_checkpoint_resumes_at_four_ranks(two: Any, four: list[dict[str
         assert r["losses"] == results[0]["L"][2:]  # no randomness: the stage count changes nothing
         assert r["val"] == results[0]["valL"]
         assert r["val_dropout"] == results[0]["fp32"]["vals"][2]  # parameters and buffers of the dropout run
+        assert r["differ"].startswith(
+            'save() got a different extra on rank 1 ({"rank": 1}) than on rank 0 ({"rank": 0})'
+        )
+    assert not (root / "differ").exists()
 
 
 # ---- launch 3: back to 2 ranks
