@@ -219,6 +219,7 @@ def test_resume_at_every_save_point_is_bit_identical(two: Any, tag: str) -> None
     assert sorted(p.name for p in (root / tag).iterdir()) == ["latest"] + [f"step-{k:08d}" for k in SAVES]
     if tag == "bf16":  # the scale grew during the run (growth_interval 2): its restore was needed
         assert results[0][tag]["final"][1]["scale"] > 2.0**10
+        assert results[0]["bf16"]["A"] != results[0]["fp32"]["A"]  # autocast was on
 
 
 def test_checkpoint_of_two_ranks_loads_into_one_process(two: Any) -> None:
@@ -280,6 +281,17 @@ def _four_ranks(root: str) -> dict[str, Any]:
         checkpointing.save(f"{root}/differ", 2, **drop.objects(), extra={"rank": dist.get_rank()})
     except ValueError as exc:
         out["differ"] = str(exc)
+    rank = dist.get_rank()
+    try:  # a bad argument on one rank: every rank raises, none waits in a collective for it
+        checkpointing.save(f"{root}/bad", 2, **drop.objects(), extra=object() if rank == 3 else 1)
+    except TypeError as exc:
+        out["bad_extra"] = str(exc)
+    stranger = [nn.Parameter(torch.ones(2))] if rank == 2 else []
+    opt = torch.optim.AdamW([*drop.pipe.parameters(), *stranger])
+    try:
+        checkpointing.load(f"{root}/dropout4", pipe=drop.pipe, optimizer=opt, lr_scheduler=drop.sched)
+    except ValueError as exc:
+        out["bad_load"] = str(exc)
     return out
 
 
@@ -302,7 +314,17 @@ def test_two_rank_checkpoint_resumes_at_four_ranks(two: Any, four: list[dict[str
         assert r["differ"].startswith(
             'save() got a different extra on rank 1 ({"rank": 1}) than on rank 0 ({"rank": 0})'
         )
-    assert not (root / "differ").exists()
+    assert not (root / "differ").exists() and not (root / "bad").exists()
+    assert four[3]["bad_extra"].startswith("extra must be JSON-able")
+    for r in (0, 1, 2):
+        assert four[r]["bad_extra"].startswith("rank 3 failed: extra must be JSON-able")
+    assert four[2]["bad_load"].startswith(
+        "optimizer.param_groups[0]['params'][2] (shape (2,)) is not a parameter"
+    )
+    for r in (0, 1, 3):
+        assert four[r]["bad_load"].startswith(
+            "rank 2 failed: optimizer.param_groups[0]['params'][2] (shape (2,))"
+        )
 
 
 # ---- launch 3: back to 2 ranks
