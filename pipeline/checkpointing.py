@@ -20,17 +20,18 @@ stages loads at 2 and back.
 Writing is atomic; ``keep`` complete checkpoints stay (``None``: all):
 
     folder/.tmp-step-00000100   every rank writes here (dcp.save), then a barrier
-    folder/.old-step-00000100   rank 0 moves an earlier save of the same step aside
     folder/step-00000100        rank 0 renames the finished folder into place
-    folder/latest               then points here (a temporary file + os.replace)
-                                then removes all but the newest ``keep`` (never this one)
+    folder/latest               then points here, and older ones beyond ``keep`` go
 
-A crash at any moment leaves ``latest`` naming a complete checkpoint: the new
-one, or the one it named before (``latest()`` finds a step moved aside).
-Room for more (fault tolerance): a manifest of per-file checksums written into
-the temporary folder before the rename, the run's configuration and id beside
-the step in the ``checkpoint`` record, and ``load`` falling back to the
-previous complete checkpoint in ``_complete`` order.
+A crash at any moment leaves ``latest`` naming a complete checkpoint (see
+``pipeline/checkpoint/folder.py``). A bad argument or a checkpoint that does
+not fit, on any rank, is raised on every rank before anything is written or
+read (``pipeline/checkpoint/ranks.py``).
+
+Room for fault tolerance: a manifest of per-file checksums written into the
+temporary folder before the rename, the run's configuration and id beside the
+step in the ``checkpoint`` record, and ``load`` falling back to the previous
+complete checkpoint (``folder.complete`` lists them, oldest first).
 
 The first API (``training_state`` + ``save(folder, step, state)`` +
 ``load(path, named_parameters, optimizer, extra_keys)``) works for one more
@@ -40,46 +41,25 @@ release, with a FutureWarning.
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
-from pipeline.checkpoint import legacy, state
+from pipeline.checkpoint import folder as _folder
+from pipeline.checkpoint import legacy, ranks, state
+from pipeline.checkpoint.folder import LATEST, latest
 from pipeline.checkpoint.state import Stateful
 from pipeline.runtime.pipe import Pipeline
 
 __all__ = ["LATEST", "latest", "load", "save", "training_state"]
-
-LATEST = "latest"
-_PREFIX = "step-"
-_OLD = ".old-"  # a step's previous checkpoint while the step is saved again
-
-
-def _distributed() -> bool:
-    return bool(dist.is_initialized())  # type: ignore[no-untyped-call]
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
 
 
 def save(
@@ -122,85 +102,30 @@ def save(
             f"save() needs pipe= (a Pipeline or nn.Module) and optimizer= (a torch.optim.Optimizer), got "
             f"pipe={type(pipe).__name__}, optimizer={type(optimizer).__name__}"
         )
-    text = state.extra_text(extra)
-    _check_same_extra(text)
-    flat = state.collect(
-        state.model_of(pipe), optimizer, lr_scheduler, grad_scaler, text, step, _rank(), _world()
-    )
-    return _write(Path(folder), step, flat, keep)
-
-
-def _check_same_extra(text: str) -> None:
-    if not _distributed():
-        return
-    texts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, text)
+    text, flat, error = "", {}, None
+    try:
+        text = state.extra_text(extra)
+        model = state.model_of(pipe)
+        flat = state.collect(
+            model, optimizer, lr_scheduler, grad_scaler, text, step, ranks.rank(), ranks.world()
+        )
+    except (TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    texts = ranks.together(error, text)
     differ = [r for r, t in enumerate(texts) if t != texts[0]]
     if differ:
         raise ValueError(
             f"save() got a different extra on rank {differ[0]} ({texts[differ[0]]}) than on rank 0 "
             f"({texts[0]}); extra is saved once for all ranks: pass the same value on every rank"
         )
+    return _write(Path(folder), step, flat, keep)
 
 
 def _write(root: Path, step: int, flat: dict[str, Any], keep: int | None) -> Path:
-    final = root / f"{_PREFIX}{step:08d}"
-    tmp = root / f".tmp-{_PREFIX}{step:08d}"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-    _barrier()
-    _dcp_save(flat, storage_writer=FileSystemWriter(tmp))
-    _barrier()
-    if _rank() == 0:
-        old = root / f"{_OLD}{final.name}"
-        if final.exists():  # saving a step again, e.g. after resuming from it
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        with pointer.open("w") as f:
-            f.write(final.name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, root / LATEST)
-        for stale in root.glob(f"{_OLD}*"):  # this save's, and any a crash left behind
-            shutil.rmtree(stale, ignore_errors=True)
-        if keep is not None:
-            others = [p for p in _complete(root) if p != final]
-            for stale in others[: max(0, len(others) - (keep - 1))]:
-                shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
-    return final
+    def write_into(tmp: Path) -> None:
+        _dcp_save(flat, storage_writer=FileSystemWriter(tmp))
 
-
-def _step_of(path: Path) -> int | None:
-    digits = path.name[len(_PREFIX) :]
-    return int(digits) if path.name.startswith(_PREFIX) and digits.isdigit() else None
-
-
-def _complete(root: Path) -> list[Path]:
-    """Finished checkpoints (with dcp's metadata file), oldest step first."""
-    found = [p for p in root.glob(f"{_PREFIX}*") if _step_of(p) is not None and (p / ".metadata").is_file()]
-    return sorted(found, key=lambda p: _step_of(p) or 0)
-
-
-def latest(folder: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint ``latest`` names, else the newest complete one, else None.
-
-    A crash while a step is saved again, between moving its previous folder
-    aside and moving the new one into place, leaves only ``.old-step-...``:
-    that previous folder is then the one ``latest`` means.
-    """
-    root = Path(folder)
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        for named in (root / name, root / f"{_OLD}{name}"):
-            if (named / ".metadata").is_file():
-                return named
-    found = _complete(root)
-    return found[-1] if found else None
+    return _folder.write(root, step, keep, write_into)
 
 
 def load(
@@ -221,42 +146,32 @@ def load(
     ``load(path, named_parameters, optimizer, extra_keys)`` is the deprecated form.
     """
     if legacy_args or legacy_kwargs:
-        return _load_legacy(folder, legacy_args, dict(legacy_kwargs, **_given(optimizer=optimizer)))
+        given = {} if optimizer is None else {"optimizer": optimizer}
+        return _load_legacy(folder, legacy_args, {**legacy_kwargs, **given})
     if pipe is None:
         raise TypeError("load() needs pipe= (the Pipeline, or nn.Module, to load into)")
-    path = _resolve(Path(folder))
-    model = state.model_of(pipe)
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    want = state.targets(meta, model, optimizer, lr_scheduler, grad_scaler, _rank(), repr(str(path)))
-    _check_no_unasked_model_entries(meta, want, path)
+    path, model, meta, want, error = Path(folder), nn.Module(), {}, {}, None
+    try:
+        path = _folder.resolve(path)
+        model = state.model_of(pipe)
+        meta = FileSystemReader(path).read_metadata().state_dict_metadata
+        want = state.targets(meta, model, optimizer, lr_scheduler, grad_scaler, ranks.rank(), repr(str(path)))
+    except (TypeError, ValueError, RuntimeError, OSError) as exc:
+        error = exc
+    asked = ranks.together(error, sorted(k for k in want if k.startswith(state.MODEL)))
+    _check_every_model_entry_asked(meta, {k for names in asked for k in names}, path)
     _load_checked(want, path)
-    return state.restore(want, model, optimizer, lr_scheduler, grad_scaler, _rank())
+    extra, error = None, None
+    try:
+        extra = state.restore(want, model, optimizer, lr_scheduler, grad_scaler, ranks.rank())
+    except (TypeError, ValueError, RuntimeError) as exc:  # e.g. param groups formed differently
+        error = exc
+    ranks.together(error, None)
+    return extra
 
 
-def _given(**kw: Any) -> dict[str, Any]:
-    return {k: v for k, v in kw.items() if v is not None}
-
-
-def _resolve(path: Path) -> Path:
-    if (path / ".metadata").is_file():
-        return path
-    found = latest(path)
-    if found is None:
-        raise FileNotFoundError(
-            f"no complete checkpoint in {str(path)!r}; pass a folder that save() wrote into, or one "
-            "step folder in it (check checkpointing.latest(folder) before loading)"
-        )
-    return found
-
-
-def _check_no_unasked_model_entries(meta: Mapping[str, Any], want: Mapping[str, Any], path: Path) -> None:
+def _check_every_model_entry_asked(meta: Mapping[str, Any], asked: set[str], path: Path) -> None:
     """Every saved model entry is loaded by some rank (else the model is smaller than the saved one)."""
-    mine = sorted(k for k in want if k.startswith(state.MODEL))
-    asked = set(mine)
-    if _distributed():
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        asked = {k for names in every for k in names}
     extra = sorted(k for k in meta if k.startswith(state.MODEL) and k not in asked)
     if extra:
         raise ValueError(
@@ -288,7 +203,7 @@ def training_state(
         FutureWarning,
         stacklevel=2,
     )
-    return legacy.training_state(named_parameters, optimizer, extra, _rank())
+    return legacy.training_state(named_parameters, optimizer, extra, ranks.rank())
 
 
 def _load_legacy(folder: str | os.PathLike[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -310,6 +225,6 @@ def _load_legacy(folder: str | os.PathLike[str], args: tuple[Any, ...], kwargs: 
     params, opt, extra_keys = bind(*args, **kwargs)
     path = Path(folder)
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    want = legacy.targets(path, meta, params, extra_keys, _rank())
+    want = legacy.targets(path, meta, params, extra_keys, ranks.rank())
     _load_checked(want, path)
-    return legacy.apply(want, params, opt, extra_keys, _rank())
+    return legacy.apply(want, params, opt, extra_keys, ranks.rank())

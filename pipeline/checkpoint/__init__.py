@@ -1,11 +1,10 @@
-"""What ``pipeline.checkpointing`` writes: the state of a training loop as flat named entries.
+"""The parts behind ``pipeline.checkpointing`` (the public API: save, load, latest).
 
-    state.py    the entries (model, optimizer, scheduler, scaler, RNG, extra) and their rules
+    state.py    what a checkpoint holds (model, optimizer, scheduler, scaler, RNG, extra), and back
     optim.py    the optimizer per parameter name, so that param groups re-shard
+    folder.py   the folder: atomic writes, the ``latest`` pointer, ``keep``
+    ranks.py    this rank, and failures raised together on every rank
     legacy.py   the first layout (``training_state``), deprecated
-
-``pipeline.checkpointing`` owns the folder (atomic writes, ``latest``, ``keep``)
-and the reading and writing; these modules only build and apply the entries.
 """
 
 __all__: list[str] = []
