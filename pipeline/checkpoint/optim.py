@@ -127,7 +127,6 @@ def restore(
             by_name.setdefault(name, {})[item] = value if isinstance(value, torch.Tensor) else value[0]
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
-    index = 0
     for g, (group, indexed) in enumerate(zip(optimizer.param_groups, current["param_groups"], strict=True)):
         merged = dict(indexed)
         first: tuple[str, dict[str, Any]] | None = None
@@ -140,8 +139,7 @@ def restore(
             else:
                 _check_same_group(g, first, (name, hyper))
             if name in by_name:
-                state[index] = by_name[name]
-            index += 1
+                state[indexed["params"][i]] = by_name[name]
         if first is None and g < len(by_index):  # no parameters here: the values saved for this index
             merged.update(_hyper(by_index[g]))
         groups.append(merged)
