@@ -20,6 +20,7 @@ launches, each checking many things (later ones resume what earlier ones saved):
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -162,18 +163,18 @@ def _two_ranks(root: str) -> dict[str, Any]:
         saving = Loop(0, **cfg)
         vals: dict[int, float] = {}
 
-        def saver(t: int, loop: Loop = saving, folder: str = folder, vals: dict[int, float] = vals) -> Any:
-            return lambda: (loop.save(folder, t, keep=None), vals.__setitem__(t, loop.val()))
+        def save_and_validate(t: int, loop: Loop = saving, folder: str = folder, vals: Any = vals) -> None:
+            loop.save(folder, t, keep=None)
+            vals[t] = loop.val()
 
-        res["B"] = saving.train(0, N, {t: saver(t) for t in SAVES})
+        res["B"] = saving.train(0, N, {t: functools.partial(save_and_validate, t) for t in SAVES})
         res["valB"], res["vals"], res["finalB"] = saving.val(), vals, saving.states()
         saving.pipe.close()
         res["resumed"] = {}
         for k in SAVES:
             loop = Loop(100 + k, **cfg)
-            extra = loop.load(
-                folder if k == SAVES[-1] else f"{folder}/step-{k:08d}"
-            )  # the folder: its latest
+            path = folder if k == SAVES[-1] else f"{folder}/step-{k:08d}"  # the folder: its latest
+            extra = loop.load(path)
             res["resumed"][k] = (extra, loop.train(k, N), loop.val(), loop.states())
             loop.pipe.close()
         out[tag] = res
