@@ -252,7 +252,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
         if data is None:  # inputs go to the first rank, targets to the last
             return None, None
         x, y = data.batch(split_name, step, cfg.batch_size, cfg.seq_len, cfg.seed)
-        return (x.to(device) if first else None), (y.to(device) if last else None)
+        return (x if first else None), (y if last else None)  # the pipeline copies them (pinned, async)
 
     def loss_of(run: Callable[..., float], split_name: str, step: int, **kw: Any) -> float:
         with precision.autocast():  # pipe.step or pipe.evaluate
