@@ -16,7 +16,7 @@ Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast
 ``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages.
 A recomputing stage also keeps its inputs, charged at the largest input any cut can have.
 
-Before any search, the limits are checked with an O(k log n) greedy (``partitioner._fit``);
+Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
 when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.
 """
 

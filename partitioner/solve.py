@@ -81,7 +81,7 @@ def solve(
     ``cut_costs`` is per layer (the cut after it), or k - 1 rows of those, one per boundary;
     ``memory`` is per layer, or one row per stage (memory of layer l when it sits on stage s);
     ``memory_limit`` is one number or one per stage. Raises ``ValueError`` for bad input and, when no
-    balance fits the memory limit (found before any search, in O(k log n)), one that states the
+    balance fits the memory limit (found before any search, in milliseconds), one that states the
     smallest limit that would.
     """
     n = len(costs)
