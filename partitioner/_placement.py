@@ -3,9 +3,9 @@
     # l: layer
 
 ``profile`` never runs the model's own modules. For layer l it makes a working copy on the
-profiling device, runs that, and drops it before layer l + 1; so the model's ``.grad``, buffers,
-train/eval modes and ``requires_grad`` cannot change, and only one layer's worth of memory is
-added at a time::
+profiling device, runs that (in training mode, as the pipeline does), and drops it before layer
+l + 1; so the model's ``.grad``, buffers, train/eval modes and ``requires_grad`` cannot change, and
+only one layer's worth of memory is added at a time::
 
     layer's tensors           profiling device     the working copy's parameters and buffers
     on that device            same                 parameters: the model's own storage (no copy;

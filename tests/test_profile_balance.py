@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 
 from pipeline.plan import Plan
+from pipeline.reference.models import mlp
 from scripts import profile_balance
 
 FAST = ["--repeat", "1"]
+SMALL = "tests.test_profile_balance:small_mlp"  # --model as module:function, quick in bf16 on CPU
+
+
+def small_mlp() -> tuple[object, object]:
+    return mlp(width=64, depth=6, batch_size=8)
 
 
 @pytest.mark.parametrize("model", ["gpt", "resnet", "mlp"])
@@ -39,7 +45,7 @@ def test_stages_counts_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_measure_runs_the_plan_and_saves_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    argv = ["--model", "mlp", "--stages", "2", "--microbatches", "2", "--measure", "--measure-steps", "1"]
+    argv = ["--model", SMALL, "--stages", "2", "--microbatches", "2", "--measure", "--measure-steps", "1"]
     assert profile_balance.main([*argv, "--json", str(path), *FAST]) == 0
     out = capsys.readouterr().out
     assert "== measured:" in out and "predicted busy ms" in out
@@ -106,8 +112,8 @@ def test_precision_links_and_limits_reach_the_plan(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "plan.json"
-    argv = ["--model", "mlp", "--stages", "2", "--dtype", "bf16", "--bandwidth", "1e8", "--latency", "1e-4"]
-    assert profile_balance.main([*argv, "--memory-limit", "1e9,2e9", "--json", str(path), *FAST]) == 0
+    argv = ["--model", SMALL, "--stages", "2", "--dtype", "bf16", "--bandwidth", "1e8", "--latency", "1e-4"]
+    assert profile_balance.main([*argv, "--memory-limit", "1e7,2e7", "--json", str(path), *FAST]) == 0
     out = capsys.readouterr().out
     assert "per-layer profile on cpu, autocast bfloat16" in out and "bfloat16" in out.split("== ours")[0]
     plan = Plan.from_json(path.read_text())
@@ -131,14 +137,14 @@ def test_an_empty_baseline_stage_is_reported(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(profile_balance, "torchgpipe_balance", lambda costs, k: [0, *([1] * (k - 2)), 9])
-    assert profile_balance.main(["--model", "mlp", "--stages", "2", *FAST]) == 0
+    assert profile_balance.main(["--model", SMALL, "--stages", "2", *FAST]) == 0
     out = capsys.readouterr().out
     assert "balance [0, 9] leaves a stage empty: no pipeline can run it" in out
 
 
 def test_bandwidth_measured_by_ping_pong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    argv = ["--model", "mlp", "--stages", "2", "--bandwidth", "measure", "--json", str(path), *FAST]
+    argv = ["--model", SMALL, "--stages", "2", "--bandwidth", "measure", "--json", str(path), *FAST]
     assert profile_balance.main(argv) == 0
     out = capsys.readouterr().out
     assert "measured links on gloo (ping-pong): latency " in out and " GB/s" in out
