@@ -41,40 +41,57 @@ class _Collectives:
 
 def _stage(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4).double(), nn.Linear(4, 3, bias=False))
+    return nn.Sequential(
+        nn.Linear(3, 3, bias=False),  # unused: no gradient on any replica
+        nn.Linear(6, 5),  # gradients from earlier micro-batches only; its bias none on replica 0
+        nn.Linear(5, 4).double(),  # gradients accumulated by the last backward, too
+        nn.Linear(4, 3).double(),
+    )
 
 
-def _grads_of(d: int, s: int, module: nn.Module) -> None:
-    """Replica d's gradients: distinct per replica, one parameter without a gradient on replica 0 only
-    and one (the last layer's weight) without a gradient anywhere."""
+def _earlier(d: int, s: int, module: nn.Module) -> None:
+    """Replica d's gradients before the stage's last backward: distinct per replica."""
     g = torch.Generator().manual_seed(100 * d + s)
-    params = list(module.parameters())
-    for p in params:
+    for p in module[1:].parameters():
         p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-    params[1].grad = None if d == 0 else params[1].grad  # layer 0's bias
-    params[-1].grad = None
+    module[1].bias.grad = None if d == 0 else module[1].bias.grad
+
+
+def _last_backward(d: int, s: int, module: nn.Module) -> None:
+    g = torch.Generator().manual_seed(1000 + 100 * d + s)
+    x = torch.randn(ROWS[d], 5, generator=g, dtype=torch.float64)
+    module[3](module[2](x)).square().mean().backward()
 
 
 def _reduce(bucket_bytes: int) -> dict[str, Any]:
-    lay = layout_of(build_mesh(2, 2, "cpu"))
+    mesh = build_mesh(2, 2, "cpu")
+    lay = layout_of(mesh)
     stages = {s: _stage(s) for s in (lay.pp_rank, lay.pp_rank + 2)}  # two local stages, as interleaved
-    for s, mod in stages.items():
-        _grads_of(lay.replica, s, mod)
-    group = build_mesh(2, 2, "cpu").get_group("dp")
     params = {s: list(mod.parameters()) for s, mod in stages.items()}
-    reducer = GradReducer(params, _Collectives(group), bucket_bytes, dist.get_rank(), lay.replicas)
-    reducer.begin_step(record=True)
-    for s in sorted(stages, reverse=True):
-        reducer.launch(s, ROWS[lay.replica])
-    reducer.wait(stages)
-    out = {f"{s}/{n}": None if p.grad is None else p.grad.clone() for s, m in stages.items()
-           for n, p in m.named_parameters()}  # fmt: skip
+    early = [lay.pp_rank + 2]  # stage r + 2 launches during its last backward, stage r after it
+    reducer = GradReducer(params, _Collectives(mesh.get_group("dp")), bucket_bytes, dist.get_rank(),
+                          lay.replicas, early=early)  # fmt: skip
+    out: dict[str, Any] = {"early": {}}
+    for _ in range(2):  # a second step reuses the buckets
+        for s, mod in stages.items():
+            mod.zero_grad(set_to_none=True)
+            _earlier(lay.replica, s, mod)
+        reducer.begin_step(record=True)
+        for s in sorted(stages, reverse=True):  # as interleaved: stage r + 2's last backward first
+            reducer.arm(s, ROWS[lay.replica])
+            _last_backward(lay.replica, s, stages[s])
+            out["early"][s] = [b.launched > 0 for b in reducer.buckets[s]]
+            reducer.launch(s)
+        reducer.wait(stages)
+    for s, m in stages.items():
+        out.update({f"{s}/{n}": None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()})
     out["buckets"] = {s: len(b) for s, b in reducer.buckets.items()}
     out["events"] = [(e.stage, e.bucket) for e in reducer.events]
     try:
         reducer.wait([min(stages), 99])
     except RuntimeError as exc:
         out["unlaunched"] = str(exc)
+    reducer.close()
     return out
 
 
@@ -83,7 +100,8 @@ def _expected(s: int) -> dict[str, torch.Tensor | None]:
     parts: list[dict[str, torch.Tensor | None]] = []
     for d in range(2):
         mod = _stage(s)
-        _grads_of(d, s, mod)
+        _earlier(d, s, mod)
+        _last_backward(d, s, mod)
         parts.append({n: p.grad for n, p in mod.named_parameters()})
     out: dict[str, torch.Tensor | None] = {}
     for n in parts[0]:
@@ -110,10 +128,16 @@ def test_gradients_are_the_row_weighted_mean_over_replicas(reduced: tuple[int, A
                     continue
                 err = float((got - want).abs().max() / want.abs().max())
                 assert got.dtype == want.dtype and err < 1e-6, (g, s, n, err)
-        # a 64-byte cap: one bucket per parameter (the float64 layer in its own), else one per dtype
-        assert res["buckets"] == ({r: 2, r + 2: 2} if cap > 1000 else {r: 5, r + 2: 5})
-        assert [e[0] for e in res["events"]] == sorted([s for s in (r, r + 2) for _ in
-                                                        range(res["buckets"][s])], reverse=True)  # fmt: skip
+        # reverse order, one bucket per dtype: [3.bias 3.weight 2.bias 2.weight] (float64),
+        # [1.bias 1.weight 0.weight] (float32); with a 64-byte cap one per parameter
+        big = cap > 1000
+        assert res["buckets"] == ({r: 2, r + 2: 2} if big else {r: 7, r + 2: 7})
+        # stage r + 2's float64 buckets start during its last backward, in order, until the first that
+        # waits for the earlier micro-batches' gradients; stage r's only after its last backward
+        assert res["early"][r + 2] == ([True, False] if big else [True] * 4 + [False] * 3)
+        assert not any(res["early"][r])
+        order = [(s, k) for s in (r + 2, r) for k in range(res["buckets"][s])]
+        assert res["events"] == order
         # a new step (nothing launched yet) waited for: every stage is named
         assert res["unlaunched"] == (
             f"rank {g}: stages [{r}, 99] finished the step without launching their gradient all-reduce"

@@ -8,16 +8,19 @@ one process computes on their concatenation:
 
     g = sum_d (B_d / B) g_d          B = sum_d B_d,  g_d: replica d's gradient of its mean loss
 
-A stage's gradients are final once its last weight-gradient action of the step
-is done (its last W on a split-backward schedule such as zb-h1, else its last
-B): ``reduction_points`` reads that action off the rank's part of the
-schedule. Right then its buckets are launched, asynchronously, on the "dp"
-group, and the step goes on; ``wait`` before ``step`` returns collects them::
+A stage's gradients are final during its last weight-gradient action of the
+step (its last W on a split-backward schedule such as zb-h1, else its last B;
+``reduction_points`` reads it off the rank's part of the schedule). The stage is
+armed just before it: as autograd accumulates each parameter's gradient for the
+last time (a post-accumulate-grad hook), the buckets whose gradients are all
+final are launched, asynchronously, in bucket order, on the "dp" group, as
+DistributedDataParallel does within its backward; the rest once the action
+ends. The step goes on, and ``wait`` collects them before ``step`` returns::
 
-    rank r, interleaved (stages 0 and 2):
-    compute    .. B(2,3) | B(0,2) ....... B(0,3) | wait
-    dp group             [stage 2's buckets ....]  [stage 0's ..]
-                          ^ launched here: overlaps B(0, 2) and B(0, 3), the pipeline's drain
+    rank r, interleaved (stages 0 and 2), m = 4:
+    compute    .. B(2,3) ...... | B(0,2) | B(0,3) ....... | wait
+    dp group       [stage 2: bucket 0][bucket 1] [stage 0: 0][1]
+                   ^ launched while B(2, 3) runs, overlapping it and the pipeline's drain
 
 Each bucket (about ``bucket_bytes``, like DistributedDataParallel's 25 MB; one
 dtype each, parameters in reverse order as backward produces them) is one flat
@@ -43,6 +46,7 @@ after the compute that produced the gradients.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -123,15 +127,17 @@ def assign_parameters(
 @dataclass
 class _Bucket:
     stage: int
-    index: int  # within the stage
+    index: int  # within the stage: launched in this order
     params: list[nn.Parameter]
     numel: int  # of the gradients; the flags follow
     dtype: torch.dtype
     device: torch.device
+    itemsize: int
     flat: torch.Tensor | None = None  # allocated at the first launch, reused
     work: Any = None
+    ready: int = 0  # parameters whose gradient is final (while the stage is armed)
+    launched: float = 0.0  # wall time; 0: not launched this step
     missing: list[int] = field(default_factory=list)  # params (by index) without a local gradient
-    launched: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ class Reduction:
 
 
 def _buckets(stage: int, params: Sequence[nn.Parameter], cap: int) -> list[_Bucket]:
-    """``params`` (reverse order: as backward produces them) in buckets of one dtype and device,
+    """``params`` in reverse order (as backward produces them) in buckets of one dtype and device,
     each at most ``cap`` bytes unless a single parameter is larger."""
     out: list[_Bucket] = []
     open_: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
@@ -155,16 +161,14 @@ def _buckets(stage: int, params: Sequence[nn.Parameter], cap: int) -> list[_Buck
         key = (p.dtype, p.device)
         b = open_.get(key)
         size = p.numel() * p.element_size()
-        if b is not None and b.params and (b.numel * p.element_size() + size) > cap:
+        if b is not None and (b.numel * p.element_size() + size) > cap:
             b = None
         if b is None:
-            b = _Bucket(stage, 0, [], 0, p.dtype, p.device)
+            b = _Bucket(stage, len(out), [], 0, p.dtype, p.device, p.element_size())
             open_[key] = b
             out.append(b)
         b.params.append(p)
         b.numel += p.numel()
-    for k, b in enumerate(out):
-        b.index = k
     return out
 
 
@@ -172,7 +176,12 @@ class GradReducer:
     """The "dp" all-reduce of one rank's gradients, stage by stage (see the module docstring).
 
     ``params``: per local stage its parameters (``assign_parameters``); ``comm``: the
-    "dp" group's; ``rank``: this rank's global rank, for records and errors.
+    "dp" group's; ``rank``: this rank's global rank and ``replicas`` its "dp" group's
+    global ranks, for records and errors. ``early``: the stages whose buckets may
+    start during their last gradient action, each once its parameters' gradients
+    are accumulated (a post-accumulate-grad hook per parameter; fires once per
+    backward). A stage whose layers share a parameter is left out: a split
+    backward accumulates such a parameter once per layer.
     """
 
     def __init__(
@@ -182,16 +191,27 @@ class GradReducer:
         bucket_bytes: int,
         rank: int,
         replicas: Sequence[int],
+        early: Iterable[int] = (),
     ) -> None:
         self.comm, self.rank = comm, rank
         self.buckets = {s: _buckets(s, ps, bucket_bytes) for s, ps in params.items()}
         self._group = f"replicas {list(replicas)}"
         self._rows: torch.Tensor | None = None
         self._rows_work: Any = None
-        self._pending: list[int] = []  # stages launched this step, in order
+        self._row_count = 0.0
+        self._armed: int | None = None  # the stage in its last gradient action
+        self._pending: list[int] = []  # stages whose buckets were all launched this step, in order
         self.record = False
         self.events: list[Reduction] = []
         self.exposed = 0.0  # seconds the last step's wait blocked the host
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                functools.partial(self._accumulated, b)
+            )
+            for s in early
+            for b in self.buckets.get(s, [])
+            for p in b.params
+        ]
 
     # ---- the step
 
@@ -199,26 +219,51 @@ class GradReducer:
         self.abandon()
         self.record, self.events, self.exposed = record, [], 0.0
 
-    def launch(self, stage: int, rows: int) -> None:
-        """Stage ``stage``'s gradients are final: launch its buckets (``rows``: this replica's B_d)."""
+    def arm(self, stage: int, rows: int) -> None:
+        """Stage ``stage`` starts its last gradient action (``rows``: this replica's B_d): its buckets
+        launch as their gradients become final."""
         if stage in self._pending:
-            raise RuntimeError(f"rank {self.rank}: stage {stage}'s gradients were launched twice in one step")
-        comm = self.comm
+            raise RuntimeError(f"rank {self.rank}: stage {stage}'s gradients were reduced twice in one step")
         if self._rows_work is None:  # the first stage of the step: the weights' denominator B
-            self._rows = torch.full((1,), float(rows), dtype=torch.float64, device=comm.device)
-            self._rows_work = comm.start_all_reduce(
+            self._rows = torch.full((1,), float(rows), dtype=torch.float64, device=self.comm.device)
+            self._rows_work = self.comm.start_all_reduce(
                 self._rows, dist.ReduceOp.SUM, f"the batch rows' all-reduce over {self._group}"
             )
+        self._row_count = float(rows)
         for b in self.buckets[stage]:
-            self._start(b, float(rows))
+            b.ready, b.launched = 0, 0.0
+        self._armed = stage
+
+    def _accumulated(self, b: _Bucket, _param: torch.Tensor) -> None:
+        if self._armed != b.stage:
+            return
+        b.ready += 1
+        self._launch_ready(b.stage)
+
+    def _launch_ready(self, stage: int) -> None:
+        """Launch the stage's buckets in order, up to the first whose gradients are not all final."""
+        for b in self.buckets[stage]:
+            if b.launched:
+                continue
+            if b.ready < len(b.params):
+                return
+            self._start(b)
+
+    def launch(self, stage: int) -> None:
+        """Stage ``stage``'s last gradient action is done: launch the buckets not launched yet."""
+        if self._armed != stage:
+            raise RuntimeError(f"rank {self.rank}: stage {stage} launched its gradient all-reduce unarmed")
+        for b in self.buckets[stage]:
+            if not b.launched:
+                self._start(b)
+        self._armed = None
         self._pending.append(stage)
 
-    def _start(self, b: _Bucket, rows: float) -> None:
+    def _start(self, b: _Bucket) -> None:
         n = len(b.params)
         if b.flat is None:
             b.flat = torch.empty(b.numel + n, dtype=b.dtype, device=b.device)
-        flat = b.flat
-        grads, parts = [], []
+        flat, rows = b.flat, self._row_count
         b.missing = []
         off = 0
         for k, p in enumerate(b.params):
@@ -228,11 +273,7 @@ class GradReducer:
                 part.zero_()
                 b.missing.append(k)
             else:
-                grads.append(p.grad.reshape(-1))
-                parts.append(part)
-        if parts:
-            torch._foreach_copy_(parts, grads)
-        flat[: b.numel].mul_(rows)
+                torch.mul(p.grad.reshape(-1), rows, out=part)
         flags = flat[b.numel :]
         flags.fill_(1)
         for k in b.missing:
@@ -241,10 +282,9 @@ class GradReducer:
         b.work = self.comm.start_all_reduce(flat, dist.ReduceOp.SUM, self._what(b))
 
     def _what(self, b: _Bucket) -> str:
+        mb = (b.numel + len(b.params)) * b.itemsize / 1e6
         return (
-            f"the gradient all-reduce of stage {b.stage} (bucket {b.index}, "
-            f"{(b.numel + len(b.params)) * b.flat.element_size() / 1e6 if b.flat is not None else 0:.1f} MB) "
-            f"over {self._group}"
+            f"the gradient all-reduce of stage {b.stage} (bucket {b.index}, {mb:.1f} MB) over {self._group}"
         )
 
     def wait(self, stages: Iterable[int]) -> None:
@@ -275,24 +315,25 @@ class GradReducer:
     def _unpack(self, b: _Bucket, total: float) -> None:
         assert b.flat is not None
         flat = b.flat
-        flat[: b.numel].div_(total)
         has = flat[b.numel :].tolist() if b.missing else []  # a host sync only when some grad was None
-        dst, src = [], []
         off = 0
         for k, p in enumerate(b.params):
             part = flat[off : off + p.numel()].view_as(p)
             off += p.numel()
             if p.grad is not None:
-                dst.append(p.grad)
-                src.append(part)
+                torch.div(part, total, out=p.grad)
             elif has[k] > 0:  # another replica has a gradient for it
-                p.grad = part.clone()
-        if dst:
-            torch._foreach_copy_(dst, src)
+                p.grad = part / total
 
     def abandon(self) -> None:
         """After a failed step: forget the launched works (the group is unusable after a failure)."""
         for buckets in self.buckets.values():
             for b in buckets:
-                b.work = None
-        self._pending, self._rows_work = [], None
+                b.work, b.launched, b.ready = None, 0.0, 0
+        self._pending, self._rows_work, self._armed = [], None, None
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
