@@ -3,6 +3,7 @@
     # p: ranks, v: stages per rank, k = p * v stages
 
 >>> plan = partition(model, 4, sample)        # 4 ranks; sample: one micro-batch
+>>> plan = partition(model, 4, sample, autocast=torch.bfloat16, loss_fn=loss, target=y)
 >>> print(plan); stages = plan.split(model)
 
 ``Plan`` and ``StagePlan`` are ``pipeline.plan``'s (one definition, re-exported here): the
@@ -10,10 +11,14 @@ partitioner makes plans, the runtime runs them. Imports go one way, partitioner 
 """
 
 from partitioner.baselines import equal_balance, torchgpipe_balance
+from partitioner.costs import COSTS, cut_groups, layer_costs
 from partitioner.figures import LayerProfile
+from partitioner.flops import FlopCount
 from partitioner.graph import cut_bytes, layer_graph
+from partitioner.links import Links, measure_links
+from partitioner.live import LiveBytes
 from partitioner.memory import held, in_flight, layer_memory
-from partitioner.partition import COSTS, layer_costs, partition, plan_for
+from partitioner.partition import partition, plan_for
 from partitioner.profile import Profile, profile
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
@@ -21,17 +26,22 @@ from pipeline.plan import Plan, StagePlan
 
 __all__ = [
     "COSTS",
+    "FlopCount",
     "LayerProfile",
+    "Links",
+    "LiveBytes",
     "Plan",
     "Profile",
     "StagePlan",
     "cut_bytes",
+    "cut_groups",
     "equal_balance",
     "held",
     "in_flight",
     "layer_costs",
     "layer_graph",
     "layer_memory",
+    "measure_links",
     "partition",
     "plan_for",
     "predict",

@@ -3,9 +3,12 @@
     # n: layers, k: stages, l: layer, s: stage, w: band width, g[s][a]: best bottleneck of s..k-1 from a
 
 The algorithm, its band and its tie rule are explained in ``partitioner.solve``'s docstring. This
-module owns the DP (``_dp``, its core ``_dp_core``), the greedy upper bound that sizes the band
-(``_upper_bound``, ``_width``, ``_band``) and the unbanded min-max memory DP that the infeasible
-memory error quotes (``_min_max_memory``). Inputs arrive validated (``partitioner._inputs``).
+module owns the DP (``_dp``, its core ``_dp_core``) and the greedy upper bound that sizes the band
+(``_upper_bound``, ``_width``, ``_band``). Inputs arrive validated (``partitioner._inputs``); memory
+that no balance fits is found before, by ``partitioner._fit``.
+
+``cut`` holds cut-cost rows: one for every boundary, or k - 1 (row s: the boundary between stages
+s and s + 1). The cut after layer l costs its row's entry l to both stages it separates.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-__all__ = ["_dp", "_dp_core", "_min_max_memory", "_upper_bound", "_width"]
+__all__ = ["_band", "_dp", "_dp_core", "_row", "_upper_bound", "_width"]
 
 _INF = math.inf
 
@@ -25,7 +28,7 @@ _INF = math.inf
 def _dp(
     prefix: list[float],
     k: int,
-    cut: list[float] | None,
+    cut: list[list[float]] | None,
     speed: list[float] | None,
     rows: list[list[float]] | None,
     limits: list[float],
@@ -43,20 +46,26 @@ def _dp(
     w = _width(pre, ub, 1.0 if speed is None else max(speed))
     starts = max(0, min(n - 2, (k - 2) * w) + 1)  # every stage but the last starts at a < starts
     span = _band(pre, w, starts)  # (starts, w): [a, d] = P[b] - P[a] for the stage [a, b = a+1+d)
-    cut_at_end = None if cut is None else _band(np.asarray([0.0, *cut]), w, starts, diff=False)
+    # per cut row: at_end[a, d] = row[b - 1] for b = a + 1 + d; at_start[a] = row[a - 1]
+    at_start = None if cut is None else [np.asarray([0.0, *row]) for row in cut]
+    at_end = None if at_start is None else [_band(row, w, starts, diff=False) for row in at_start]
     mrows = None if rows is None else [np.asarray(r) for r in rows]
     mem = None if mrows is None else [_band(row, w, starts) for row in mrows]
 
     def stage(s: int, lo: int, hi: int) -> np.ndarray:  # (hi-lo, w): C_s for starts lo .. hi-1, s < k-1
         c = span[lo:hi] if speed is None else span[lo:hi] / speed[s]
-        if cut_at_end is not None:
-            c = c + cut_at_end[lo:hi]  # [a, d] = cut_costs[b - 1]
+        if at_end is not None and at_start is not None:
+            c = c + at_end[_row(at_end, s)][lo:hi]  # it sends the cut after its last layer
+            if s > 0:  # and receives the one before its first
+                c = c + at_start[_row(at_start, s - 1)][lo:hi, None]
         if mem is not None:
             c = np.where(mem[_row(mem, s)][lo:hi] <= limits[s], c, _INF)
         return c
 
     def last(lo: int, hi: int) -> np.ndarray:  # (hi-lo,): C_{k-1}[a, n], no cut after the last stage
         c: np.ndarray = pre[n] - pre[lo:hi] if speed is None else (pre[n] - pre[lo:hi]) / speed[k - 1]
+        if at_start is not None and k > 1:
+            c = c + at_start[_row(at_start, k - 2)][lo:hi]
         if mrows is not None:
             row = mrows[_row(mrows, k - 1)]
             c = np.where(row[n] - row[lo:hi] <= limits[k - 1], c, _INF)
@@ -102,7 +111,7 @@ def _dp_core(
 def _upper_bound(
     prefix: list[float],
     k: int,
-    cut: list[float] | None,
+    cut: list[list[float]] | None,
     speed: list[float] | None,
     rows: list[list[float]] | None,
     limits: list[float],
@@ -127,7 +136,9 @@ def _upper_bound(
                 fits, b = False, (n if s == k - 1 else a + 1)
             c = prefix[b] - prefix[a] if speed is None else (prefix[b] - prefix[a]) / speed[s]
             if cut is not None and s < k - 1:
-                c = c + cut[b - 1]
+                c = c + cut[_row(cut, s)][b - 1]
+            if cut is not None and s > 0:
+                c = c + cut[_row(cut, s - 1)][a - 1]
             if rows is not None and row[b] - row[a] > limits[s]:
                 c = _INF
             worst, a = max(worst, c), b
@@ -164,16 +175,4 @@ def _band(values: np.ndarray, w: int, starts: int, diff: bool = True) -> np.ndar
 
 
 def _row(rows: Sequence[object], s: int) -> int:
-    return s if len(rows) > 1 else 0  # one memory row per stage, or one for all
-
-
-def _min_max_memory(rows: list[list[float]], scale: list[float], k: int) -> float:
-    """min over balances of max_s memory_s / scale_s: the same DP on memory differences, unbanded."""
-    n = len(rows[0]) - 1
-    mats = [np.asarray(row) for row in rows]
-    bands, tail = [_band(mat, n, n + 1) for mat in mats], mats[_row(mats, k - 1)]
-
-    def stage(s: int, lo: int, hi: int) -> np.ndarray:
-        return bands[_row(bands, s)][lo:hi] / scale[s]
-
-    return _dp_core(n, k, n, stage, lambda lo, hi: (tail[n] - tail[lo:hi]) / scale[k - 1])[0]
+    return s if len(rows) > 1 else 0  # one row per stage (or boundary), or one for all

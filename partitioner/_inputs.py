@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "_check_cuts",
     "_check_memory",
     "_check_speeds",
     "_check_stages",
@@ -37,6 +38,10 @@ __all__ = [
 
 def _prefix(values: list[float]) -> list[float]:
     # Exact sums in integers (floats are dyadic), each rounded once: correctly rounded and monotone.
+    whole = np.asarray(values, dtype=np.float64)
+    if len(whole) and np.all(np.floor(whole) == whole) and math.fsum(values) < 2.0**53:
+        # integers (bytes) whose sums stay below 2**53: every float sum is exact already
+        return [0.0, *np.cumsum(whole).tolist()]
     ratios = [v.as_integer_ratio() for v in values]
     den = max((d for _, d in ratios), default=1)
     acc, out = 0, [0.0]
@@ -54,12 +59,15 @@ def _check_stages(n_stages: int, n: int) -> None:
 
 
 def _check_values(name: str, values: Sequence[float], n: int) -> list[float]:
-    out = [float(v) for v in values]
-    if len(out) != n:
-        raise ValueError(f"{name} has {len(out)} entries but there are {n} layers; pass one per layer")
-    for layer, value in enumerate(out):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}[{layer}] is {value!r}; every entry must be a finite number >= 0")
+    arr = np.asarray([float(v) for v in values] if not isinstance(values, np.ndarray) else values, np.float64)
+    if arr.ndim != 1 or len(arr) != n:
+        raise ValueError(f"{name} has {len(arr)} entries but there are {n} layers; pass one per layer")
+    bad = np.flatnonzero(~(np.isfinite(arr) & (arr >= 0)))
+    if len(bad):
+        layer = int(bad[0])
+        value = float(arr[layer])
+        raise ValueError(f"{name}[{layer}] is {value!r}; every entry must be a finite number >= 0")
+    out: list[float] = arr.tolist()
     try:
         total = math.fsum(out)
     except OverflowError:  # fsum raises instead of returning inf
@@ -67,6 +75,26 @@ def _check_values(name: str, values: Sequence[float], n: int) -> list[float]:
     if not math.isfinite(total):
         raise ValueError(f"{name} sum to more than the largest float; rescale them")
     return out
+
+
+def _check_cuts(
+    cut_costs: Sequence[float] | Sequence[Sequence[float]] | None, n: int, k: int
+) -> list[list[float]] | None:
+    """Cut-cost rows (one, or one per boundary: k - 1); None when no cut would cost anything."""
+    if cut_costs is None:
+        return None
+    if _is_rows(cut_costs):
+        rows = [_check_values("cut_costs", r, n) for r in cut_costs]  # type: ignore[arg-type]
+        if len(rows) != max(1, k - 1):
+            raise ValueError(
+                f"cut_costs has {len(rows)} rows but {k} stages have {k - 1} boundaries; "
+                "pass one row per boundary, or one row (per layer) for all"
+            )
+    else:
+        rows = [_check_values("cut_costs", cut_costs, n)]  # type: ignore[arg-type]
+    if not any(any(row[: n - 1]) for row in rows):
+        return None  # the last layer's cut is never paid; all-zero cuts change nothing
+    return rows
 
 
 def _check_speeds(speeds: Sequence[float], k: int) -> list[float]:

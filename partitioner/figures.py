@@ -17,8 +17,22 @@ __all__ = ["LayerProfile"]
 class LayerProfile:
     """Figures for layer l; times in seconds, sizes in bytes, for one micro-batch (the sample).
 
-    ``backward_time`` is the whole backward; ``weight_time`` the part of it that computes the
-    parameters' gradients (what a split-backward schedule runs as W), 0 for a layer without any.
+    Times, as the pipeline runs the layer (under the profile's autocast, if any):
+
+    - ``forward_time``: its forward;
+    - ``backward_time``: its whole backward in one pass (what gpipe, 1f1b and interleaved run as B);
+    - ``input_time`` and ``weight_time``: the split backward of zb-h1, measured each on its own:
+      the gradient of the layer's input (B) and then of its parameters (W). Layer 0 computes no
+      input gradient, as stage 0 never does: its ``input_time`` is 0.
+
+    Bytes: ``saved_bytes`` is what autograd keeps for the backward of one micro-batch (parameters,
+    buffers and ``cache_bytes`` excluded); ``cache_bytes`` what it keeps once however many
+    micro-batches run (autocast's low-precision copies of the weights, shared by every micro-batch
+    of a step); ``activation_bytes`` the output, in the dtype the pipeline sends.
+
+    ``inplace``: the layer writes into its input (``nn.ReLU(inplace=True)``), so no stage may start
+    with it (a stage's input is a leaf of autograd, which refuses that); ``sendable``: its output
+    is a tensor or a tuple of tensors, what the pipeline can send to the next stage.
     """
 
     index: int
@@ -26,10 +40,16 @@ class LayerProfile:
     kind: str
     forward_time: float
     backward_time: float
-    flops: int
+    flops: int  # forward
     param_bytes: int
     activation_bytes: int  # its output: what crosses a cut right after it
-    saved_bytes: int  # what autograd keeps for its backward (parameters excluded)
+    saved_bytes: int
     output_shape: tuple[int, ...]
     output_dtype: str
     weight_time: float = 0.0
+    input_time: float = 0.0
+    backward_flops: int = 0
+    buffer_bytes: int = 0
+    cache_bytes: int = 0
+    inplace: bool = False
+    sendable: bool = True

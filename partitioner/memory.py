@@ -5,6 +5,9 @@
 A stage holds, at its peak::
 
     params * (1 + 1 + optimizer_state_factor)        weights, their gradients, optimizer state
+    + buffers + cache                                buffers; autocast's low-precision weight
+                                                     copies, made once and shared by every
+                                                     micro-batch of the step
     + saved_bytes * sets[s]                          activation sets autograd keeps
     + input_bytes(s) * inputs[s]                     stage inputs a recomputing stage keeps
 
@@ -26,6 +29,8 @@ are upper bounds: they charge every held micro-batch its input besides the activ
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from pipeline.runtime.recompute import check_mode
 from pipeline.schedules.actions import Kind
@@ -62,6 +67,9 @@ def layer_memory(
     saved_bytes: Sequence[int],
     sets: Sequence[int],
     optimizer_state_factor: float,
+    *,
+    buffer_bytes: Sequence[int] | None = None,
+    cache_bytes: Sequence[int] | None = None,
 ) -> list[list[float]]:
     """Row s, entry l: bytes layer l costs when it sits on stage s, which keeps ``sets[s]``
     activation sets (the rows ``solve`` takes; a recomputing stage's inputs come on top)."""
@@ -70,5 +78,12 @@ def layer_memory(
             f"optimizer_state_factor ({optimizer_state_factor!r}) must be >= 0: bytes of optimizer state "
             "per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
         )
-    static = [pb * (2.0 + optimizer_state_factor) for pb in param_bytes]
-    return [[w + float(sb) * n for w, sb in zip(static, saved_bytes, strict=True)] for n in sets]
+    zeros = [0] * len(param_bytes)
+    static = np.asarray(param_bytes, np.float64) * (2.0 + optimizer_state_factor)
+    for once in (buffer_bytes, cache_bytes):
+        static = static + np.asarray(once or zeros, np.float64)
+    saved = np.asarray(saved_bytes, np.float64)
+    if saved.shape != static.shape:
+        raise ValueError(f"saved_bytes has {len(saved)} entries, param_bytes {len(static)}; one per layer")
+    rows: dict[int, list[float]] = {n: (static + saved * float(n)).tolist() for n in set(sets)}
+    return [rows[n] for n in sets]

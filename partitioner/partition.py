@@ -2,41 +2,56 @@
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, n: layers, s: stage, l: layer
 
-    model, sample --profile--> per-layer figures --costs(cost, recompute)---> solve --> balance --> Plan
-                                               --cut_bytes / bandwidth-----^    ^
-    schedule(name, p, m, v) --in_flight--> held(recompute) --layer_memory-------'
+    model, sample --profile--> per-layer figures --layer_costs(cost, recompute, split B/W)--> solve --> Plan
+                               (autocast, loss)   --cut_rows(latency, bandwidth per link)------^  ^
+    schedule(name, p, m, v) --in_flight--> held(recompute) --layer_memory------------------------'
 
 The count is the pipeline's ranks, p; each holds v stages, so the balance has k = p * v entries and
 stage s runs on rank s % p. The schedule is built once, from the same options the returned ``Plan``
-carries, and both the memory model and the step-time prediction read that ``Schedule``.
+carries, and both the memory model and the step-time prediction read that ``Schedule``. What a
+layer and a cut cost is ``partitioner.costs``'s; the memory model ``partitioner.memory``'s.
 
 ``sample`` is ONE micro-batch: the figures (and so step-time predictions) are per micro-batch.
-A cut after layer l costs its stage 2 * cut_bytes[l] / bandwidth seconds: the activation it sends
-and the gradient of the same size it receives back. A recomputed micro-batch runs its forward
-again before its backward: with ``cost="time"`` each layer costs f + b + rho * f, rho being the
-share of micro-batches that recompute (1 for "always", (m - 1) / m for "except_last").
+Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast: 2.0), and
+``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages.
+A recomputing stage also keeps its inputs, charged at the largest input any cut can have.
+
+Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
+when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
+from partitioner._options import Options, check_fit
+from partitioner.costs import (
+    COSTS,
+    backward_time,
+    cut_groups,
+    cut_problems,
+    cut_rows,
+    layer_costs,
+    recomputed_share,
+    transfer,
+    with_loss,
+)
 from partitioner.graph import cut_bytes
 from partitioner.memory import held, in_flight, layer_memory
-from partitioner.profile import LayerProfile, Profile
+from partitioner.profile import LossFn, Profile, check_autocast, check_model
 from partitioner.profile import profile as run_profile
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
 from pipeline.schedules.schedule import Schedule, schedule_options
 
-__all__ = ["COSTS", "layer_costs", "partition", "plan_for"]
-
-COSTS: tuple[str, ...] = ("time", "flops", "params", "uniform")
+__all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
 
 
 def partition(
@@ -49,25 +64,29 @@ def partition(
     n_virtual: int | None = None,
     recompute: str = "never",
     cost: str = "time",
-    memory_limit: float | None = None,
-    bandwidth: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    speeds: Sequence[float] | None = None,
+    bandwidth: float | Sequence[float] | None = None,
+    latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
+    autocast: torch.dtype | None = None,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    device: torch.device | str | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
     profile: Profile | None = None,
 ) -> Plan:
     """The exact best split of ``model`` over ``n_ranks`` ranks, each holding ``n_virtual`` stages.
 
     ``n_microbatches`` (m) defaults to the number of ranks and ``n_virtual`` (v) to 2 for
-    "interleaved-1f1b" and 1 otherwise (see ``schedule_options``). ``memory_limit`` is bytes per
-    rank; each of a rank's v stages gets ``memory_limit / v`` (enough for the rank's total).
-    Every argument is checked before the model is profiled.
+    "interleaved-1f1b" and 1 otherwise (see ``schedule_options``). ``memory_limit``: bytes per
+    rank; ``speeds``: one per rank; ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one
+    per link (see ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
+    ``autocast``, ``loss_fn`` / ``target``, ``device`` and ``init_fn`` go to ``profile`` (see
+    there) unless a ``profile`` is given. Every argument is checked before the model is profiled.
     """
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(
-            f"model must be an nn.Sequential, got {type(model).__name__}; wrap the layers in one"
-        )
+    check_model(model)
     n = len(model)
-    if n == 0:
-        raise ValueError("model is an empty nn.Sequential: there are no layers to split; add layers")
     v, m = schedule_options(schedule, n_ranks, n_microbatches, n_virtual)
     k = n_ranks * v
     if k > n:
@@ -76,27 +95,42 @@ def partition(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} layers, "
             f"and every stage needs at least one; {fix}"
         )
-    _check_options(cost, bandwidth, memory_limit, optimizer_state_factor)
+    check_autocast(autocast)
     shape = Plan(balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute)
-    sched = shape.build_schedule()
+    net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
     if profile is None:
-        profile = run_profile(model, sample)
-    elif len(profile) != n:
-        raise ValueError(f"profile has {len(profile)} layers but the model has {n}; profile this model")
-    costs, cuts = layer_costs(profile, cost, bandwidth, recompute=recompute, n_microbatches=m)
+        profile = run_profile(
+            model, sample, device=device, autocast=autocast, loss_fn=loss_fn, target=target, init_fn=init_fn
+        )
+    else:
+        _check_given_profile(profile, n, autocast, loss_fn)
+    sched = shape.build_schedule()
+    sizes, reasons = cut_groups(profile.layers)
+    if k > len(sizes):
+        raise ValueError(
+            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
+            f"{len(sizes) - 1} places ({'; '.join(reasons)}); use at most {len(sizes) // v} ranks"
+        )
+    split = sched.split_backward
+    costs = layer_costs(profile, cost, recompute=recompute, n_microbatches=m, split_backward=split)
+    cuts = cut_rows(profile, k, n_ranks, net.latency, net.bandwidth)
     rows, inputs = _memory(profile, sched, recompute, optimizer_state_factor)
-    limit: float | list[float] | None = None
-    if memory_limit is not None:
-        limit = memory_limit / v  # the rank's share for each of its stages
-        if any(inputs):  # a recomputing stage keeps its inputs besides what its layers cost
-            limit = _stage_limits(memory_limit, v, inputs, _largest_input(profile), recompute)
-    try:
-        balance = solve(costs, k, cut_costs=cuts, memory=None if limit is None else rows, memory_limit=limit)
-    except ValueError as err:
-        if memory_limit is None or not any(inputs):
-            raise
-        raise ValueError(_recompute_message(memory_limit, k, recompute, max(inputs))) from err
-    return _predicted(profile, shape.replace(balance=balance), sched, cost, bandwidth, optimizer_state_factor)
+    limits, grouped = None, None
+    if net.memory_limit is not None:
+        grouped = [_grouped(row, sizes) for row in rows]
+        limits = check_fit(net, grouped, inputs, _largest_input(profile), recompute, k, v)
+    balance = _expand(
+        solve(
+            _grouped(costs, sizes),
+            k,
+            cut_costs=None if cuts is None else [_grouped_cut(row, sizes) for row in cuts],
+            memory=None if limits is None else grouped,
+            memory_limit=limits,
+            speeds=net.stage_speeds(k),
+        ),
+        sizes,
+    )
+    return _predicted(profile, shape.replace(balance=balance), sched, net)
 
 
 def plan_for(
@@ -108,95 +142,110 @@ def plan_for(
     n_virtual: int | None = None,
     recompute: str = "never",
     cost: str = "time",
-    bandwidth: float | None = None,
+    speeds: Sequence[float] | None = None,
+    bandwidth: float | Sequence[float] | None = None,
+    latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
 ) -> Plan:
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
-    makes: ours, equal counts, torchgpipe's. The options default as in ``partition``."""
-    _check_options(cost, bandwidth, None, optimizer_state_factor)
+    makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
+    with a boundary where the model cannot be cut is planned, and ``extra["problems"]`` says why
+    no pipeline can run it."""
     given: Any = balance  # Plan names what is wrong with it
     shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute)
     v, m = schedule_options(schedule, shape.n_ranks, n_microbatches, n_virtual)  # the given m and v
     shape = shape.replace(n_microbatches=m, n_virtual=v)
+    net = Options.make(cost, shape.n_ranks, v, speeds, bandwidth, latency, None, optimizer_state_factor)
     if shape.n_layers != len(profile):
         raise ValueError(
             f"balance {shape.balance} covers {shape.n_layers} layers but the profile has {len(profile)}; "
             "the layer counts must add up to the model's layers"
         )
-    return _predicted(profile, shape, shape.build_schedule(), cost, bandwidth, optimizer_state_factor)
+    return _predicted(profile, shape, shape.build_schedule(), net)
 
 
-def layer_costs(
-    profile: Profile,
-    cost: str,
-    bandwidth: float | None = None,
-    *,
-    recompute: str = "never",
-    n_microbatches: int = 1,
-) -> tuple[list[float], list[float] | None]:
-    """Per-layer costs for ``cost`` and, with ``bandwidth``, per-cut costs in seconds."""
-    if cost not in COSTS:
-        raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
-    rho = _recomputed_share(recompute, n_microbatches)
-    costs = [_layer_cost(lp, cost, rho) for lp in profile.layers]
-    cuts = None if bandwidth is None else [2.0 * b / bandwidth for b in cut_bytes(profile.graph)]
-    return costs, cuts
+def _check_given_profile(profile: Profile, n: int, autocast: torch.dtype | None, loss_fn: Any) -> None:
+    if len(profile) != n:
+        raise ValueError(f"profile has {len(profile)} layers but the model has {n}; profile this model")
+    wanted = None if autocast is None else str(autocast).removeprefix("torch.")
+    if autocast is not None and profile.autocast != wanted:
+        raise ValueError(
+            f"autocast={wanted} but the profile ran under {profile.autocast or 'fp32 (no autocast)'}; "
+            "profile again with the run's autocast, or pass the profile's"
+        )
+    if loss_fn is not None and profile.loss is None:
+        raise ValueError(
+            "loss_fn is given but the profile has no loss figures; profile(..., loss_fn=..., target=...) "
+            "or leave loss_fn out"
+        )
 
 
-def _layer_cost(lp: LayerProfile, cost: str, rho: float) -> float:
-    if cost == "time":
-        return lp.forward_time + lp.backward_time + rho * lp.forward_time
-    if cost == "flops":
-        return float(lp.flops)  # forward flops; backward is about twice that in every layer alike
-    if cost == "params":
-        return float(lp.param_bytes)
-    return 1.0
+def _grouped(values: Sequence[float], sizes: list[int]) -> list[float]:
+    """Per group of layers that no cut splits: the members' sum."""
+    if len(sizes) == len(values):
+        return list(values)
+    out, start = [], 0
+    for size in sizes:
+        out.append(math.fsum(values[start : start + size]))
+        start += size
+    return out
 
 
-def _recomputed_share(recompute: str, m: int) -> float:
-    """rho: the share of micro-batches whose forward runs twice."""
-    if recompute == "always":
-        return 1.0
-    if recompute == "except_last":
-        return (m - 1) / m
-    return 0.0
+def _grouped_cut(row: Sequence[float], sizes: list[int]) -> list[float]:
+    """Per group: the cut after its last layer."""
+    if len(sizes) == len(row):
+        return list(row)
+    ends = itertools.accumulate(sizes)
+    return [row[end - 1] for end in ends]
 
 
-def _predicted(
-    profile: Profile,
-    shape: Plan,
-    sched: Schedule,
-    cost: str,
-    bandwidth: float | None,
-    optimizer_state_factor: float,
-) -> Plan:
+def _expand(group_balance: list[int], sizes: list[int]) -> list[int]:
+    out, g = [], 0
+    for count in group_balance:
+        out.append(sum(sizes[g : g + count]))
+        g += count
+    return out
+
+
+def _predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> Plan:
     """``shape`` (balance and options, already checked) with the predictions of its balance."""
-    balance, k, m = shape.balance, shape.n_stages, shape.n_microbatches
-    costs, cuts = layer_costs(profile, cost, bandwidth, recompute=shape.recompute, n_microbatches=m)
-    per_stage = stage_costs(costs, balance, cut_costs=cuts)
-    rows, inputs = _memory(profile, sched, shape.recompute, optimizer_state_factor)
+    balance, k, m, p = shape.balance, shape.n_stages, shape.n_microbatches, shape.n_ranks
+    split = sched.split_backward
+    layers = with_loss(profile)
+    costs = layer_costs(profile, net.cost, recompute=shape.recompute, n_microbatches=m, split_backward=split)
+    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth)
+    speeds = net.stage_speeds(k) or [1.0] * k
+    per_stage = stage_costs(costs, balance, cut_costs=cuts, speeds=net.stage_speeds(k))
+    rows, inputs = _memory(profile, sched, shape.recompute, net.optimizer_state_factor)
     mem = stage_memory(rows, balance)
     sent = cut_bytes(profile.graph)
-    rho = _recomputed_share(shape.recompute, m)
+    rho = recomputed_share(shape.recompute, m)
     stages, start = [], 0
     for s, size in enumerate(balance):
         stop = start + size
         out = sent[stop - 1] if s < k - 1 else 0
-        link = 0.0 if bandwidth is None else out / bandwidth  # activation out, its gradient back
+        link = transfer(out, s, p, net.latency, net.bandwidth) if s < k - 1 else 0.0  # each way
+        if s > 0:
+            link += transfer(sent[start - 1], s - 1, p, net.latency, net.bandwidth)
         stage_input = profile.input_bytes if start == 0 else sent[start - 1]
-        lps = profile.layers[start:stop]
-        forward = math.fsum(lp.forward_time for lp in lps)
+        lps = layers[start:stop]
+        forward = math.fsum(lp.forward_time for lp in lps) / speeds[s]
+        backward = math.fsum(backward_time(lp, split) for lp in lps) / speeds[s]
+        weight = math.fsum(lp.weight_time for lp in lps) / speeds[s]
+        if not split:  # the weight share of the whole backward (W and B were timed apart from it)
+            parts = math.fsum(backward_time(lp, True) for lp in lps) / speeds[s]
+            weight = backward * (weight / parts) if parts > 0 else 0.0
         stages.append(
             StagePlan(
                 start=start,
                 stop=stop,
                 names=[lp.name for lp in lps],
                 forward_time=forward + link,
-                backward_time=math.fsum(lp.backward_time for lp in lps) + rho * forward + link,
+                backward_time=backward + rho * forward + link,
                 cost=per_stage[s],
                 memory_bytes=mem[s] + float(stage_input * inputs[s]),
                 sent_bytes=out,
-                weight_time=math.fsum(lp.weight_time for lp in lps),
+                weight_time=min(weight, backward),
             )
         )
         start = stop
@@ -206,13 +255,18 @@ def _predicted(
         [st.backward_time for st in stages],
         [st.weight_time for st in stages],
     )
+    extra: dict[str, Any] = {"autocast": profile.autocast, "loss": profile.loss is not None}
+    problems = cut_problems(profile.layers, balance)
+    if problems:
+        extra["problems"] = problems
     return shape.replace(
         stages=stages,
         bottleneck=max(per_stage),
         step_time=step,
         bubble=bubble,
-        cost=cost,
+        cost=net.cost,
         prediction="simulator",
+        extra=extra,
     )
 
 
@@ -222,11 +276,14 @@ def _memory(
     """The memory rows ``solve`` takes (row s: what each layer costs on stage s) and, per stage,
     how many stage inputs it keeps on top (recomputation), both from the schedule's in-flight peaks."""
     sets, inputs = held(recompute, sched.n_microbatches, in_flight(sched))
+    layers = with_loss(profile)
     rows = layer_memory(
-        [lp.param_bytes for lp in profile.layers],
-        [lp.saved_bytes for lp in profile.layers],
+        [lp.param_bytes for lp in layers],
+        [lp.saved_bytes for lp in layers],
         sets,
         optimizer_state_factor,
+        buffer_bytes=[lp.buffer_bytes for lp in layers],
+        cache_bytes=[lp.cache_bytes for lp in layers],
     )
     return rows, inputs
 
@@ -234,42 +291,3 @@ def _memory(
 def _largest_input(profile: Profile) -> int:
     """The most bytes any stage's input can be: the sample, or what crosses any cut."""
     return max([profile.input_bytes, *cut_bytes(profile.graph)])
-
-
-def _stage_limits(
-    memory_limit: float, v: int, inputs: list[int], largest_input: int, recompute: str
-) -> list[float]:
-    """Per stage, the bytes its layers may take: the rank's share, less what a recomputing stage
-    keeps of its inputs (charged at the largest input, so the balance fits whatever its cuts)."""
-    limits = [memory_limit / v - float(largest_input * held_inputs) for held_inputs in inputs]
-    if min(limits) < 0:
-        raise ValueError(_recompute_message(memory_limit, len(limits), recompute, max(inputs)))
-    return limits
-
-
-def _recompute_message(memory_limit: float, k: int, recompute: str, most_inputs: int) -> str:
-    return (
-        f"memory_limit ({memory_limit:g}) is too small: no split into {k} stages fits it with "
-        f"recompute={recompute!r}, where a stage keeps up to {most_inputs} stage inputs (each counted "
-        "at the largest input any cut can have) besides its layers; raise memory_limit or use more ranks"
-    )
-
-
-def _check_options(
-    cost: str, bandwidth: float | None, memory_limit: float | None, optimizer_state_factor: float
-) -> None:
-    """The partitioner's own options; the schedule's are checked by ``schedule_options``."""
-    if cost not in COSTS:
-        raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
-    if bandwidth is not None:
-        if isinstance(bandwidth, bool) or not (math.isfinite(bandwidth) and bandwidth > 0):
-            raise ValueError(f"bandwidth ({bandwidth!r}) must be a finite number of bytes per second > 0")
-        if cost != "time":
-            raise ValueError(f"bandwidth turns bytes into seconds and needs cost='time', not cost={cost!r}")
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not memory_limit >= 0):
-        raise ValueError(f"memory_limit ({memory_limit!r}) must be a number of bytes >= 0")
-    if isinstance(optimizer_state_factor, bool) or not optimizer_state_factor >= 0:
-        raise ValueError(
-            f"optimizer_state_factor ({optimizer_state_factor!r}) must be >= 0: bytes of optimizer state "
-            "per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
-        )

@@ -5,7 +5,12 @@ largest stage cost (the bottleneck) is as small as it can be.
 
 The stage cost, shared by every function here and by the tests' brute force::
 
-    cost_s(a, b) = (P[b] - P[a]) / speeds[s]  +  cut_costs[b - 1]   (the cut term only if s < k - 1)
+    cost_s(a, b) = (P[b] - P[a]) / speeds[s]  +  cut_s[b - 1]  +  cut_{s-1}[a - 1]
+                                                 (if s < k - 1)     (if s > 0)
+
+A cut costs both stages it separates: the sender spends that long on the transfer and so does
+the receiver. ``cut_costs`` is one row for every boundary, or k - 1 rows (row s: the boundary
+between stages s and s + 1, e.g. each over its own link); cut_s above is boundary s's row.
 
 P holds the prefix sums of ``costs``, each the correctly rounded value of the exact sum (exact
 integer arithmetic, then one rounding), so P is non-decreasing and cost_s is monotone in a and in
@@ -44,8 +49,10 @@ import bisect
 import math
 from collections.abc import Sequence
 
-from partitioner._dp import _dp, _min_max_memory
+from partitioner._dp import _dp
+from partitioner._fit import fits, smallest
 from partitioner._inputs import (
+    _check_cuts,
     _check_memory,
     _check_speeds,
     _check_stages,
@@ -64,26 +71,28 @@ def solve(
     costs: Sequence[float],
     n_stages: int,
     *,
-    cut_costs: Sequence[float] | None = None,
+    cut_costs: Sequence[float] | Sequence[Sequence[float]] | None = None,
     memory: Sequence[float] | Sequence[Sequence[float]] | None = None,
     memory_limit: float | Sequence[float] | None = None,
     speeds: Sequence[float] | None = None,
 ) -> list[int]:
     """The balance (layers per stage) with the smallest bottleneck; see the module docstring.
 
+    ``cut_costs`` is per layer (the cut after it), or k - 1 rows of those, one per boundary;
     ``memory`` is per layer, or one row per stage (memory of layer l when it sits on stage s);
     ``memory_limit`` is one number or one per stage. Raises ``ValueError`` for bad input and, when no
-    balance fits the memory limit, one that states the smallest limit that would.
+    balance fits the memory limit (found before any search, in milliseconds), one that states the
+    smallest limit that would.
     """
     n = len(costs)
     _check_stages(n_stages, n)
     k = n_stages
     prefix = _prefix(_check_values("costs", costs, n))
-    cut = None if cut_costs is None else _check_values("cut_costs", cut_costs, n)
-    if cut is not None and not any(cut[: n - 1]):
-        cut = None  # the last layer's cut is never paid; all-zero cuts change nothing
+    cut = _check_cuts(cut_costs, n, k)
     speed = None if speeds is None else _check_speeds(speeds, k)
     rows, limits = _check_memory(memory, memory_limit, n, k)
+    if rows is not None and not fits(rows, limits, k):
+        raise ValueError(_memory_message(rows, limits, memory_limit, k))
     uniform = (
         cut is None
         and (speed is None or len(set(speed)) == 1)
@@ -95,9 +104,8 @@ def solve(
         ends = _probe_search(prefix, k, one_speed, mem)
     else:
         ends = _dp(prefix, k, cut, speed, rows, limits)
-    if ends is None:
-        assert rows is not None  # only memory can make every balance infeasible
-        raise ValueError(_memory_message(rows, limits, memory_limit, k))
+    if ends is None:  # cannot happen: memory fits (checked above), and nothing else can fail
+        raise RuntimeError(f"no balance found for {n} layers into {k} stages although memory fits")
     return [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
@@ -105,21 +113,23 @@ def stage_costs(
     costs: Sequence[float],
     balance: Sequence[int],
     *,
-    cut_costs: Sequence[float] | None = None,
+    cut_costs: Sequence[float] | Sequence[Sequence[float]] | None = None,
     speeds: Sequence[float] | None = None,
 ) -> list[float]:
     """cost_s of every stage of ``balance``: the definition that ``solve`` minimises the max of."""
-    n = len(costs)
+    n, k = len(costs), len(balance)
     prefix = _prefix(_check_values("costs", costs, n))
-    cut = None if cut_costs is None else _check_values("cut_costs", cut_costs, n)
-    speed = None if speeds is None else _check_speeds(speeds, len(balance))
+    cut = _check_cuts(cut_costs, n, k)
+    speed = None if speeds is None else _check_speeds(speeds, k)
     out = []
     for s, (a, b) in enumerate(_ranges(balance, n)):
         c = prefix[b] - prefix[a]
         if speed is not None:
             c = c / speed[s]
-        if cut is not None and s < len(balance) - 1:
-            c = c + cut[b - 1]
+        if cut is not None and s < k - 1:
+            c = c + cut[s if len(cut) > 1 else 0][b - 1]
+        if cut is not None and s > 0:
+            c = c + cut[s - 1 if len(cut) > 1 else 0][a - 1]
         out.append(c)
     return out
 
@@ -191,14 +201,14 @@ def _probe_search(
 def _memory_message(
     rows: list[list[float]], limits: list[float], given: float | Sequence[float] | None, k: int
 ) -> str:
-    smallest = _min_max_memory(rows, [1.0] * k, k)
+    least = smallest(rows, k, lambda x: [x] * k, [1.0] * k, [0.0] * k)
     if isinstance(given, (int, float)):
         return (
             f"memory_limit ({given:g}) is too small: no split into {k} stages fits it; the smallest "
-            f"limit that fits is {smallest!r}; raise memory_limit or use more stages"
+            f"limit that fits is {least!r}; raise memory_limit or use more stages"
         )
-    factor = _min_max_memory(rows, limits, k)
+    factor = smallest(rows, k, lambda x: [x * lim for lim in limits], limits, [0.0] * k)
     return (
         f"memory_limit ({list(limits)}) is too small: no split into {k} stages fits it; the limits "
-        f"must grow by a factor of at least {factor!r}, or be at least {smallest!r} on every stage"
+        f"must grow by a factor of at least {factor!r}, or be at least {least!r} on every stage"
     )

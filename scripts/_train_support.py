@@ -29,7 +29,6 @@ from pipeline.schedules.timeline import Timeline
 
 __all__ = ["Precision", "Progress", "generate", "predicted_timeline", "report_busy", "resume", "save"]
 
-_EXTRAS = ("step", "data/position", "data/seed", "config", "amp/scaler")
 
 
 class Precision:
@@ -100,16 +99,9 @@ class Progress:
 
 def save(folder: str, step: int, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
          config: dict[str, Any]) -> None:  # fmt: skip
-    """Checkpoint ``step``: parameters, optimizer, the scaler and the run's configuration."""
-    scaler = precision.scaler.state_dict() if precision.scaler is not None else None
-    extra = {
-        "step": step,
-        "data/position": step,  # batches are drawn by step: the step is the whole data-loader state
-        "data/seed": config["seed"],
-        "config": json.dumps(config),
-        "amp/scaler": json.dumps(scaler),
-    }
-    checkpointing.save(folder, step, checkpointing.training_state(pipe.named_parameters(), opt, extra))
+    """Checkpoint ``step``: parameters and buffers, optimizer, scaler, RNG and the run's configuration."""
+    extra = {"step": step, "config": json.loads(json.dumps(config))}  # batches are drawn by step
+    checkpointing.save(folder, step, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler, extra=extra)
 
 
 def resume(folder: str, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
@@ -119,16 +111,14 @@ def resume(folder: str, pipe: Pipeline, opt: torch.optim.Optimizer, precision: P
     path = checkpointing.latest(folder)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {folder!r} to resume from")
-    extras = checkpointing.load(path, pipe.named_parameters(), opt, _EXTRAS)
-    if precision.scaler is not None and extras["amp/scaler"] != "null":
-        precision.scaler.load_state_dict(json.loads(extras["amp/scaler"]))
-    saved = json.loads(extras["config"])
+    extra = checkpointing.load(path, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler)
+    saved = extra["config"]
     differ = {k: (saved[k], v) for k, v in model.items() if saved[k] != v}
     if differ:
         raise ValueError(f"checkpoint {str(path)!r} has a different model (saved, now): {differ}")
     if dist.get_rank() == 0:
-        print(f"resumed from {path} at step {extras['step']}", flush=True)
-    return int(extras["step"])
+        print(f"resumed from {path} at step {extra['step']}", flush=True)
+    return int(extra["step"])
 
 
 def predicted_timeline(plan: Plan) -> Timeline:

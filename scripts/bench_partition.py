@@ -1,7 +1,9 @@
-"""Balance benchmark: bottleneck of our exact split vs torchgpipe's and equal counts, and solve time.
+"""Balance benchmark: bottleneck of our exact split vs torchgpipe's and equal counts, solve and
+partition time, and what profiling costs.
 
-    python scripts/bench_partition.py            # about a minute on 2 cores
-    python scripts/bench_partition.py --quick    # synthetic profiles only
+    python scripts/bench_partition.py            # a few minutes on 2 cores
+    python scripts/bench_partition.py --quick    # synthetic profiles only, no profiling
+    python scripts/bench_partition.py --profiling-only
 
     # n: layers, k: stages (p ranks x v stages per rank: what solve splits into)
 
@@ -9,13 +11,17 @@ Part 1, for synthetic cost profiles (n = 128) and the built-in models' measured 
 k = 2 .. 64: the bottleneck of torchgpipe's ``balance_by_time`` (its ``blockpartition.solve`` on the
 same per-layer costs) and of equal layer counts, as ratios to ours (>= 1 means ours is better).
 Part 2: ``solve`` time for n up to 1000 and k up to 64, plain (probe search) and with cut costs
-(the banded DP path), median of several runs; then the DP path at n = 1000, k = 64 with cut costs,
-per-stage speeds and per-stage memory, against the issue's target of well under 50 ms.
+(the banded DP path), median of several runs.
+Part 3: what ``partition()`` runs at n = 1000 layers, p = 64 ranks (1F1B, m = 64), on a given
+profile: costs, per-link cut costs, one memory row per stage, the solve and the simulated
+prediction; with a memory limit that fits, and one that does not (the issue's target: under 100 ms).
+Part 4: profiling time and its own peak memory for 8 .. 128 equal layers (peak flat in n).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import statistics
@@ -23,7 +29,18 @@ import sys
 import time
 from collections.abc import Callable
 
-from partitioner import layer_costs, profile, solve, stage_costs
+from torch import nn
+
+from partitioner import (
+    LayerProfile,
+    Profile,
+    layer_costs,
+    layer_graph,
+    partition,
+    profile,
+    solve,
+    stage_costs,
+)
 from partitioner.baselines import equal_balance, torchgpipe_balance
 from pipeline.reference import models
 
@@ -73,7 +90,7 @@ def measured(names: list[str]) -> dict[str, list[float]]:
         build: Callable[[], tuple[object, object]] = getattr(models, name)
         model, sample = build()
         prof = profile(model, sample, warmup=1, repeat=3)  # type: ignore[arg-type]
-        out[f"{name} (measured)"] = layer_costs(prof, "time")[0]
+        out[f"{name} (measured)"] = layer_costs(prof, "time")
     return out
 
 
@@ -88,20 +105,63 @@ def timing(n: int, k: int, cut: bool, rng: random.Random, runs: int, **kw: objec
     return statistics.median(times)
 
 
-def dp_headline(rng: random.Random) -> None:
-    n, k = 1000, 64
-    mem = [rng.random() for _ in range(n)]
-    cases: dict[str, dict[str, object]] = {
-        "cut costs": {},
-        "cut costs + per-stage speeds": {"speeds": [rng.choice([0.5, 1.0, 2.0]) for _ in range(k)]},
-        "cut costs + per-stage memory limits": {
-            "memory": mem,
-            "memory_limit": [sum(mem) / k * rng.choice([2.0, 3.0]) for _ in range(k)],
-        },
-    }
-    print(f"\nDP path, n = {n}, k = {k} (issue target: well under 50 ms), median of 7 runs:")
-    for label, kw in cases.items():
-        print(f"  {label:<38}{timing(n, k, True, rng, runs=7, **kw) * 1e3:>8.2f} ms")
+def partition_headline(rng: random.Random) -> None:
+    n, p = 1000, 64
+    layers = [
+        LayerProfile(
+            index=i,
+            name=str(i),
+            kind="Block",
+            forward_time=rng.lognormvariate(-7.0, 0.5),
+            backward_time=rng.lognormvariate(-6.3, 0.5),
+            flops=0,
+            param_bytes=rng.randint(1 << 20, 1 << 24),
+            activation_bytes=rng.randint(1 << 18, 1 << 22),
+            saved_bytes=rng.randint(1 << 20, 1 << 23),
+            output_shape=(1,),
+            output_dtype="bfloat16",
+        )
+        for i in range(n)
+    ]
+    prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=1 << 20)
+    model = nn.Sequential(*[nn.Identity() for _ in range(n)])
+    opts = {"profile": prof, "bandwidth": 5e10, "latency": 1e-5}
+    peak = max(st.memory_bytes for st in partition(model, p, None, **opts).stages)  # type: ignore[arg-type]
+
+    def timed(limit: float) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            with contextlib.suppress(ValueError):  # the limit that does not fit raises
+                partition(model, p, None, memory_limit=limit, **opts)  # type: ignore[arg-type]
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    print(f"\npartition() at n = {n} layers, p = {p} ranks (1f1b, m = {p}; links, a memory row per stage),")
+    print("median of 5 runs:")
+    print(f"  {'no memory limit':<44}{timed(math.inf) * 1e3:>8.1f} ms")
+    print(f"  {'a limit that fits (1.5x the free plan peak)':<44}{timed(1.5 * peak) * 1e3:>8.1f} ms")
+    raises = timed(peak / 8) * 1e3
+    print(f"  {'a limit that does not (peak / 8): raises':<44}{raises:>8.1f} ms  (target < 100 ms)")
+
+
+def profiling_table() -> None:
+    """Profiling time and the profile's own peak memory for n equal layers (peak flat in n)."""
+    import torch
+
+    width, rows = 512, 64
+    print(f"\nprofiling n equal layers (Linear {width} + GELU, {rows} rows, fp32, warmup 1, repeat 3):")
+    print(f"{'n':>5} {'model MB':>9} {'seconds':>8} {'s/layer':>8} {'peak MB':>8} {'peak/layer':>10}")
+    for n in (8, 16, 32, 64, 128):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)])
+        prof = profile(model, torch.randn(rows, width), warmup=1, repeat=3)
+        model_mb = sum(t.numel() * 4 for t in model.parameters()) / 1e6
+        one = model_mb / n
+        print(
+            f"{n:>5} {model_mb:>9.1f} {prof.seconds:>8.2f} {prof.seconds / n:>8.3f} "
+            f"{prof.peak_bytes / 1e6:>8.2f} {prof.peak_bytes / 1e6 / one:>10.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="skip profiling the built-in models")
+    parser.add_argument("--profiling-only", action="store_true", help="only part 4: profiling cost")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
+    if args.profiling_only:
+        profiling_table()
+        return 0
 
     print(f"bottleneck ratio to ours: torchgpipe/equal-counts (synthetic n = {N_SYNTH}; 1.000 = optimal)")
     print(f"{'profile':<24}" + " ".join(f"{f'k={k}':>13}" for k in STAGES))
@@ -131,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             dp = timing(n, k, True, rng, runs=5) * 1e3
             cells.append(f"{plain:>8.2f} /{dp:>8.1f}")
         print(f"{n:>6}" + "".join(f"{c:>18}" for c in cells))
-    dp_headline(rng)
+    partition_headline(rng)
+    if not args.quick:
+        profiling_table()
     return 0
 
 

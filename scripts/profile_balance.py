@@ -5,6 +5,8 @@
     python scripts/profile_balance.py --model gpt --stages 2 --schedule interleaved-1f1b   # 2 ranks x 2
     python scripts/profile_balance.py --model mypkg.models:build --stages 4 --json plan.json --plot plan.png
     python scripts/profile_balance.py --model gpt --stages 2 --measure     # run the plan, time each rank
+    python scripts/profile_balance.py --model gpt --stages 2 --dtype bf16 --measure
+    python scripts/profile_balance.py --model gpt --stages 4 --bandwidth measure --memory-limit 2e8
 
     # p: ranks (--stages), v: stages per rank (--virtual), k = p * v stages
 
@@ -13,12 +15,20 @@
 built-in (gpt, resnet, mlp from ``pipeline.reference.models``) or ``module:function`` returning
 ``(nn.Sequential, sample)``; the sample is one micro-batch. All three splits use the same per-layer
 costs, so the bottleneck ratios compare the algorithms, not the measurements.
+
+The profile runs in the run's precision (``--dtype``: bf16 and fp16 are autocast, as in training)
+and includes the loss that ``--measure`` trains with. ``--measure`` runs the plan where the profile
+ran: gloo processes on CPU for a CPU profile, NCCL with a GPU per rank for a CUDA one, under the
+same autocast; its header says which. ``--bandwidth measure`` times each link by ping-pong on that
+backend first (``partitioner.measure_links``). torchgpipe's column needs ``pip install torchgpipe``
+and is skipped, with a note, without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -26,7 +36,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from partitioner import COSTS, Plan, layer_costs, partition, plan_for, profile
+from partitioner import COSTS, Links, Plan, Profile, layer_costs, measure_links, partition, plan_for, profile
 from partitioner.baselines import equal_balance, torchgpipe_balance
 from pipeline.reference import models
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
@@ -38,7 +48,11 @@ FLAGS = {
     "n_virtual": "--virtual",
     "recompute": "--recompute",
     "memory_limit": "--memory-limit",
+    "bandwidth": "--bandwidth",
+    "latency": "--latency",
 }
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 BUILT_IN: dict[str, Callable[[], tuple[nn.Sequential, Any]]] = {
     "gpt": models.gpt,
@@ -63,18 +77,26 @@ def load_model(spec: str, parser: argparse.ArgumentParser) -> tuple[nn.Sequentia
     return built[0], built[1]
 
 
-def print_profile(prof: Any) -> None:
-    print(f"per-layer profile on {prof.device} (one micro-batch; times are medians)")
+def print_profile(prof: Profile) -> None:
+    precision = f"autocast {prof.autocast}" if prof.autocast else "fp32"
     print(
-        f"{'l':>3} {'name':<6} {'kind':<18} {'fwd ms':>8} {'bwd ms':>8} {'MFLOP':>9} "
-        f"{'params MB':>9} {'out MB':>7} {'saved MB':>8}  output"
+        f"per-layer profile on {prof.device}, {precision} (one micro-batch; times are medians); "
+        f"profiling took {prof.seconds:.2f} s, {prof.peak_bytes / 1e6:.2f} MB at its peak"
     )
-    for lp in prof.layers:
+    print(
+        f"{'l':>3} {'name':<6} {'kind':<18} {'fwd ms':>8} {'bwd ms':>8} {'B ms':>7} {'W ms':>7} "
+        f"{'GFLOP':>7} {'params MB':>9} {'out MB':>7} {'saved MB':>8}  output"
+    )
+    rows = list(prof.layers) + ([prof.loss] if prof.loss is not None else [])
+    for lp in rows:
+        index = "-" if lp.index < 0 else str(lp.index)
         print(
-            f"{lp.index:>3} {lp.name:<6} {lp.kind:<18} "
+            f"{index:>3} {lp.name:<6} {lp.kind[:18]:<18} "
             f"{lp.forward_time * 1e3:>8.3f} {lp.backward_time * 1e3:>8.3f} "
-            f"{lp.flops / 1e6:>9.1f} {lp.param_bytes / 1e6:>9.3f} {lp.activation_bytes / 1e6:>7.3f} "
-            f"{lp.saved_bytes / 1e6:>8.3f}  {list(lp.output_shape)} {lp.output_dtype}"
+            f"{lp.input_time * 1e3:>7.3f} {lp.weight_time * 1e3:>7.3f} "
+            f"{(lp.flops + lp.backward_flops) / 1e9:>7.3f} {lp.param_bytes / 1e6:>9.3f} "
+            f"{lp.activation_bytes / 1e6:>7.3f} {lp.saved_bytes / 1e6:>8.3f}  "
+            f"{list(lp.output_shape)} {lp.output_dtype}" + (" in-place" if lp.inplace else "")
         )
 
 
@@ -104,59 +126,136 @@ def _square_loss(output: Any, target: Any) -> Any:
     return output.float().square().mean()
 
 
-def _measured_rank(spec: str, plan_json: str, steps: int) -> Any:
+def _pipeline(model: nn.Sequential, plan: Plan, device: torch.device) -> Any:
+    """``Pipeline`` running ``plan`` (its schedule, m, v and recomputation) on ``device``."""
+    from pipeline import Pipeline
+
+    options = inspect.signature(Pipeline).parameters
+    mode: dict[str, Any] = {"recompute" if "recompute" in options else "checkpoint": plan.recompute}
+    return Pipeline(
+        model,
+        plan,
+        loss_fn=_square_loss,
+        schedule=plan.schedule,
+        n_microbatches=plan.n_microbatches,
+        n_virtual=plan.n_virtual,
+        device=device,
+        **mode,
+    )
+
+
+def _measured_rank(spec: str, plan_json: str, steps: int, dtype: str) -> Any:
     import statistics
     import time
 
-    import torch
-
-    from pipeline import Pipeline
+    import torch.distributed as dist
 
     torch.manual_seed(0)  # every rank builds the same model
     model, sample = load_model(spec, argparse.ArgumentParser())
     plan = Plan.from_json(plan_json)
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     batch = torch.cat([sample] * plan.n_microbatches)  # the sample is one micro-batch
     targets = torch.zeros(batch.shape[0])
-    pipe = Pipeline(model, plan, loss_fn=_square_loss)  # the schedule, m and v come from the plan
+    pipe = _pipeline(model, plan, device)
     ran = pipe.schedule
+    amp = DTYPES[dtype]
     walls, busy = [], []
     for step in range(steps + 1):
+        if nccl:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        pipe.step(batch, targets)
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            pipe.step(batch, targets)
+        if nccl:
+            torch.cuda.synchronize(device)
         for t in pipe.parameters():
             t.grad = None
         if step > 0:  # the first step sets up shapes and buffers
             walls.append(time.perf_counter() - start)
             busy.append(pipe.busy_time)
-    return statistics.median(walls), statistics.median(busy), (ran.name, ran.n_microbatches, ran.n_virtual)
+    where = torch.cuda.get_device_name(device) if nccl else f"cpu, {torch.get_num_threads()} thread(s)"
+    shape = (ran.name, ran.n_microbatches, ran.n_virtual)
+    return statistics.median(walls), statistics.median(busy), shape, (dist.get_backend(), where)
 
 
-def measure(spec: str, plan: Plan, steps: int) -> str:
+def _backend(prof: Profile) -> str:
+    """Where the profile ran decides where the measurement runs: gloo on CPU, NCCL on GPUs."""
+    return "nccl" if "cuda" in prof.device else "gloo"
+
+
+def _links_rank(size: int) -> Links:
+    return measure_links(size=size)
+
+
+def _measured_links(p: int, v: int, backend: str) -> Links:
+    """Each link's latency and bandwidth, by ping-pong between p local processes on ``backend``;
+    the last link (rank p - 1 -> 0) only when v > 1 uses it."""
+    from pipeline import launch
+
+    links: Links = launch(_links_rank, p, 1 << 22, backend=backend)[0]
+    used = p if v > 1 else p - 1
+    print(
+        f"measured links on {backend} (ping-pong): latency "
+        + ", ".join(f"{x * 1e6:.1f} us" for x in links.latency[:used])
+        + "; bandwidth "
+        + ", ".join(f"{x / 1e9:.3f} GB/s" for x in links.bandwidth[:used])
+    )
+    return Links(latency=links.latency[:used], bandwidth=links.bandwidth[:used])
+
+
+def measure(spec: str, plan: Plan, steps: int, prof: Profile, dtype: str) -> str:
     """Per rank: the plan's predicted busy time beside the measured one, and the step times."""
     from pipeline import launch
 
     p = plan.n_ranks
-    results = launch(_measured_rank, p, spec, plan.to_json(), steps)
+    results = launch(_measured_rank, p, spec, plan.to_json(), steps, dtype, backend=_backend(prof))
     name, m, v = results[0][2]
+    backend, where = results[0][3]
     ran = f"[{name}, m={m}, v={v}]"
     planned = f"[{plan.schedule}, m={plan.n_microbatches}, v={plan.n_virtual}]"
     lines = [
-        f"== measured: {steps} steps after a warm-up, {p} processes (gloo, 1 thread each), ran {ran}"
+        f"== measured: {steps} steps after a warm-up, {p} processes on {backend} ({where} per rank), "
+        f"{dtype}, ran {ran}"
         + ("" if ran == planned else f" -- NOT the plan's {planned}: the times below are not the plan's"),
         f"{'rank':>4}  {'stages':<8} {'predicted busy ms':>17} {'measured busy ms':>16} "
         f"{'measured/pred':>13}",
     ]
-    for r, ((_, busy, _), pred) in enumerate(zip(results, plan.predicted_busy(), strict=True)):
+    for r, (result, pred) in enumerate(zip(results, plan.predicted_busy(), strict=True)):
+        busy = result[1]
         stages = list(range(r, plan.n_stages, p))
         ratio = busy / pred if pred > 0 else float("nan")
         names = ",".join(map(str, stages))
         lines.append(f"{r:>4}  {names:<8} {pred * 1e3:>17.2f} {busy * 1e3:>16.2f} {ratio:>13.3f}")
-    wall = max(w for w, _, _ in results)
+    wall = max(result[0] for result in results)
     lines.append(
         f"step time: predicted {plan.step_time * 1e3:.2f} ms, measured {wall * 1e3:.2f} ms "
         f"({wall / plan.step_time:.3f}x the prediction)"
     )
     return "\n".join(lines)
+
+
+def _numbers(text: str | None, flag: str, parser: argparse.ArgumentParser) -> float | list[float] | None:
+    """One number, or comma-separated numbers (one per rank or link)."""
+    if text is None:
+        return None
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} {text!r} must be a number or comma-separated numbers")
+    return values[0] if len(values) == 1 else values
+
+
+def _baselines(prof: Profile, k: int, costs: list[float], n_layers: int) -> list[tuple[str, list[int] | str]]:
+    """(label, balance or why there is none) for equal counts and torchgpipe's balance."""
+    out: list[tuple[str, list[int] | str]] = [("equal layer counts", equal_balance(n_layers, k))]
+    try:
+        out.append(("torchgpipe balance_by_time", torchgpipe_balance(costs, k)))
+    except ImportError:
+        out.append(
+            ("torchgpipe balance_by_time", "skipped: torchgpipe is not installed (pip install torchgpipe)")
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,9 +275,27 @@ def main(argv: list[str] | None = None) -> int:
         "--virtual", type=int, default=None, help="stages per rank (default: 2 for interleaved-1f1b, else 1)"
     )
     parser.add_argument("--recompute", default="never", help="never | except_last | always")
-    parser.add_argument("--memory-limit", type=float, default=None, help="bytes per rank")
+    parser.add_argument(
+        "--memory-limit", default=None, help="bytes per rank: one number, or one per rank (comma-separated)"
+    )
+    parser.add_argument(
+        "--bandwidth",
+        default=None,
+        help="bytes/s per link: one number, one per link (comma-separated), or 'measure' (ping-pong)",
+    )
+    parser.add_argument("--latency", default=None, help="seconds per message per link, as --bandwidth")
     parser.add_argument("--cost", default="time", choices=COSTS)
-    parser.add_argument("--device", default=None, help="where to profile (default: the model's device)")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=tuple(DTYPES), help="the run's precision (autocast)"
+    )
+    parser.add_argument(
+        "--profile-dtype",
+        default=None,
+        choices=tuple(DTYPES),
+        help="profile in another precision than --dtype (to see what a mismatched profile predicts)",
+    )
+    parser.add_argument("--device", default=None, help="where to profile (default: where each layer lives)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per layer (medians)")
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU intra-op threads (default 1, as each launched rank)"
     )
@@ -193,8 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--measure-steps ({args.measure_steps}) must be >= 1")
     if args.threads < 1:
         parser.error(f"--threads ({args.threads}) must be >= 1")
+    if args.repeat < 1:
+        parser.error(f"--repeat ({args.repeat}) must be >= 1")
+    memory_limit = _numbers(args.memory_limit, "--memory-limit", parser)
+    latency = _numbers(args.latency, "--latency", parser)
+    measure_bandwidth = args.bandwidth == "measure"
+    bandwidth = None if measure_bandwidth else _numbers(args.bandwidth, "--bandwidth", parser)
     try:  # the schedule's options are the library's to check, before the slow profile
-        schedule_options(args.schedule, args.stages, args.microbatches, args.virtual)
+        v, _ = schedule_options(args.schedule, args.stages, args.microbatches, args.virtual)
     except ValueError as err:
         _library_error(parser, err)
     torch.set_num_threads(args.threads)  # profile each layer as a rank will run it
@@ -206,30 +329,46 @@ def main(argv: list[str] | None = None) -> int:
         "recompute": args.recompute,
         "cost": args.cost,
     }
+    amp = DTYPES[args.profile_dtype or args.dtype]
     try:
-        prof = profile(model, sample, device=args.device)
-        ours = partition(model, args.stages, sample, memory_limit=args.memory_limit, profile=prof, **opts)
-    except ValueError as err:
+        prof = profile(
+            model,
+            sample,
+            device=args.device,
+            autocast=amp,
+            loss_fn=_square_loss,  # the loss --measure trains with: it runs on the last stage
+            target=torch.zeros(_rows(sample)),
+            repeat=args.repeat,
+        )
+        if measure_bandwidth:
+            links = _measured_links(args.stages, v, _backend(prof))
+            bandwidth = links.bandwidth
+            latency = links.latency if latency is None else latency
+        net: dict[str, Any] = {"bandwidth": bandwidth, "latency": latency}
+        ours = partition(model, args.stages, sample, memory_limit=memory_limit, profile=prof, **net, **opts)
+    except (ValueError, TypeError) as err:
         _library_error(parser, err)
     # the baselines split into the same k = p * v stages, priced with the costs ours minimised
     k, m = ours.n_stages, ours.n_microbatches
-    costs, _ = layer_costs(prof, args.cost, recompute=args.recompute, n_microbatches=m)
+    split = ours.build_schedule().split_backward
+    costs = layer_costs(prof, args.cost, recompute=args.recompute, n_microbatches=m, split_backward=split)
     plans = {"ours (exact)": ours}
     print_profile(prof)
-    for label, balance in (
-        ("equal layer counts", equal_balance(len(model), k)),
-        ("torchgpipe balance_by_time", torchgpipe_balance(costs, k)),
-    ):
-        if min(balance) < 1:
+    for label, balance in _baselines(prof, k, costs, len(model)):
+        if isinstance(balance, str):
+            print(f"\n== {label}\n{balance}")
+        elif min(balance) < 1:
             print(f"\n== {label}\nbalance {balance} leaves a stage empty: no pipeline can run it")
-            continue
-        plans[label] = plan_for(prof, balance, **opts)
+        else:
+            plans[label] = plan_for(prof, balance, **net, **opts)
     for label, plan in plans.items():
         print()
         print(plan.table(f"== {label}", reference=ours.bottleneck))
+        for problem in plan.extra.get("problems", []):
+            print(f"cannot run: {problem}")
     if args.measure:
         print()
-        print(measure(args.model, ours, args.measure_steps))
+        print(measure(args.model, ours, args.measure_steps, prof, args.dtype))
     if args.json:
         with open(args.json, "w") as f:
             f.write(ours.to_json())
@@ -240,7 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _library_error(parser: argparse.ArgumentParser, err: ValueError) -> NoReturn:
+def _rows(sample: Any) -> int:
+    first = sample[0] if isinstance(sample, (tuple, list)) else sample
+    return int(first.shape[0])
+
+
+def _library_error(parser: argparse.ArgumentParser, err: ValueError | TypeError) -> NoReturn:
     """Exit with the library's message, naming the flag behind each argument it mentions."""
     text = str(err)
     named = [f"{flag} sets {arg}" for arg, flag in FLAGS.items() if arg in text]

@@ -45,7 +45,7 @@ from pipeline import checkpointing
 from pipeline.launch import init_distributed, launch
 from pipeline.plan import Plan
 from pipeline.reference.data import VOCAB_SIZE, CharDataset
-from pipeline.reference.models import gpt
+from pipeline.reference.models import gpt, gpt_loss
 from pipeline.runtime.microbatch import split
 from pipeline.runtime.pipe import Pipeline
 from pipeline.runtime.recompute import RECOMPUTE_MODES
@@ -201,13 +201,17 @@ def make_plan(cfg: Config, device: torch.device) -> Plan:
         split(torch.empty(cfg.batch_size, 0, device="meta"), cfg.microbatches)
     with _blame(cfg, "width", "layers"):
         model, sample = build_model(cfg)
-    model, sample = model.to(device), sample.to(device)
+    # profiled one layer at a time on the run's device, in its precision, with the loss: never the whole
+    # model on one device (issue: a model that needs pipelining does not fit there)
+    amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    target = torch.randint(0, VOCAB_SIZE, sample.shape, generator=torch.Generator().manual_seed(cfg.seed))
+    prof = profile(model, sample, device=device, autocast=amp, loss_fn=gpt_loss, target=target)
     opts: dict[str, Any] = dict(schedule=cfg.schedule, n_microbatches=cfg.microbatches, n_virtual=cfg.virtual,
                                 recompute=cfg.recompute, cost=cfg.cost)  # fmt: skip
     with _blame(cfg, "stages", "balance", "virtual", "layers"):
         if cfg.balance is None:
-            return partition(model, cfg.stages, sample, **opts)
-        plan = plan_for(profile(model, sample), list(cfg.balance), **opts)
+            return partition(model, cfg.stages, sample, profile=prof, **opts)
+        plan = plan_for(prof, list(cfg.balance), **opts)
     if plan.n_ranks != cfg.stages:
         raise FlagError(
             f"--balance gives {plan.n_stages} stages, {plan.n_ranks} ranks x {plan.n_virtual}, but --stages "
@@ -252,7 +256,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
         if data is None:  # inputs go to the first rank, targets to the last
             return None, None
         x, y = data.batch(split_name, step, cfg.batch_size, cfg.seq_len, cfg.seed)
-        return (x.to(device) if first else None), (y.to(device) if last else None)
+        return (x if first else None), (y if last else None)  # the pipeline copies them (pinned, async)
 
     def loss_of(run: Callable[..., float], split_name: str, step: int, **kw: Any) -> float:
         with precision.autocast():  # pipe.step or pipe.evaluate

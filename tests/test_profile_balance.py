@@ -1,20 +1,30 @@
 """scripts/profile_balance.py: the comparison table for each built-in model, --stages as ranks,
---measure running the plan itself, bad flags answered with the library's message and the flag."""
+--measure running the plan itself where the profile ran, precision, links and limits passed to the
+library, torchgpipe optional, bad flags answered with the library's message and the flag."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.plan import Plan
+from pipeline.reference.models import mlp
 from scripts import profile_balance
+
+FAST = ["--repeat", "1"]
+SMALL = "tests.test_profile_balance:small_mlp"  # --model as module:function, quick in bf16 on CPU
+
+
+def small_mlp() -> tuple[object, object]:
+    return mlp(width=64, depth=6, batch_size=8)
 
 
 @pytest.mark.parametrize("model", ["gpt", "resnet", "mlp"])
 def test_prints_the_three_plans_for_each_built_in(model: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert profile_balance.main(["--model", model, "--stages", "2", "--microbatches", "2"]) == 0
+    assert profile_balance.main(["--model", model, "--stages", "2", "--microbatches", "2", *FAST]) == 0
     out = capsys.readouterr().out
     assert "per-layer profile" in out
     for label in ("== ours (exact)", "== equal layer counts", "== torchgpipe balance_by_time"):
@@ -24,7 +34,7 @@ def test_prints_the_three_plans_for_each_built_in(model: str, capsys: pytest.Cap
 
 def test_stages_counts_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    argv = ["--model", "mlp", "--stages", "2", "--schedule", "interleaved-1f1b", "--json", str(path)]
+    argv = ["--model", "mlp", "--stages", "2", "--schedule", "interleaved-1f1b", "--json", str(path), *FAST]
     assert profile_balance.main(argv) == 0
     plan = Plan.from_json(path.read_text())
     assert (plan.n_ranks, plan.n_virtual, plan.n_stages, plan.n_microbatches) == (2, 2, 4, 2)
@@ -35,11 +45,13 @@ def test_stages_counts_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_measure_runs_the_plan_and_saves_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    argv = ["--model", "mlp", "--stages", "2", "--microbatches", "2", "--measure", "--measure-steps", "1"]
-    assert profile_balance.main([*argv, "--json", str(path)]) == 0
+    argv = ["--model", SMALL, "--stages", "2", "--microbatches", "2", "--measure", "--measure-steps", "1"]
+    assert profile_balance.main([*argv, "--json", str(path), *FAST]) == 0
     out = capsys.readouterr().out
     assert "== measured:" in out and "predicted busy ms" in out
-    assert "ran [1f1b, m=2, v=1]" in out and "NOT the plan's" not in out  # the pipeline ran the plan
+    # where it ran, said as it is: the profile was on CPU, so gloo processes with one thread each
+    assert "2 processes on gloo (cpu, 1 thread(s) per rank), fp32, ran [1f1b, m=2, v=1]" in out
+    assert "NOT the plan's" not in out  # the pipeline ran the plan
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert len([r for r in rows if len(r) == 5]) == 2  # one line per rank with its measured busy time
     assert json.loads(path.read_text())["balance"] and "step time: predicted" in out
@@ -69,6 +81,21 @@ def test_measure_runs_the_plan_and_saves_json(tmp_path: Path, capsys: pytest.Cap
             "n_microbatches (0) must be an integer >= 1 (--microbatches sets n_microbatches)",
         ),
         (["--measure-steps", "0"], "--measure-steps (0) must be >= 1"),
+        (["--repeat", "0"], "--repeat (0) must be >= 1"),
+        (["--dtype", "fp64"], "invalid choice: 'fp64'"),
+        (["--memory-limit", "lots"], "--memory-limit 'lots' must be a number or comma-separated numbers"),
+        (
+            ["--model", "mlp", "--stages", "2", "--bandwidth", "1e9,1e9", *FAST],
+            "bandwidth has 2 entries but 2 ranks with n_virtual=1 have 1 links",
+        ),
+        (
+            ["--model", "mlp", "--stages", "2", "--latency", "-1", *FAST],
+            "latency[0] is -1.0; each must be a finite number of seconds per message >= 0",
+        ),
+        (
+            ["--model", "mlp", "--stages", "2", "--memory-limit", "1", *FAST],
+            "memory_limit (1) is too small: no split into 2 stages fits it; the smallest limit that fits is",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(
@@ -79,3 +106,48 @@ def test_bad_flags_exit_2_with_one_line(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_precision_links_and_limits_reach_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "plan.json"
+    argv = ["--model", SMALL, "--stages", "2", "--dtype", "bf16", "--bandwidth", "1e8", "--latency", "1e-4"]
+    assert profile_balance.main([*argv, "--memory-limit", "1e7,2e7", "--json", str(path), *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "per-layer profile on cpu, autocast bfloat16" in out and "bfloat16" in out.split("== ours")[0]
+    plan = Plan.from_json(path.read_text())
+    assert plan.extra == {"autocast": "bfloat16", "loss": True}  # the loss --measure trains with
+    sent = plan.stages[0].sent_bytes
+    assert sent > 0 and plan.stages[1].forward_time > 1e-4 + sent / 1e8  # the receiver pays too
+
+
+def test_torchgpipe_is_optional(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "torchgpipe", None)  # import torchgpipe now raises ImportError
+    monkeypatch.setitem(sys.modules, "torchgpipe.balance", None)
+    assert profile_balance.main(["--model", "mlp", "--stages", "2", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "== torchgpipe balance_by_time\nskipped: torchgpipe is not installed (pip install torchgpipe)" in out
+    )
+    assert "== equal layer counts" in out
+
+
+def test_an_empty_baseline_stage_is_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(profile_balance, "torchgpipe_balance", lambda costs, k: [0, *([1] * (k - 2)), 9])
+    assert profile_balance.main(["--model", SMALL, "--stages", "2", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "balance [0, 9] leaves a stage empty: no pipeline can run it" in out
+
+
+def test_bandwidth_measured_by_ping_pong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    argv = ["--model", SMALL, "--stages", "2", "--bandwidth", "measure", "--json", str(path), *FAST]
+    assert profile_balance.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "measured links on gloo (ping-pong): latency " in out and " GB/s" in out
+    plan = Plan.from_json(path.read_text())
+    first = plan.stages[0]
+    assert first.forward_time > 0 and first.sent_bytes > 0

@@ -1,0 +1,238 @@
+"""Measuring one layer (or the loss) as the pipeline runs it: times, bytes and flops.
+
+    # l: layer, i: micro-batch
+
+For layer l, on its working copy (see ``_placement``), inside one autocast region when the run
+has one (as a pipeline step is: autocast's weight cache is then filled once and shared)::
+
+    untimed, counted by LiveBytes    two forwards held at once, then both backwards:
+                                       saved by pass 2 and not by pass 1 -> saved_bytes (per i)
+                                       saved by both (weight cache)      -> cache_bytes (once)
+                                       pass 1's output -> layer l + 1's input
+    untimed, FlopCount               one forward, one whole backward -> flops, backward_flops
+    timed (warm-up, then medians)    F; whole backward (B of gpipe/1f1b);
+                                     F; input gradient alone (zb-h1's B); weight gradient (its W)
+
+The split backward is the pipeline's own: ``autograd.grad(out, input, retain_graph=True)`` then
+``autograd.backward(out, inputs=params)``. Layer 0 takes an input without a gradient, as stage 0
+does, so it has no input-gradient part. Every run gets a fresh copy of the input (made outside
+the timed region), so a layer that writes into its input (``inplace``, found by the copy's
+version counter) neither fails on autograd's leaf nor changes the next run's input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioner._trees import nbytes, sendable, tensors, tree_map
+from partitioner.figures import LayerProfile
+from partitioner.flops import FlopCount
+from partitioner.live import LiveBytes
+
+__all__ = ["Rejected", "Run", "WithTarget", "measure"]
+
+
+class Rejected(Exception):
+    """The layer (or loss) raised on its input; ``profile`` names it and the fix."""
+
+
+@dataclass(frozen=True)
+class WithTarget:
+    """The loss's input: the last layer's output and the targets, which take no gradient. Each run
+    gets its own copy of both, as each micro-batch brings its own."""
+
+    output: Any
+    target: Any
+
+
+@dataclass(frozen=True)
+class Run:
+    """How to run one layer: where, under which autocast, how often; ``live`` counts the untimed parts."""
+
+    device: torch.device
+    autocast: torch.dtype | None
+    warmup: int
+    repeat: int
+    live: LiveBytes
+
+
+@contextlib.contextmanager
+def precision(run: Run) -> Iterator[None]:
+    """The run's autocast region (or none, explicitly: fp32 however the caller runs)."""
+    dtype = run.autocast if run.autocast is not None else torch.float32
+    with torch.enable_grad(), torch.autocast(run.device.type, dtype=dtype, enabled=run.autocast is not None):
+        yield
+
+
+def measure(
+    index: int,
+    name: str,
+    kind: str,
+    fn: Callable[[Any], Any],
+    module: nn.Module | None,
+    x: Any,
+    run: Run,
+    *,
+    first: bool,
+) -> tuple[LayerProfile, Any]:
+    """Figures of ``fn`` (a layer's working copy ``module``, or the loss) on ``x``, and its output.
+
+    Raises ``Rejected`` when the first forward raises."""
+    params = [] if module is None else list(module.parameters())
+    buffers = [] if module is None else list(module.buffers())
+    owned = {t.untyped_storage().data_ptr() for t in (*params, *buffers)}
+    wanted = [p for p in params if p.requires_grad]
+    with precision(run):
+        with run.live:
+            out, saved, cache, inplace = _untimed(fn, x, owned, first)
+        flops, backward_flops = _flops(fn, x, first)
+        times = _timed(fn, x, wanted, first, run)
+    found = tensors(out)
+    head = found[0] if found else None
+    figures = LayerProfile(
+        index=index,
+        name=name,
+        kind=kind,
+        forward_time=times["forward"],
+        backward_time=times["backward"],
+        flops=flops,
+        param_bytes=nbytes(params),
+        activation_bytes=nbytes(out),
+        saved_bytes=saved,
+        output_shape=tuple(head.shape) if head is not None else (),
+        output_dtype=str(head.dtype).removeprefix("torch.") if head is not None else "",
+        weight_time=times["weight"],
+        input_time=times["input"],
+        backward_flops=backward_flops,
+        buffer_bytes=nbytes(buffers),
+        cache_bytes=cache,
+        inplace=inplace,
+        sendable=sendable(out),
+    )
+    return figures, out
+
+
+def fresh(x: Any, first: bool) -> tuple[Any, list[torch.Tensor]]:
+    """A new copy of ``x`` to run on, and the leaves whose gradient the input-gradient part computes.
+
+    The leaves take a gradient (floating point, and not layer 0's); the copy is a clone of them, so
+    a layer may write into it. A ``WithTarget`` becomes (output copy, target copy)."""
+    if isinstance(x, WithTarget):
+        out, grads = fresh(x.output, first)
+        return (out, tree_map(x.target, lambda t: t.detach().clone())), grads
+    leaves: list[torch.Tensor] = []
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        d = t.detach().requires_grad_(t.is_floating_point() and not first)
+        if d.requires_grad:
+            leaves.append(d)
+        return d.clone()
+
+    return tree_map(x, leaf), leaves
+
+
+def roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The output tensors that backward starts from, and their incoming gradients (ones)."""
+    outs = [t for t in tensors(out) if t.requires_grad]
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+def _untimed(fn: Callable[[Any], Any], x: Any, owned: set[int], first: bool) -> tuple[Any, int, int, bool]:
+    """(pass 1's output, saved bytes per micro-batch, cache bytes, writes into its input)."""
+    seen: list[dict[int, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[-1].setdefault(t.untyped_storage().data_ptr(), t)  # views of one storage count once
+        return t
+
+    outs, inplace = [], False
+    for _ in range(2):  # both graphs held: no storage of pass 1 can be reused by pass 2
+        a, _leaves = fresh(x, first)
+        before = [t._version for t in tensors(a)]
+        seen.append({})
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            try:
+                outs.append(fn(a))
+            except Exception as err:
+                if outs:
+                    raise
+                raise Rejected(str(err)) from err
+        inplace = inplace or [t._version for t in tensors(a)] != before
+    one, two = ({k: t for k, t in s.items() if k not in owned} for s in seen)
+    saved = sum(t.untyped_storage().nbytes() for k, t in two.items() if k not in one)
+    cache = sum(t.untyped_storage().nbytes() for k, t in two.items() if k in one)
+    seen.clear()  # the saved tensors go with their graphs
+    del one, two
+    for out in outs:
+        grads = roots(out)
+        if grads[0]:
+            torch.autograd.backward(*grads)
+    return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace
+
+
+def _flops(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:
+    a, _ = fresh(x, first)
+    with FlopCount() as count:
+        out = fn(a)
+        forward = count.total
+        outs, grads = roots(out)
+        if outs:
+            torch.autograd.backward(outs, grads)
+    return forward, count.total - forward
+
+
+def _syncer(dev: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work, so that host clocks time it (nothing to wait for on CPU)."""
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return sync
+
+
+def _timed(
+    fn: Callable[[Any], Any], x: Any, params: Sequence[torch.Tensor], first: bool, run: Run
+) -> dict[str, float]:
+    found: dict[str, list[float]] = {"forward": [], "backward": [], "input": [], "weight": []}
+    sync = _syncer(run.device)
+    for step in range(run.warmup + run.repeat):
+        a, _ = fresh(x, first)
+        sync()
+        t0 = time.perf_counter()
+        outs, grads = roots(fn(a))
+        sync()
+        t1 = time.perf_counter()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        sync()
+        t2 = time.perf_counter()
+        del outs, grads, a
+        a, leaves = fresh(x, first)  # the split backward, on a forward of its own
+        leaves_given = bool(leaves)
+        outs, grads = roots(fn(a))
+        sync()
+        t3 = time.perf_counter()
+        if outs and leaves:
+            torch.autograd.grad(outs, leaves, grads, retain_graph=bool(params), allow_unused=True)
+        sync()
+        t4 = time.perf_counter()
+        if outs and params:
+            torch.autograd.backward(outs, grads, inputs=list(params))
+        sync()
+        t5 = time.perf_counter()
+        del outs, grads, a, leaves
+        if step >= run.warmup:  # first calls (allocation, kernel selection, CUDA start-up) do not count
+            found["forward"].append(t1 - t0)
+            found["backward"].append(t2 - t1)
+            found["input"].append(t4 - t3 if leaves_given else 0.0)
+            found["weight"].append(t5 - t4 if params else 0.0)
+    return {key: statistics.median(values) for key, values in found.items()}

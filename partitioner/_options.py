@@ -1,0 +1,136 @@
+"""``partition``'s own options, checked, and its memory-limit check with the smallest limit that fits.
+
+    # p: ranks, v: stages per rank, k = p * v stages, s: stage, r: rank
+
+``Options.make`` checks the cost, speeds and memory limits (one number for every rank, or one per
+rank) and the links' latency and bandwidth (see ``partitioner.costs``); the schedule's options are
+``schedule_options``'. ``check_fit`` turns a rank's memory limit into per-stage limits for the
+layers (the rank's share, ``limit / v``, less the inputs a recomputing stage keeps) and, when no
+balance fits them, raises naming the smallest limit (or factor on the limits) that would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from partitioner._fit import fits, smallest
+from partitioner._inputs import _check_memory
+from partitioner.costs import COSTS, links
+
+__all__ = ["Options", "check_fit"]
+
+
+class Options:
+    """The partitioner's own options, checked (the schedule's are ``schedule_options``')."""
+
+    def __init__(self) -> None:
+        self.cost = "time"
+        self.n_ranks = 1
+        self.speeds: list[float] | None = None
+        self.bandwidth: list[float] | None = None
+        self.latency: list[float] | None = None
+        self.memory_limit: list[float] | None = None
+        self.scalar_limit = True
+        self.optimizer_state_factor = 2.0
+
+    @classmethod
+    def make(
+        cls,
+        cost: str,
+        p: int,
+        v: int,
+        speeds: Sequence[float] | None,
+        bandwidth: float | Sequence[float] | None,
+        latency: float | Sequence[float] | None,
+        memory_limit: float | Sequence[float] | None,
+        optimizer_state_factor: float,
+    ) -> Options:
+        out = cls()
+        if cost not in COSTS:
+            raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
+        out.cost, out.n_ranks = cost, p
+        out.bandwidth = links("bandwidth", bandwidth, p, v)
+        out.latency = links("latency", latency, p, v)
+        if cost != "time" and (bandwidth is not None or latency is not None):
+            named = "bandwidth" if bandwidth is not None else "latency"
+            raise ValueError(f"{named} turns bytes into seconds and needs cost='time', not cost={cost!r}")
+        out.speeds = _per_rank("speeds", speeds, p, positive=True)
+        out.scalar_limit = memory_limit is None or isinstance(memory_limit, (int, float))
+        out.memory_limit = _per_rank("memory_limit", memory_limit, p, positive=False)
+        if isinstance(optimizer_state_factor, bool) or not optimizer_state_factor >= 0:
+            raise ValueError(
+                f"optimizer_state_factor ({optimizer_state_factor!r}) must be >= 0: bytes of optimizer "
+                "state per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
+            )
+        out.optimizer_state_factor = optimizer_state_factor
+        return out
+
+    def stage_speeds(self, k: int) -> list[float] | None:
+        return None if self.speeds is None else [self.speeds[s % self.n_ranks] for s in range(k)]
+
+
+def _per_rank(
+    name: str, value: float | Sequence[float] | None, p: int, *, positive: bool
+) -> list[float] | None:
+    """One number for every rank, or one per rank, checked."""
+    if value is None:
+        return None
+    bound = "> 0" if positive else ">= 0"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = [float(value)] * p
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        values = [float(x) for x in value]
+        if len(values) != p:
+            raise ValueError(f"{name} has {len(values)} entries for {p} ranks; pass one per rank")
+    else:
+        raise TypeError(f"{name} must be a number or a list of one per rank, got {type(value).__name__}")
+    for r, x in enumerate(values):
+        if math.isnan(x) or (x <= 0 if positive else x < 0) or (positive and math.isinf(x)):
+            where = f"{name}[{r}]" if not isinstance(value, (int, float)) else name
+            raise ValueError(f"{where} ({x!r}) must be a number {bound}")
+    return values
+
+
+def check_fit(
+    net: Options,
+    rows: list[list[float]],
+    inputs: list[int],
+    largest_input: int,
+    recompute: str,
+    k: int,
+    v: int,
+) -> list[float]:
+    """Per-stage limits for the layers (the rank's share less the inputs a recomputing stage keeps);
+    a ValueError naming the smallest memory_limit (or factor) that fits when none does."""
+    assert net.memory_limit is not None
+    per_rank, p = net.memory_limit, net.n_ranks
+    offset = [float(largest_input * held_inputs) for held_inputs in inputs]
+
+    def limits(scale: float, base: list[float]) -> list[float]:
+        return [scale * base[s % p] / v - offset[s] for s in range(k)]
+
+    found = limits(1.0, per_rank)
+    grouped, _ = _check_memory(rows, 0.0, len(rows[0]), k)
+    assert grouped is not None
+    if fits(grouped, found, k):
+        return found
+    kept = (
+        f" with recompute={recompute!r}, where a stage keeps up to {max(inputs)} stage inputs (each counted "
+        "at the largest input any cut can have) besides its layers"
+        if any(inputs)
+        else ""
+    )
+    if net.scalar_limit:
+        ones = [1.0] * p
+        least = smallest(grouped, k, lambda x: limits(x, ones), [1.0 / v] * k, offset)
+        raise ValueError(
+            f"memory_limit ({per_rank[0]:g}) is too small: no split into {k} stages fits it{kept}; "
+            f"the smallest limit that fits is {least!r}; raise memory_limit or use more ranks"
+        )
+    scale = [per_rank[s % p] / v for s in range(k)]
+    factor = smallest(grouped, k, lambda x: limits(x, per_rank), scale, offset)
+    raise ValueError(
+        f"memory_limit ({per_rank}) is too small: no split into {k} stages fits it{kept}; the limits "
+        f"must grow by a factor of at least {factor!r}"
+    )

@@ -1,0 +1,204 @@
+"""From a profile to what ``solve`` splits: per-layer costs, cut costs per link, cuttable places.
+
+    # p: ranks, v: stages per rank, k = p * v stages, s: stage, r: rank, l: layer
+
+Per-layer cost (``layer_costs``), per micro-batch, rho being the share of micro-batches whose
+forward runs again before the backward (1 for recompute="always", (m - 1) / m for "except_last")::
+
+    time     f + b + rho * f      b: the whole backward, or input + weight gradient when the
+                                     schedule splits it (each measured as that schedule runs it)
+    flops    F + B + rho * F      forward and backward flops of every op
+    params   parameter bytes
+    uniform  1
+
+The loss, when profiled, runs on the last stage: its figures are folded into the last layer
+(``with_loss``), which always sits there.
+
+A cut between stages s and s + 1 travels over the link from rank s % p to rank (s + 1) % p;
+link r has a latency and a bandwidth. Per micro-batch the activation goes forward and its
+gradient (as many bytes) comes back, and each transfer keeps both ends busy, so each of the two
+stages pays::
+
+    cut_s[l] = 2 * (latency[r] + bytes(cut after l) / bandwidth[r]),    r = s % p
+
+Links are given per rank: p - 1 of them when v = 1, p when v > 1 (the last, p - 1 -> 0, carries
+the cuts between chunks).
+
+Not every place can be cut (``cut_groups``): the pipeline sends a tensor or a tuple of tensors,
+and a stage's input is a leaf of autograd, which refuses a layer that writes into its input
+(``nn.ReLU(inplace=True)``). Layers joined by such places form one group that no split breaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from partitioner.figures import LayerProfile
+from partitioner.graph import cut_bytes
+from partitioner.profile import Profile
+
+__all__ = [
+    "COSTS",
+    "backward_time",
+    "cut_groups",
+    "cut_problems",
+    "cut_rows",
+    "layer_costs",
+    "links",
+    "recomputed_share",
+    "transfer",
+    "with_loss",
+]
+
+COSTS: tuple[str, ...] = ("time", "flops", "params", "uniform")
+
+
+def with_loss(profile: Profile) -> list[LayerProfile]:
+    """The profile's layers, the loss's figures (if profiled) added to the last one's."""
+    layers = list(profile.layers)
+    loss = profile.loss
+    if loss is None:
+        return layers
+    last = layers[-1]
+    layers[-1] = dataclasses.replace(
+        last,
+        forward_time=last.forward_time + loss.forward_time,
+        backward_time=last.backward_time + loss.backward_time,
+        input_time=last.input_time + loss.input_time,
+        weight_time=last.weight_time + loss.weight_time,
+        flops=last.flops + loss.flops,
+        backward_flops=last.backward_flops + loss.backward_flops,
+        param_bytes=last.param_bytes + loss.param_bytes,
+        buffer_bytes=last.buffer_bytes + loss.buffer_bytes,
+        saved_bytes=last.saved_bytes + loss.saved_bytes,
+        cache_bytes=last.cache_bytes + loss.cache_bytes,
+    )
+    return layers
+
+
+def backward_time(lp: LayerProfile, split: bool) -> float:
+    """The layer's backward as the schedule runs it: whole, or input then weight gradient."""
+    return lp.input_time + lp.weight_time if split else lp.backward_time
+
+
+def recomputed_share(recompute: str, m: int) -> float:
+    """rho: the share of micro-batches whose forward runs twice."""
+    if recompute == "always":
+        return 1.0
+    if recompute == "except_last":
+        return (m - 1) / m
+    return 0.0
+
+
+def layer_costs(
+    profile: Profile,
+    cost: str,
+    *,
+    recompute: str = "never",
+    n_microbatches: int = 1,
+    split_backward: bool = False,
+) -> list[float]:
+    """Per-layer costs for ``cost`` (see the module docstring), the loss in the last layer's."""
+    if cost not in COSTS:
+        raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
+    rho = recomputed_share(recompute, n_microbatches)
+    return [_layer_cost(lp, cost, rho, split_backward) for lp in with_loss(profile)]
+
+
+def _layer_cost(lp: LayerProfile, cost: str, rho: float, split: bool) -> float:
+    if cost == "time":
+        return lp.forward_time + backward_time(lp, split) + rho * lp.forward_time
+    if cost == "flops":
+        return float(lp.flops + lp.backward_flops) + rho * lp.flops
+    if cost == "params":
+        return float(lp.param_bytes)
+    return 1.0
+
+
+def links(
+    name: str, value: float | Sequence[float] | None, n_ranks: int, n_virtual: int
+) -> list[float] | None:
+    """``latency`` or ``bandwidth`` per link (see the module docstring), checked; None if not given."""
+    if value is None:
+        return None
+    wanted = n_ranks - 1 if n_virtual == 1 else n_ranks
+    what = "seconds per message" if name == "latency" else "bytes per second"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = [float(value)] * wanted
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        values = [float(x) for x in value]
+        if len(values) != wanted:
+            last = ", the last between chunks" if n_virtual > 1 else ""
+            raise ValueError(
+                f"{name} has {len(values)} entries but {n_ranks} ranks with n_virtual={n_virtual} have "
+                f"{wanted} links (link r: rank r -> (r + 1) % p{last}); pass one number or {wanted}"
+            )
+    else:
+        raise TypeError(f"{name} must be a number or a list of numbers ({what}), got {type(value).__name__}")
+    for r, x in enumerate(values):
+        ok = math.isfinite(x) and (x > 0 if name == "bandwidth" else x >= 0)
+        if isinstance(x, bool) or not ok:
+            bound = "> 0" if name == "bandwidth" else ">= 0"
+            raise ValueError(f"{name}[{r}] is {x!r}; each must be a finite number of {what} {bound}")
+    return values
+
+
+def transfer(
+    nbytes: int, s: int, n_ranks: int, latency: list[float] | None, bandwidth: list[float] | None
+) -> float:
+    """Seconds one message of ``nbytes`` takes over boundary s's link (0 with neither figure)."""
+    r = s % n_ranks
+    return (0.0 if latency is None else latency[r]) + (0.0 if bandwidth is None else nbytes / bandwidth[r])
+
+
+def cut_rows(
+    profile: Profile, k: int, n_ranks: int, latency: list[float] | None, bandwidth: list[float] | None
+) -> list[list[float]] | None:
+    """Row s: what the cut after each layer costs each of stages s and s + 1 (None: free cuts)."""
+    if (latency is None and bandwidth is None) or k == 1:
+        return None
+    sent = np.asarray(cut_bytes(profile.graph), dtype=np.float64)
+    per_link: dict[int, list[float]] = {}
+    for r in sorted({s % n_ranks for s in range(k - 1)}):
+        wait = 0.0 if latency is None else latency[r]
+        seconds = wait + (0.0 if bandwidth is None else sent / bandwidth[r])
+        per_link[r] = (2.0 * np.broadcast_to(seconds, sent.shape)).tolist()
+    return [per_link[s % n_ranks] for s in range(k - 1)]
+
+
+def _blocked(layers: Sequence[LayerProfile], cut: int) -> str:
+    """Why the cut after layer ``cut`` is impossible ('' if it is possible)."""
+    before, after = layers[cut], layers[cut + 1]
+    if not before.sendable:
+        return f"layer {cut} ({before.name}: {before.kind}) returns what the pipeline cannot send"
+    if after.inplace:
+        return f"layer {cut + 1} ({after.name}: {after.kind}) writes into its input"
+    return ""
+
+
+def cut_groups(layers: Sequence[LayerProfile]) -> tuple[list[int], list[str]]:
+    """Sizes of the runs of layers that no cut may split, and the reasons for the joins."""
+    sizes, reasons = [1], []
+    for cut in range(len(layers) - 1):
+        why = _blocked(layers, cut)
+        if why:
+            sizes[-1] += 1
+            reasons.append(why)
+        else:
+            sizes.append(1)
+    return sizes, reasons
+
+
+def cut_problems(layers: Sequence[LayerProfile], balance: Sequence[int]) -> list[str]:
+    """What makes ``balance`` unrunnable: stage boundaries at places that cannot be cut."""
+    out, end = [], 0
+    for s, size in enumerate(balance[:-1]):
+        end += size
+        why = _blocked(layers, end - 1)
+        if why:
+            out.append(f"the boundary between stages {s} and {s + 1}: {why}")
+    return out

@@ -1,0 +1,91 @@
+"""``LiveBytes``: the bytes of tensor storage alive at once, counted as ops allocate and free it.
+
+    with LiveBytes() as live:
+        run()                      # any torch code: forward, backward, copies
+    live.peak["cpu"]               # the most bytes alive at once on that device, since entering
+
+A ``TorchDispatchMode`` sees every op below autograd, backward ops included, on every device.
+A storage is counted when an op returns a tensor on one that none of the op's inputs uses (a new
+allocation; views and in-place results share their input's storage and are not counted again),
+and uncounted when the storage itself is freed: its Python object is kept for as long as the
+storage lives, so a finalizer on it fires exactly then, whichever tensors (views, autograd's saved
+tensors, a Parameter wrapping it) held it last::
+
+    op returns t   storage new? --yes--> now += nbytes, peak = max(peak, now), finalize(storage)
+                                                                                  |
+    last holder of the storage dies ------------------------------------> now -= nbytes
+
+Storages that existed before entering are not counted: ``peak`` is the extra memory of what runs
+inside. It counts tensor bytes, not an allocator's cached blocks or fragmentation, and it slows
+every op down (a Python call each), so nothing timed should run inside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes"]
+
+
+class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call, misc]
+    """Live and peak bytes of the storages allocated inside, per device (``"cpu"``, ``"cuda:0"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.now: defaultdict[str, int] = defaultdict(int)
+        self.peak: defaultdict[str, int] = defaultdict(int)
+        self._sizes: dict[int, tuple[str, int]] = {}  # id(storage) -> (device, nbytes), while alive
+        self._lock = threading.Lock()  # finalizers and autograd's device threads may run anywhere
+
+    def most(self) -> int:
+        """The largest peak on any one device (0 before anything was allocated)."""
+        return max(self.peak.values(), default=0)
+
+    def reset_peak(self) -> None:
+        """Start the peaks again from the bytes alive now."""
+        with self._lock:
+            for device, value in self.now.items():
+                self.peak[device] = value
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage if it is not counted yet (for one made outside the mode)."""
+        self._add(tensor.untyped_storage(), str(tensor.device))
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if _real(t)}
+        for t in tree_flatten(out)[0]:
+            if _real(t):
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:
+                    self._add(storage, str(t.device))
+        return out
+
+    def _add(self, storage: Any, device: str) -> None:
+        key, size = id(storage), int(storage.nbytes())
+        with self._lock:
+            if key in self._sizes or size == 0:
+                return
+            self._sizes[key] = (device, size)
+            self.now[device] += size
+            self.peak[device] = max(self.peak[device], self.now[device])
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            device, size = self._sizes.pop(key)
+            self.now[device] -= size
+
+
+def _real(t: object) -> bool:
+    """A tensor with storage of its own kind (meta tensors and tensor subclasses have none to count)."""
+    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta

@@ -1,0 +1,163 @@
+"""The optimizer's state and hyperparameters, saved per parameter name, so that they re-shard.
+
+    # r: rank, s: stage
+
+``optimizer.state_dict()`` numbers the parameters 0, 1, ... in the order of
+this rank's param groups and keeps the hyperparameters once per group: both
+are per rank and mean nothing at another stage count. So every entry is saved
+under the name of its parameter in the original model:
+
+    optim/<name>/<key>     its state (AdamW: step, exp_avg, exp_avg_sq)
+    param_group/<name>     the hyperparameters of the group it was in: every key
+                           but "params" and "param_names" (lr, betas, weight_decay,
+                           LambdaLR's initial_lr, ...)
+
+and on load each group of the optimizer takes its hyperparameters from the
+saved ones of its own parameters, whichever rank saved them:
+
+    saved at 4 stages                      loaded at 2 stages, rank 0
+    r0 group 0 [0.weight]  lr .1 wd .1     group 0 [0.weight, 3.weight] <- lr .1 wd .1 (agreed)
+    r0 group 1 [0.bias]    lr .1 wd 0      group 1 [0.bias, 3.bias]     <- lr .1 wd 0  (agreed)
+    r1 group 0 [3.weight]  lr .1 wd .1
+    r1 group 1 [3.bias]    lr .1 wd 0
+
+Parameters of one group that were saved with different hyperparameters (the
+groups were formed differently) are an error naming two of them. Saved keys
+the group lacks are added (a scheduler built after the load finds
+``initial_lr``); keys the checkpoint lacks keep their values. A group can be
+empty on a rank (weight decay for matrices only, and a stage of norms): each
+rank also saves its groups' values by index,
+
+    param_groups/<r>       [group 0's values, group 1's, ...]
+
+and an empty group takes the values of the group of its index that this rank
+saved, or rank 0's when the checkpoint has fewer ranks.
+
+This is the layout of ``torch.distributed.checkpoint.state_dict`` with
+``flatten_optimizer_state_dict=True`` (made for pipeline parallelism), written
+here because ``get_optimizer_state_dict`` takes a zero-lr optimizer step to
+create state for an optimizer that has none: a checkpoint taken before the
+first step would then resume with Adam's step count at 1, not 0.
+
+Tensor values are dcp tensors; any other value (a number, None, a dict) is
+stored whole inside a 1-tuple, since dcp would split a dict into other keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+__all__ = ["flatten", "restore", "targets"]
+
+STATE, GROUP, GROUPS = "optim/", "param_group/", "param_groups/"
+_NOT_HYPER = ("params", "param_names")  # per group, not per parameter: never saved nor loaded
+
+
+def _name_of(names: Mapping[int, str], p: torch.Tensor, g: int, i: int) -> str:
+    name = names.get(id(p))
+    if name is None:
+        raise ValueError(
+            f"optimizer.param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}) is not a parameter of "
+            "pipe on this rank; build the optimizer from pipe.parameters() (or pipe.named_parameters())"
+        )
+    return name
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+def flatten(optimizer: torch.optim.Optimizer, names: Mapping[int, str], rank: int) -> dict[str, Any]:
+    """``optimizer``'s state and hyperparameters under parameter names (``names``: id(param) -> name)."""
+    flat: dict[str, Any] = {f"{GROUPS}{rank}": ([_hyper(g) for g in optimizer.param_groups],)}
+    for g, group in enumerate(optimizer.param_groups):
+        hyper = _hyper(group)
+        for i, p in enumerate(group["params"]):
+            name = _name_of(names, p, g, i)
+            flat[f"{GROUP}{name}"] = (hyper,)
+            for key, value in optimizer.state.get(p, {}).items():
+                flat[f"{STATE}{name}/{key}"] = value if isinstance(value, torch.Tensor) else (value,)
+    return flat
+
+
+def targets(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], meta: Mapping[str, Any], rank: int
+) -> tuple[dict[str, Any], list[str]]:
+    """What to load for ``optimizer`` (``meta``: the checkpoint's entries), and the names it lacks."""
+    saved: dict[str, list[str]] = {}
+    for key in meta:
+        if key.startswith(STATE):
+            name, _, _ = key[len(STATE) :].rpartition("/")
+            saved.setdefault(name, []).append(key)
+    own = f"{GROUPS}{rank}"
+    want: dict[str, Any] = {own if own in meta else f"{GROUPS}0": None}
+    missing: list[str] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            name = _name_of(names, p, g, i)
+            if f"{GROUP}{name}" not in meta:
+                missing.append(name)
+                continue
+            want[f"{GROUP}{name}"] = None  # dcp puts the stored object here
+            for key in saved.get(name, []):
+                item = meta[key]
+                if isinstance(item, TensorStorageMetadata):  # on the parameter's device if of its shape
+                    device = p.device if tuple(item.size) == tuple(p.shape) else torch.device("cpu")
+                    want[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
+                else:
+                    want[key] = None
+    return want, missing
+
+
+def restore(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], loaded: Mapping[str, Any], rank: int
+) -> None:
+    """Load ``loaded`` (``targets`` filled in by dcp) into ``optimizer``: state and param groups."""
+    own = f"{GROUPS}{rank}"
+    (by_index,) = loaded[own] if own in loaded else loaded[f"{GROUPS}0"]
+    current = optimizer.state_dict()  # its param_groups hold the parameters' indices
+    by_name: dict[str, dict[str, Any]] = {}
+    for key, value in loaded.items():
+        if key.startswith(STATE):
+            name, _, item = key[len(STATE) :].rpartition("/")
+            by_name.setdefault(name, {})[item] = value if isinstance(value, torch.Tensor) else value[0]
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for g, (group, indexed) in enumerate(zip(optimizer.param_groups, current["param_groups"], strict=True)):
+        merged = dict(indexed)
+        first: tuple[str, dict[str, Any]] | None = None
+        for i, p in enumerate(group["params"]):
+            name = _name_of(names, p, g, i)
+            (hyper,) = loaded[f"{GROUP}{name}"]
+            if first is None:
+                first = (name, hyper)
+                merged.update(_hyper(hyper))
+            else:
+                _check_same_group(g, first, (name, hyper))
+            if name in by_name:
+                state[indexed["params"][i]] = by_name[name]
+        if first is None and g < len(by_index):  # no parameters here: the values saved for this index
+            merged.update(_hyper(by_index[g]))
+        groups.append(merged)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _check_same_group(g: int, a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]) -> None:
+    (name_a, hyper_a), (name_b, hyper_b) = a, b
+    for key in sorted(set(hyper_a) | set(hyper_b)):
+        if key in _NOT_HYPER:
+            continue
+        va, vb = hyper_a.get(key), hyper_b.get(key)
+        same = (
+            torch.equal(va, vb) if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) else va == vb
+        )
+        if not same:
+            raise ValueError(
+                f"optimizer.param_groups[{g}] holds {name_a!r} and {name_b!r}, saved with {key}={va!r} and "
+                f"{key}={vb!r}: the checkpoint's param groups were formed differently; build the "
+                "optimizer's param groups by the rule used when it was saved"
+            )

@@ -1,0 +1,51 @@
+"""``partitioner.LiveBytes``: live and peak bytes of what runs inside, freed when the storage is."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from partitioner import LiveBytes
+
+
+def test_counts_new_storages_once_and_frees_them() -> None:
+    before = torch.randn(1000)  # made outside: never counted
+    with LiveBytes() as live:
+        a = torch.empty(256)  # 1 KiB
+        view = a[:10]  # a view: same storage, not counted again
+        b = before * 2  # a new storage
+        assert live.now["cpu"] == 1024 + 4000
+        del a
+        assert live.now["cpu"] == 1024 + 4000  # the view keeps the storage alive
+        del view, b
+        assert live.now["cpu"] == 0
+    assert live.peak["cpu"] == 1024 + 4000 and live.most() == 5024
+
+
+def test_autograd_saved_tensors_and_gradients() -> None:
+    lin = nn.Linear(64, 64)
+    x = torch.randn(16, 64, requires_grad=True)
+    with LiveBytes() as live:
+        y = torch.relu(lin(x))
+        assert live.now["cpu"] == 16 * 64 * 4  # relu's output, saved for its backward
+        y.sum().backward()
+    grads = (64 * 64 + 64 + 16 * 64) * 4  # weight, bias and input gradients
+    assert live.now["cpu"] == 16 * 64 * 4 + grads  # y still alive
+    del y
+    assert live.now["cpu"] == grads
+    lin.weight.grad = lin.bias.grad = x.grad = None
+    assert live.now["cpu"] == 0
+
+
+def test_reset_peak_and_track() -> None:
+    with LiveBytes() as live:
+        t = torch.zeros(100)
+        del t
+    assert live.peak["cpu"] == 400 and live.now["cpu"] == 0
+    live.reset_peak()
+    assert live.peak["cpu"] == 0
+    outside = torch.ones(10)
+    live.track(outside)
+    assert live.now["cpu"] == 40
+    del outside
+    assert live.now["cpu"] == 0
