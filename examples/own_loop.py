@@ -132,17 +132,21 @@ def model_of(args: argparse.Namespace) -> nn.Sequential:
 
 
 def autocast(args: argparse.Namespace, device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast when asked: wrap partition, step and evaluate (and predict) in it."""
+    """bf16 autocast when asked: step, evaluate and predict run in it (partition takes autocast=)."""
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.bf16)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    """Profile the model on one micro-batch and cut it into stages for ``args.ranks`` ranks."""
-    model = model_of(args)
+    """Profile the model (and the loss) on one micro-batch, in the run's precision, and cut it into
+    stages for ``args.ranks`` ranks."""
     rows = max(1, args.batch_size // args.microbatches)
-    sample = torch.stack([Blobs(rows, args.classes, args.image_size, args.seed)[i][0] for i in range(rows)])
-    with autocast(args, "cpu"):
-        return partition(model, args.ranks, sample, schedule=args.schedule, n_microbatches=args.microbatches)
+    data = Blobs(rows, args.classes, args.image_size, args.seed)
+    sample = torch.stack([data[i][0] for i in range(rows)])
+    labels = torch.tensor([data[i][1] for i in range(rows)])
+    return partition(
+        model_of(args), args.ranks, sample, schedule=args.schedule, n_microbatches=args.microbatches,
+        autocast=torch.bfloat16 if args.bf16 else None, loss_fn=F.cross_entropy, target=labels,
+    )  # fmt: skip
 
 
 def plan_for(args: argparse.Namespace) -> Plan:

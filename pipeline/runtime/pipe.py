@@ -58,14 +58,15 @@ given the same objects (``is``) uses the copy, and compute waits for it only
 then (an event, no host sync). Other objects are copied as usual. On a CPU
 device there is nothing to copy; the values are the same either way.
 
-bf16. Wrap the calls that run the model in the same ``torch.autocast`` on
-every rank (a rank that differs fails the step, naming both states), and
-partition under it too, so that the plan is made from bf16 timings and sizes::
+bf16. Wrap the calls that run the model (``step``, ``evaluate``, ``predict``)
+in the same ``torch.autocast`` on every rank (a rank that differs fails the
+step, naming both states), and partition for that precision, so that the plan
+comes from bf16 timings and sizes (``partition`` sets the precision itself:
+call it outside the region, with ``autocast=``)::
 
-    with torch.autocast("cuda", dtype=torch.bfloat16):     # "cpu" on a CPU run
-        plan = partition(model, p, sample, ...)
+    plan = partition(model, p, sample, autocast=torch.bfloat16, ...)
     ...
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16):     # "cpu" on a CPU run
         loss = pipe.step(x, y)                              # evaluate, predict alike
 
 Parameters, gradients and optimizer state stay fp32; the tensors between
