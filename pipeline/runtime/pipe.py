@@ -36,7 +36,8 @@ Outputs. ``predict(x)`` and ``evaluate(x, y, return_outputs=True)`` run only
 the forwards (eval mode, autograd off, modes restored) and return the last
 stage's outputs concatenated in micro-batch order, which is the batch's row
 order: ``model(x)`` of one process in eval mode. They reach every rank, or only
-rank ``dst`` (None elsewhere); see outputs.py.
+rank ``dst`` (None elsewhere; ``dst=pipe.last_loss_rank``, the last stage's
+rank, which holds the targets too, moves nothing); see outputs.py.
 
 Data only where it is used. Stage 0's rank needs the inputs
 (``pipe.needs_inputs``), the last stage's rank the targets
@@ -44,11 +45,12 @@ Data only where it is used. Stage 0's rank needs the inputs
 ``pipe.step()``. A data loader then runs only where its batches are used, and
 the next batch's host-to-device copy can start early:
 
-    batches = iter(loader) if pipe.needs_inputs or pipe.needs_targets else None
-    batch = next(batches) if batches else (None, None)
+    uses_data = pipe.needs_inputs or pipe.needs_targets
+    batches = iter(loader) if uses_data else itertools.repeat((None, None))   # middle: nothing
+    batch = next(batches)
     for t in range(n_steps):                                   # the same count on every rank
-        following = next(batches) if batches and t + 1 < n_steps else None
-        loss = pipe.step(*batch, prefetch=following)           # extra inputs / targets are ignored
+        following = next(batches) if t + 1 < n_steps else None
+        loss = pipe.step(*batch, prefetch=following)           # unused inputs / targets are ignored
         batch = following
 
 ``prefetch=(x_next, y_next)`` queues that batch's copy (pinned, non_blocking,
