@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     plan = plan_for(args)  # once, in this process
     if args.plan_only:
-        print(plan.summary())
+        print(f"{Path(args.checkpoints) / PLAN_FILE}:\n{plan.summary()}")
         return
     pipeline.launch(train, args.ranks, args, plan, backend=args.backend)
 
