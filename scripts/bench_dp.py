@@ -67,7 +67,8 @@ class Config:
 
 def _model(cfg: Config) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.Tanh()) for _ in range(cfg.layers)])
+    layers = [nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.Tanh()) for _ in range(cfg.layers)]
+    return nn.Sequential(*layers)
 
 
 def _batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +123,7 @@ def _after(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
 
 
 def _allreduce(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
-    inner, params, pipe = _ours(cfg, 1, groups)
+    inner, _, pipe = _ours(cfg, 1, groups)
     inner()  # gradients to reduce
     reducer = _reducer(cfg, pipe, groups)
 
@@ -222,7 +223,8 @@ def _report(cfg: Config, per_rank: list[dict[str, list[float]]]) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     d = Config()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     for name in ("width", "layers", "rows", "m", "steps", "warmup"):
         parser.add_argument(f"--{name}", type=int, default=getattr(d, name))
     parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)

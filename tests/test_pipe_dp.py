@@ -77,6 +77,12 @@ def _matrix() -> dict[str, Any]:
         pipe.mesh.mesh.tolist() if pipe.mesh is not None else None,
     )
     out["eval"] = pipe.evaluate(x[_rows(UNEVEN)], y[_rows(UNEVEN)])
+    # replicas seeded differently: replica 0's initial values reach replica 1 at construction
+    torch.manual_seed(dist.get_rank() // P)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    before = {k: t.detach().clone() for k, t in model.named_parameters()}
+    pipe = Pipeline(model, _plan(model, "1f1b", 1), loss_fn=nn.functional.mse_loss, timeout=30.0)
+    out["seeded"] = (before, {k: t.detach().clone() for k, t in pipe.named_parameters()})
     # clip_grad_norm_ and grads_finite over the whole pp x dp world, each parameter once
     model, x, y, loss_fn = _build("mlp")
     pipe = Pipeline(model, _plan(model, "interleaved-1f1b", 2), loss_fn=loss_fn, timeout=30.0)
@@ -113,7 +119,7 @@ def _reference(name: str, rows: slice = slice(None)) -> tuple[float, dict[str, t
     model, x, y, loss_fn = _build(name)
     loss = loss_fn(model(x[rows]), y[rows])
     loss.backward()
-    return float(loss), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
 
 
 def _check(results: list[dict[str, Any]], key: str, name: str) -> None:
@@ -150,6 +156,15 @@ def test_uneven_local_batches_are_weighted_by_rows(results: list[dict[str, Any]]
     with torch.no_grad():
         want = float(loss_fn(model.eval()(x), y))
     assert all(abs(r["eval"] - want) <= 1e-5 * want for r in results)
+
+
+def test_replicas_start_from_replica_0_s_parameters(results: list[dict[str, Any]]) -> None:
+    for g, res in enumerate(results):
+        before, after = res["seeded"]
+        mine = results[g % P]["seeded"][0]  # replica 0's rank of the same pipeline rank
+        assert set(after) and all(torch.equal(after[k], mine[k]) for k in after)
+        if g >= P:  # replica 1 was seeded otherwise: its values were replaced
+            assert all(not torch.equal(before[k], after[k]) for k in after)
 
 
 def test_the_mesh_puts_a_pipeline_s_ranks_next_to_each_other(results: list[dict[str, Any]]) -> None:

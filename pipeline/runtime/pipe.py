@@ -105,13 +105,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads
+from pipeline.runtime import emulation, grads, replicas
+from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
-from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
@@ -150,6 +151,8 @@ class Pipeline:
         recompute: str | None = None,
         checkpoint: str | None = None,
         group: Any = None,
+        mesh: Any = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         device: torch.device | str | None = None,
         timeout: float = 300.0,
         init_fn: Callable[[nn.Module], None] | None = None,
@@ -165,14 +168,27 @@ class Pipeline:
         check_model(model, options.balance)
         if loss_fn is None:
             raise ValueError("loss_fn is required: pass loss_fn=f with f(output, target) -> scalar tensor")
+        bucket_mb = check_bucket_mb(bucket_mb)
         distributed = dist.is_available() and dist.is_initialized()
-        check_group(options, distributed, dist.get_world_size(group) if distributed else 1)
+        dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
+        groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed)
+        check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
         self.n_microbatches = self.schedule.n_microbatches
-        self.rank = dist.get_rank(group) if distributed else 0
-        self._prefix = _store_prefix(group, distributed)
-        self.comm = Comm(group, self._prefix, timeout) if distributed else None
+        self.mesh, self.pp_group, self.dp_group = groups.mesh, groups.pp, groups.dp
+        self.dp = groups.layout.dp if groups.layout is not None else 1
+        self.replica = groups.layout.replica if groups.layout is not None else 0
+        self.rank = dist.get_rank(groups.pp) if distributed else 0
+        # a mesh spans the world: its pipelines' keys are counted there
+        self._prefix = _store_prefix(None if self.mesh is not None else group, distributed)
+        failure = (world_store(), f"{self._prefix}/failed") if self.mesh is not None else None
+        pipelines = groups.layout.pipelines if groups.layout is not None else None
+        self.comm: Comm | None = None
+        if distributed:
+            named = self.mesh is not None  # errors name global ranks
+            self.comm = Comm(groups.pp, self._prefix, timeout, failure=failure, pipelines=pipelines,
+                             global_names=named)  # fmt: skip
         if device is None:  # where the backend communicates: CUDA on NCCL, else the CPU
             device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.device = torch.device(device)
@@ -194,6 +210,16 @@ class Pipeline:
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
+        self._replicas: replicas.Replicas | None = None
+        if self.dp > 1:
+            assert failure is not None
+            modules = dict(zip(self._stage_ids, self._modules, strict=True))
+            config = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}"
+            with self._publish_failure():  # a replica that differs: its peers must not wait for it
+                self._replicas = replicas.Replicas(
+                    groups, self._prefix, failure, timeout, modules, self.schedule, self.rank,
+                    self.executor, bucket_mb, config,
+                )  # fmt: skip
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
@@ -227,6 +253,8 @@ class Pipeline:
         """
         if self.comm is not None:
             self.comm.close()
+        if self._replicas is not None:
+            self._replicas.close()
 
     # ---- parameters and buffers (this rank's stages; names as in the model, e.g. "3.weight")
 
@@ -286,7 +314,7 @@ class Pipeline:
             raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
         gs = self._grads()
         with self._publish_failure(), self._strict_devices():
-            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device())
+            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device(), self._dp_comm())
         value = float(total)
         # every rank has the same value, so every rank raises the same error
         if error_if_nonfinite and not math.isfinite(value):
@@ -302,7 +330,7 @@ class Pipeline:
         """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
         gs = self._grads()
         with self._publish_failure(), self._strict_devices():
-            return grads.all_finite(gs, self.comm, self._comm_device())
+            return grads.all_finite(gs, self.comm, self._comm_device(), self._dp_comm())
 
     # ---- the step
 
@@ -340,8 +368,12 @@ class Pipeline:
                 torch.cuda.reset_peak_memory_stats(self.device)
             xs, ys = self._microbatches(inputs, targets, "step")
             self._prefetch(prefetch)
+            if self._replicas is not None:
+                self._replicas.begin_step(record)
             self.executor.run(xs, ys, record)
-            return self._loss()
+            if self._replicas is not None:  # every stage's buckets, launched during the step
+                self._replicas.wait(self.stages)
+            return self._loss(self.executor.sizes)
 
     def evaluate(
         self,
@@ -411,7 +443,7 @@ class Pipeline:
                     ys = ys if want_loss else [None] * self.n_microbatches
                 with torch.no_grad():
                     self._eval_executor.run(xs, ys, False)
-                loss = self._loss() if want_loss else None
+                loss = self._loss(self._eval_executor.sizes) if want_loss else None
                 kept = last.outputs if last is not None else None
                 out = share_outputs(kept, self.comm, self.last_loss_rank, dst, method) if outputs else None
                 return loss, out
@@ -498,7 +530,8 @@ class Pipeline:
                     )
         self._agreed = True
 
-    def _loss(self) -> float:
+    def _loss(self, sizes: Sequence[int]) -> float:
+        """The batch's mean loss on every rank; with replicas, over every replica's rows."""
         last = self.stages.get(self.schedule.n_stages - 1)
         comm = self.comm
         value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
@@ -507,8 +540,14 @@ class Pipeline:
             shares = torch.tensor(last.weights, dtype=torch.float32, device=losses.device)
             value += (losses * shares).sum().to(value.device)
         if self.comm is not None and self.comm.world_size > 1:
-            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {self.last_loss_rank}")
+            src = self.comm.name(self.last_loss_rank)
+            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {src}")
+        if self._replicas is not None:
+            return self._replicas.global_mean(float(value), sum(sizes))
         return float(value)
+
+    def _dp_comm(self) -> Comm | None:
+        return self._replicas.comm if self._replicas is not None else None
 
     def _comm_device(self) -> torch.device:
         """Where flags, norms and the loss travel: the Comm's device (the stages' one alone)."""
@@ -546,6 +585,11 @@ class Pipeline:
     def peak_activations(self) -> dict[int, int]:
         """Per local stage: the most micro-batches whose activations it held at once in the last step."""
         return {s: st.peak for s, st in self.stages.items()}
+
+    def reductions(self) -> list[Reduction]:
+        """The gradient all-reduce's buckets in the last ``step(record=True)``: when each was launched
+        and when its wait ended (wall clock, as ``timeline``'s); empty without replicas."""
+        return list(self._replicas.events) if self._replicas is not None else []
 
     def timeline(self) -> Timeline:
         """This rank's events of the last ``step(record=True)``: compute, sends posted, receive waits."""
