@@ -10,6 +10,7 @@ overlap seen in recorded timelines, and the NCCL emulation.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -215,3 +216,25 @@ def test_a_stage_s_all_reduce_starts_before_the_rank_s_compute_ends(
             later = [e for e in reductions if e.stage == g % P + P]
             last_b = max(end for a, _, end in compute if a.stage == g % P and a.kind is Kind.B)
             assert later and all(e.launched < last_b for e in later), (g, later, last_b)
+
+
+def _emulated() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for sched, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        model, x, y, loss_fn = _build("mlp")
+        pipe = Pipeline(model, _plan(model, sched, v), loss_fn=loss_fn, timeout=30.0, bucket_mb=1e-4)
+        out[f"mlp/{sched}/never"] = (pipe.step(x[_rows()], y[_rows()]), _grads(pipe))
+        norm = pipe.clip_grad_norm_(0.05)
+        out[f"clip/{sched}"] = (norm, pipe.grads_finite(), _grads(pipe))
+    return out
+
+
+def test_the_nccl_code_path_under_the_emulation_equals_one_process(tmp_path: Path) -> None:
+    # per-pair channels for both replicas' pipelines, polled collectives on the "dp" group
+    results = run_ranks(tmp_path, _emulated, P * DP, timeout=240.0, backend="nccl-emulated")
+    for sched in ("1f1b", "interleaved-1f1b", "zb-h1"):
+        _check(results, f"mlp/{sched}/never", "mlp")
+    model, x, y, loss_fn = _build("mlp")
+    loss_fn(model(x), y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    assert all(abs(r[f"clip/{s}"][0] - want) <= 1e-5 * want for r in results for s in ("1f1b", "zb-h1"))

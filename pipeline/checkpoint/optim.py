@@ -82,8 +82,16 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state: ZeRO's local one (over its shard), else ``optimizer``."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    """The optimizer holding this rank's state: ZeRO's local one (over its shard), else ``optimizer``.
+
+    ZeRO passes the wrapper's hyperparameters on to the local groups only when it steps, so a
+    scheduler's change since is passed on here first (as ZeRO's step would).
+    """
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    for group, shard in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
+        shard.update(_hyper(group))
+    return optimizer.optim
 
 
 def flatten(optimizer: torch.optim.Optimizer, names: Mapping[int, str], rank: int) -> dict[str, Any]:

@@ -315,7 +315,8 @@ class GradReducer:
     def _unpack(self, b: _Bucket, total: float) -> None:
         assert b.flat is not None
         flat = b.flat
-        has = flat[b.numel :].tolist() if b.missing else []  # a host sync only when some grad was None
+        lacking = b.missing or any(p.grad is None for p in b.params)
+        has = flat[b.numel :].tolist() if lacking else []  # a host sync only when some grad is None
         off = 0
         for k, p in enumerate(b.params):
             part = flat[off : off + p.numel()].view_as(p)
