@@ -91,7 +91,8 @@ def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
     for group, shard in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
         shard.update(_hyper(group))
-    return optimizer.optim
+    local: torch.optim.Optimizer = optimizer.optim
+    return local
 
 
 def flatten(optimizer: torch.optim.Optimizer, names: Mapping[int, str], rank: int) -> dict[str, Any]:
