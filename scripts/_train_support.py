@@ -107,7 +107,7 @@ class Progress:
 
 
 class StepLog:
-    """``--log``: one JSON line per step, ``{"step": 3, "loss": 4.12}``, appended (a resumed run goes on
+    """``--loss-log``: one JSON line per step, ``{"step": 3, "loss": 4.12}``, appended (a resumed run goes on
     where the file stops); nothing when ``path`` is None."""
 
     def __init__(self, path: str | None, start: int) -> None:

@@ -103,7 +103,7 @@ class Config:
     seed: int = 0
     sample_chars: int = 300
     quiet: bool = False
-    log: str | None = None
+    loss_log: str | None = None
 
     @property
     def local_batch(self) -> int:
@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=d.seed)
     add("--sample-chars", type=more, default=d.sample_chars, help="characters of text generated at the end")
     add("--quiet", action="store_true", help="no progress output")
-    add("--log", metavar="PATH", help="write each step's loss as a JSON line (rank 0); folders are made")
+    add("--loss-log", metavar="PATH", help="write each step's loss as a JSON line (rank 0); folders are made")
     return p
 
 
@@ -322,7 +322,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
 
     shown = rank == dist.get_world_size() - 1  # the last stage's rank of the last replica
     progress = Progress(cfg.steps, start, cfg.batch_size * cfg.seq_len, show=shown and not cfg.quiet)
-    log = StepLog(cfg.log if rank == 0 else None, start)
+    log = StepLog(cfg.loss_log if rank == 0 else None, start)
     losses, evals, busy, window = [], [], [], []
     t_run = t_window = time.perf_counter()
     for step in range(start, cfg.steps):
