@@ -19,8 +19,14 @@ the same B in every run:
 
 A step's time runs from a barrier to the last rank's end. The all-reduce costs a run
 its step time minus its dp=1 run's, and the share hidden is
-``1 - (T_run - T_dp1) / T_allreduce``. The layers are Linear(width, width): at
-width 1536, 9.4 MB of fp32 gradients each, 4 per stage.
+``1 - (T_run - T_dp1) / T_allreduce``.
+
+Workloads: ``linear``, Linear(width, width) layers (at width 1536, 9.4 MB of fp32
+gradients each, 4 per stage), whose compute needs the same CPU cores as gloo's
+reduction; ``timed``, layers with as many parameters that sleep their forward and
+backward (``--fwd-ms``, ``--bwd-ms``) and leave the cores free, as an accelerator
+leaves the host while it computes: what the schedule can hide, apart from a
+host's contention.
 """
 
 from __future__ import annotations
@@ -63,18 +69,55 @@ class Config:
     steps: int = 8
     warmup: int = 2
     bucket_mb: float = 25.0
+    workload: str = "linear"
+    fwd_ms: float = 10.0
+    bwd_ms: float = 20.0
+
+
+class _Sleep(torch.autograd.Function):
+    """x -> x, sleeping ``t_f``; backward sleeps ``t_b`` and gives ``weight`` a gradient (zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
+        time.sleep(t_f)
+        ctx.t_b, ctx.like = t_b, weight
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        time.sleep(ctx.t_b)
+        return grad, torch.zeros_like(ctx.like), None, None
+
+
+class TimedLayer(nn.Module):
+    """As many parameters as Linear(width, width), costing ``t_f`` / ``t_b`` of sleep, no CPU."""
+
+    def __init__(self, width: int, t_f: float, t_b: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width * (width + 1)))
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Sleep.apply(x, self.weight, self.t_f, self.t_b)  # type: ignore[no-untyped-call]
+        return out
+
+
+_TIMED_WIDTH = 16  # the timed workload's activations: small messages
 
 
 def _model(cfg: Config) -> nn.Sequential:
     torch.manual_seed(0)
+    if cfg.workload == "timed":
+        t_f, t_b = cfg.fwd_ms / 1e3, cfg.bwd_ms / 1e3
+        return nn.Sequential(*[TimedLayer(cfg.width, t_f, t_b) for _ in range(cfg.layers)])
     layers = [nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.Tanh()) for _ in range(cfg.layers)]
     return nn.Sequential(*layers)
 
 
 def _batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1 + dist.get_rank() // P)  # each replica its own rows
-    n = cfg.m * cfg.rows
-    return torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g)
+    n, width = cfg.m * cfg.rows, _TIMED_WIDTH if cfg.workload == "timed" else cfg.width
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
 
 
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -208,9 +251,13 @@ def _report(cfg: Config, per_rank: list[dict[str, list[float]]]) -> dict[str, An
         "(c) torch+DDP": 1 - (step["(c) torch+DDP"] - step["torch dp=1"]) / ar,
     }
     mb = 4 * cfg.width * (cfg.width + 1) * cfg.layers // 2 / 1e6
+    layer = f"Linear({cfg.width}, {cfg.width})"
+    if cfg.workload == "timed":
+        layer = f"timed layers of {cfg.width * (cfg.width + 1) / 1e6:.2f}M parameters, F {cfg.fwd_ms:g} ms " \
+                f"B {cfg.bwd_ms:g} ms (sleeps)"  # fmt: skip
     print(f"# torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, gloo, "
           f"dp={DP} x p={P} (4 processes, 1 thread each); 1F1B, m={cfg.m}, {cfg.m * cfg.rows} rows per "
-          f"replica; {cfg.layers} x Linear({cfg.width}, {cfg.width}); {mb:.1f} MB of gradients per stage; "
+          f"replica; {cfg.layers} x {layer}; {mb:.1f} MB of gradients per stage; "
           f"buckets {cfg.bucket_mb:g} MB; median of {cfg.steps} steps after {cfg.warmup}")  # fmt: skip
     print(f"{'run':<16}{'step ms':>10}{'vs dp=1 ms':>12}{'hidden':>9}")
     for name in RUNS:
@@ -228,11 +275,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("width", "layers", "rows", "m", "steps", "warmup"):
         parser.add_argument(f"--{name}", type=int, default=getattr(d, name))
     parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    parser.add_argument("--workload", choices=("linear", "timed"), default=d.workload)
+    parser.add_argument("--fwd-ms", type=float, default=d.fwd_ms, help="timed: each layer's forward")
+    parser.add_argument("--bwd-ms", type=float, default=d.bwd_ms, help="timed: each layer's backward")
     parser.add_argument("--json", help="also write the numbers here")
     a = parser.parse_args(argv)
     if a.layers % 2 or a.layers < 2:
         parser.error(f"--layers {a.layers} must be even: half on each pipeline rank")
-    cfg = Config(a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb)
+    cfg = Config(
+        a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb, a.workload, a.fwd_ms, a.bwd_ms
+    )
     per_rank = launch(_rank_main, P * DP, cfg, backend="gloo", timeout=600.0)
     out = _report(cfg, per_rank)
     if a.json:
