@@ -74,6 +74,28 @@ call it outside the region, with ``autocast=``)::
 Parameters, gradients and optimizer state stay fp32; the tensors between
 stages and the outputs are bf16 where autocast makes them so.
 
+Replicas (data parallelism). A plan with ``dp`` > 1 runs dp copies of the
+pipeline on a world of dp x p ranks, each on its own batch::
+
+    plan = partition(model, 2, sample, schedule="1f1b", n_microbatches=8, dp=2)   # 4 ranks
+    pipe = Pipeline(model, plan, loss_fn=F.cross_entropy)   # or mesh=init_device_mesh(..., ("dp", "pp"))
+    loss = pipe.step(x_local, y_local)     # this replica's rows; the global mean loss, on every rank
+    opt = ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, process_group=pipe.dp_group)
+
+Global rank g = d * p + r holds pipeline rank r of replica d (``pipe.mesh``, a
+DeviceMesh with dims ("dp", "pp"); ``pipe.pp_group`` / ``pipe.dp_group``;
+``pipe.rank`` is r and ``pipe.replica`` d; see mesh.py for why pp is
+innermost). At construction the replicas check that they run the same plan
+and model, then take replica 0's parameters and buffers. In ``step`` each
+stage's gradients are all-reduced over the "dp" group in buckets of
+``bucket_mb`` that start during the stage's last backward (dp.py) and are
+waited for before ``step`` returns: ``.grad`` is then, on every rank, what one
+process computes on all replicas' rows together (each replica weighted by its
+rows), and ``clip_grad_norm_`` / ``grads_finite`` count each parameter once
+over the whole world. ``evaluate``'s loss is the global mean too; ``predict``,
+``gather_state_dict`` and timelines are each replica's own. With dp = 1 and no
+mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
+
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
@@ -136,7 +158,10 @@ class Pipeline:
     ``init_fn(module)`` runs on each local stage after a meta-device model is
     materialised: its parameters then come from ``reset_parameters``
     (re-initialisation, not the values of any other copy of the model) and then
-    ``init_fn``.
+    ``init_fn``. ``mesh``: a DeviceMesh with dims "dp" and "pp" over the world
+    for a replicated plan (default: made from the plan when ``plan.dp`` > 1);
+    ``group`` is then not given. ``bucket_mb``: the size of the gradient
+    all-reduce's buckets across replicas.
     """
 
     def __init__(
