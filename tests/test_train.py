@@ -46,8 +46,8 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
         (["--schedule", "2f2b"], "invalid choice: '2f2b'"),
         (["--recompute", "sometimes"], "invalid choice: 'sometimes'"),
         (["--data", "/nonexistent/corpus"], "'/nonexistent/corpus' does not exist"),
-        (["--batch-size", "10", "--microbatches", "4"], "--batch-size 10 --microbatches 4: "),
-        (["--batch-size", "10", "--microbatches", "4"], "size (10) is not divisible by n_microbatches (4)"),
+        (["--batch-size", "3", "--microbatches", "4"], "--batch-size 3 --microbatches 4: "),
+        (["--batch-size", "3", "--microbatches", "4"], "batch has 3 rows but n_microbatches is 4"),
         (
             ["--balance", "4,4"],
             "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the profile has 7",
