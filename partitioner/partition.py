@@ -65,6 +65,7 @@ def partition(
     n_microbatches: int | None = None,
     n_virtual: int | None = None,
     recompute: str = "never",
+    dp: int = 1,
     cost: str = "time",
     memory_limit: float | Sequence[float] | None = None,
     speeds: Sequence[float] | None = None,
@@ -85,9 +86,11 @@ def partition(
     rank; ``speeds``: one per rank; ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one
     per link (see ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
     ``autocast``, ``loss_fn`` / ``target``, ``device`` and ``init_fn`` go to ``profile`` (see
-    there) unless a ``profile`` is given. Every argument is checked before the model is profiled.
-    Called on every rank of an initialised process group, it runs on rank 0 and every rank returns
-    rank 0's plan (see ``partitioner.shared``).
+    there) unless a ``profile`` is given. ``dp``: pipeline replicas, recorded in the plan (the
+    split is one pipeline's: every replica runs the same, on its own share of the batch, so
+    ``sample`` is one micro-batch of one replica). Every argument is checked before the model is
+    profiled. Called on every rank of an initialised process group, it runs on rank 0 and every
+    rank returns rank 0's plan (see ``partitioner.shared``).
     """
     check_model(model)
     n = len(model)
@@ -100,7 +103,9 @@ def partition(
             f"and every stage needs at least one; {fix}"
         )
     check_autocast(autocast)
-    shape = Plan(balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute)
+    shape = Plan(
+        balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute, dp=dp
+    )
     net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
     if profile is None:
         profile = run_profile(
@@ -145,6 +150,7 @@ def plan_for(
     n_microbatches: int | None = None,
     n_virtual: int | None = None,
     recompute: str = "never",
+    dp: int = 1,
     cost: str = "time",
     speeds: Sequence[float] | None = None,
     bandwidth: float | Sequence[float] | None = None,
@@ -154,9 +160,9 @@ def plan_for(
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
     with a boundary where the model cannot be cut is planned, and ``extra["problems"]`` says why
-    no pipeline can run it."""
+    no pipeline can run it. ``dp``: pipeline replicas, recorded in the plan."""
     given: Any = balance  # Plan names what is wrong with it
-    shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute)
+    shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp)
     v, m = schedule_options(schedule, shape.n_ranks, n_microbatches, n_virtual)  # the given m and v
     shape = shape.replace(n_microbatches=m, n_virtual=v)
     net = Options.make(cost, shape.n_ranks, v, speeds, bandwidth, latency, None, optimizer_state_factor)

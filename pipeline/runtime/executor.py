@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,7 +134,9 @@ class Executor:
         self.sizes: list[int] = []  # the rows of this step's micro-batches
         self.in_sig: Signatures = {}  # per local stage, per micro-batch size
         self.out_sig: Signatures = {}
-        compiled = compile_rank(sched, rank, stages, self, self.lookahead)
+        compiled = compile_rank(sched, rank, stages, self, self.lookahead, comm.name if comm else None)
+        # per compute action: what runs just before it and just after it (the data-parallel reduction)
+        self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._program = compiled.program
         self._msgs = compiled.msgs
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
@@ -148,6 +151,13 @@ class Executor:
     @property
     def events(self) -> list[TimedAction]:
         return self.clock.events
+
+    def hook(self, a: Action, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """Run ``before()`` just before compute action ``a`` and ``after()`` just after it, at every
+        step (outside its busy time): the data-parallel reduction arms and launches there."""
+        if a not in {b for b, _ in self._program if b is not None}:
+            raise ValueError(f"rank {self.rank} runs no {a} in this schedule")
+        self._hooks[a] = (before, after)
 
     # ---- inputs
 
@@ -285,9 +295,14 @@ class Executor:
                         continue
                     if bound and len(self._ends) == RUN_AHEAD:
                         self._run_ahead_wait()
+                    hooks = self._hooks.get(a)
+                    if hooks is not None:
+                        hooks[0]()
                     clock.begin()
                     fn()  # may wait for its input first (clock.input_ready)
                     self._ends.append((a, clock.end(a)))
+                    if hooks is not None:
+                        hooks[1]()
                 self._drain()
         except BaseException:
             self._reset()

@@ -51,7 +51,7 @@ def gather_state_dict(
     if comm.rank != dst:
         comm.set_key(f"{key}/{comm.rank}", json.dumps([e for e, _ in mine]).encode())
         tensors = [t.detach().to(device).contiguous() for e, t in mine if t.numel() > 0]
-        what = f"rank {dst}'s receive of rank {comm.rank}'s state (gather_state_dict)"
+        what = f"rank {comm.name(dst)}'s receive of rank {comm.me}'s state (gather_state_dict)"
         (works,) = comm.post([(tensors, dst)], [], what)
         comm.wait(works, what)
         return None
@@ -59,7 +59,7 @@ def gather_state_dict(
     received: list[tuple[int, list[tuple[Entry, torch.Tensor]]]] = []
     for q in range(comm.world_size):
         if q != dst:
-            layout = comm.wait_key(f"{key}/{q}", f"rank {q}'s state layout (gather_state_dict)")
+            layout = comm.wait_key(f"{key}/{q}", f"rank {comm.name(q)}'s state layout (gather_state_dict)")
             theirs = [_entry(e) for e in json.loads(layout)]
             received.append(
                 (q, [(e, torch.empty(e[2], dtype=getattr(torch, e[3]), device=device)) for e in theirs])
@@ -67,7 +67,7 @@ def gather_state_dict(
     recvs = [([t for e, t in part if t.numel() > 0], q) for q, part in received]
     works = comm.post([], recvs, "the state of every rank (gather_state_dict)")
     for (q, _), w in zip(received, works, strict=True):
-        comm.wait(w, f"rank {q}'s state (gather_state_dict)")
+        comm.wait(w, f"rank {comm.name(q)}'s state (gather_state_dict)")
     for _, part in received:
         entries += [(e, t.to("cpu")) for e, t in part]
     return _ordered(entries)

@@ -135,20 +135,20 @@ def exchange_header(
         return (sig, mode), None
     header = comm.empty((HEADER_LEN,), torch.int64)
     if rank > 0:
-        what = f"the step's input signature header from rank {rank - 1}"
+        what = f"the step's input signature header from rank {comm.name(rank - 1)}"
         (works,) = comm.post([], [([header], rank - 1)], what)
         comm.wait(works, what)
         sig, theirs = decode(header)
         if theirs != mode:
             raise ValueError(
-                f"rank {rank} runs the step with {_fmt_mode(mode, device)} but rank 0 with "
+                f"rank {comm.me} runs the step with {_fmt_mode(mode, device)} but rank {comm.name(0)} with "
                 f"{_fmt_mode(theirs, device)}; wrap the step in the same torch.autocast (or none) "
                 "on every rank"
             )
     sent = None
     if rank < p - 1:
         sent = Msg(None, rank + 1)
-        sent.what = f"the input signature header to rank {rank + 1}"
+        sent.what = f"the input signature header to rank {comm.name(rank + 1)}"
         sent.tensors = [comm.tensor(encode_words(sig, mode), torch.int64)]
         (sent.works,) = comm.post([(sent.tensors, sent.peer)], [], sent.what)
     return (sig, mode), sent

@@ -54,7 +54,7 @@ def share_outputs(
         return outputs if dst in (None, rank) else None
     if dst is not None and (rank not in (src, dst) or src == dst):
         return outputs if rank == dst else None
-    label = f"the outputs from rank {src} ({what})"
+    label = f"the outputs from rank {comm.name(src)} ({what})"
     if rank == src:
         assert outputs is not None
         tensors = [t.to(comm.device).contiguous() for t in as_tuple(outputs)]

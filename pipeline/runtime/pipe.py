@@ -74,6 +74,28 @@ call it outside the region, with ``autocast=``)::
 Parameters, gradients and optimizer state stay fp32; the tensors between
 stages and the outputs are bf16 where autocast makes them so.
 
+Replicas (data parallelism). A plan with ``dp`` > 1 runs dp copies of the
+pipeline on a world of dp x p ranks, each on its own batch::
+
+    plan = partition(model, 2, sample, schedule="1f1b", n_microbatches=8, dp=2)   # 4 ranks
+    pipe = Pipeline(model, plan, loss_fn=F.cross_entropy)   # or mesh=init_device_mesh(..., ("dp", "pp"))
+    loss = pipe.step(x_local, y_local)     # this replica's rows; the global mean loss, on every rank
+    opt = ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, process_group=pipe.dp_group)
+
+Global rank g = d * p + r holds pipeline rank r of replica d (``pipe.mesh``, a
+DeviceMesh with dims ("dp", "pp"); ``pipe.pp_group`` / ``pipe.dp_group``;
+``pipe.rank`` is r and ``pipe.replica`` d; see mesh.py for why pp is
+innermost). At construction the replicas check that they run the same plan
+and model, then take replica 0's parameters and buffers. In ``step`` each
+stage's gradients are all-reduced over the "dp" group in buckets of
+``bucket_mb`` that start during the stage's last backward (dp.py) and are
+waited for before ``step`` returns: ``.grad`` is then, on every rank, what one
+process computes on all replicas' rows together (each replica weighted by its
+rows), and ``clip_grad_norm_`` / ``grads_finite`` count each parameter once
+over the whole world. ``evaluate``'s loss is the global mean too; ``predict``,
+``gather_state_dict`` and timelines are each replica's own. With dp = 1 and no
+mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
+
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
@@ -105,13 +127,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads
+from pipeline.runtime import emulation, grads, replicas
+from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
-from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
@@ -135,7 +158,10 @@ class Pipeline:
     ``init_fn(module)`` runs on each local stage after a meta-device model is
     materialised: its parameters then come from ``reset_parameters``
     (re-initialisation, not the values of any other copy of the model) and then
-    ``init_fn``.
+    ``init_fn``. ``mesh``: a DeviceMesh with dims "dp" and "pp" over the world
+    for a replicated plan (default: made from the plan when ``plan.dp`` > 1);
+    ``group`` is then not given. ``bucket_mb``: the size of the gradient
+    all-reduce's buckets across replicas.
     """
 
     def __init__(
@@ -150,6 +176,8 @@ class Pipeline:
         recompute: str | None = None,
         checkpoint: str | None = None,
         group: Any = None,
+        mesh: Any = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         device: torch.device | str | None = None,
         timeout: float = 300.0,
         init_fn: Callable[[nn.Module], None] | None = None,
@@ -165,14 +193,27 @@ class Pipeline:
         check_model(model, options.balance)
         if loss_fn is None:
             raise ValueError("loss_fn is required: pass loss_fn=f with f(output, target) -> scalar tensor")
+        bucket_mb = check_bucket_mb(bucket_mb)
         distributed = dist.is_available() and dist.is_initialized()
-        check_group(options, distributed, dist.get_world_size(group) if distributed else 1)
+        dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
+        groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed)
+        check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
         self.n_microbatches = self.schedule.n_microbatches
-        self.rank = dist.get_rank(group) if distributed else 0
-        self._prefix = _store_prefix(group, distributed)
-        self.comm = Comm(group, self._prefix, timeout) if distributed else None
+        self.mesh, self.pp_group, self.dp_group = groups.mesh, groups.pp, groups.dp
+        self.dp = groups.layout.dp if groups.layout is not None else 1
+        self.replica = groups.layout.replica if groups.layout is not None else 0
+        self.rank = dist.get_rank(groups.pp) if distributed else 0
+        # a mesh spans the world: its pipelines' keys are counted there
+        self._prefix = _store_prefix(None if self.mesh is not None else group, distributed)
+        failure = (world_store(), f"{self._prefix}/failed") if self.mesh is not None else None
+        pipelines = groups.layout.pipelines if groups.layout is not None else None
+        self.comm: Comm | None = None
+        if distributed:
+            named = self.mesh is not None  # errors name global ranks
+            self.comm = Comm(groups.pp, self._prefix, timeout, failure=failure, pipelines=pipelines,
+                             global_names=named)  # fmt: skip
         if device is None:  # where the backend communicates: CUDA on NCCL, else the CPU
             device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.device = torch.device(device)
@@ -194,6 +235,16 @@ class Pipeline:
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
+        self._replicas: replicas.Replicas | None = None
+        if self.dp > 1:
+            assert failure is not None
+            modules = dict(zip(self._stage_ids, self._modules, strict=True))
+            config = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}"
+            with self._publish_failure():  # a replica that differs: its peers must not wait for it
+                self._replicas = replicas.Replicas(
+                    groups, self._prefix, failure, timeout, modules, self.schedule, self.rank,
+                    self.executor, bucket_mb, config,
+                )  # fmt: skip
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
@@ -227,6 +278,8 @@ class Pipeline:
         """
         if self.comm is not None:
             self.comm.close()
+        if self._replicas is not None:
+            self._replicas.close()
 
     # ---- parameters and buffers (this rank's stages; names as in the model, e.g. "3.weight")
 
@@ -286,7 +339,7 @@ class Pipeline:
             raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
         gs = self._grads()
         with self._publish_failure(), self._strict_devices():
-            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device())
+            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device(), self._dp_comm())
         value = float(total)
         # every rank has the same value, so every rank raises the same error
         if error_if_nonfinite and not math.isfinite(value):
@@ -302,7 +355,7 @@ class Pipeline:
         """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
         gs = self._grads()
         with self._publish_failure(), self._strict_devices():
-            return grads.all_finite(gs, self.comm, self._comm_device())
+            return grads.all_finite(gs, self.comm, self._comm_device(), self._dp_comm())
 
     # ---- the step
 
@@ -340,8 +393,12 @@ class Pipeline:
                 torch.cuda.reset_peak_memory_stats(self.device)
             xs, ys = self._microbatches(inputs, targets, "step")
             self._prefetch(prefetch)
+            if self._replicas is not None:
+                self._replicas.begin_step(record)
             self.executor.run(xs, ys, record)
-            return self._loss()
+            if self._replicas is not None:  # every stage's buckets, launched during the step
+                self._replicas.wait(self.stages)
+            return self._loss(self.executor.sizes)
 
     def evaluate(
         self,
@@ -411,7 +468,7 @@ class Pipeline:
                     ys = ys if want_loss else [None] * self.n_microbatches
                 with torch.no_grad():
                     self._eval_executor.run(xs, ys, False)
-                loss = self._loss() if want_loss else None
+                loss = self._loss(self._eval_executor.sizes) if want_loss else None
                 kept = last.outputs if last is not None else None
                 out = share_outputs(kept, self.comm, self.last_loss_rank, dst, method) if outputs else None
                 return loss, out
@@ -498,7 +555,8 @@ class Pipeline:
                     )
         self._agreed = True
 
-    def _loss(self) -> float:
+    def _loss(self, sizes: Sequence[int]) -> float:
+        """The batch's mean loss on every rank; with replicas, over every replica's rows."""
         last = self.stages.get(self.schedule.n_stages - 1)
         comm = self.comm
         value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
@@ -507,8 +565,14 @@ class Pipeline:
             shares = torch.tensor(last.weights, dtype=torch.float32, device=losses.device)
             value += (losses * shares).sum().to(value.device)
         if self.comm is not None and self.comm.world_size > 1:
-            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {self.last_loss_rank}")
+            src = self.comm.name(self.last_loss_rank)
+            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {src}")
+        if self._replicas is not None:
+            return self._replicas.global_mean(float(value), sum(sizes))
         return float(value)
+
+    def _dp_comm(self) -> Comm | None:
+        return self._replicas.comm if self._replicas is not None else None
 
     def _comm_device(self) -> torch.device:
         """Where flags, norms and the loss travel: the Comm's device (the stages' one alone)."""
@@ -546,6 +610,11 @@ class Pipeline:
     def peak_activations(self) -> dict[int, int]:
         """Per local stage: the most micro-batches whose activations it held at once in the last step."""
         return {s: st.peak for s, st in self.stages.items()}
+
+    def reductions(self) -> list[Reduction]:
+        """The gradient all-reduce's buckets in the last ``step(record=True)``: when each was launched
+        and when its wait ended (wall clock, as ``timeline``'s); empty without replicas."""
+        return list(self._replicas.events) if self._replicas is not None else []
 
     def timeline(self) -> Timeline:
         """This rank's events of the last ``step(record=True)``: compute, sends posted, receive waits."""
