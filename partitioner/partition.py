@@ -46,6 +46,7 @@ from partitioner.graph import cut_bytes
 from partitioner.memory import held, in_flight, layer_memory
 from partitioner.profile import LossFn, Profile, check_autocast, check_model
 from partitioner.profile import profile as run_profile
+from partitioner.shared import shared_across_ranks
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
@@ -54,6 +55,7 @@ from pipeline.schedules.schedule import Schedule, schedule_options
 __all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
 
 
+@shared_across_ranks
 def partition(
     model: nn.Sequential,
     n_ranks: int,
@@ -87,7 +89,8 @@ def partition(
     there) unless a ``profile`` is given. ``dp``: pipeline replicas, recorded in the plan (the
     split is one pipeline's: every replica runs the same, on its own share of the batch, so
     ``sample`` is one micro-batch of one replica). Every argument is checked before the model is
-    profiled.
+    profiled. Called on every rank of an initialised process group, it runs on rank 0 and every
+    rank returns rank 0's plan (see ``partitioner.shared``).
     """
     check_model(model)
     n = len(model)

@@ -47,7 +47,14 @@ import torch.distributed as dist
 from pipeline.runtime.emulation import EmuTransfer
 from pipeline.runtime.watchdog import Pairs, close_pairs
 
-__all__ = ["Channels", "NcclTransfer", "Op", "Transfer", "channels_for"]
+__all__ = [
+    "Channels",
+    "NcclTransfer",
+    "Op",
+    "Transfer",
+    "abort_nccl",
+    "channels_for",
+]
 
 # one op of a group: (tensor, peer rank in the pipeline's group, is a send)
 Op = tuple[torch.Tensor, int, bool]
@@ -159,9 +166,36 @@ class Channels:
         if self.emulated:
             close_pairs(self.pairs())
             return
-        for pg, _, _ in self._lanes.values():
+        abort_nccl([pg for pg, _, _ in self._lanes.values()])
+
+
+def abort_nccl(groups: Sequence[Any]) -> None:
+    """Abort the NCCL communicators of ``groups``, all of them inside one NCCL group call where the
+    torch build allows it (aborting them one by one can wait on a kernel of the next one).
+
+    ``ProcessGroup.abort()`` exists from torch 2.7; older builds abort through the NCCL backend
+    object, so that an abort is never silently a no-op.
+    """
+    nccl: Any = None
+    with contextlib.suppress(Exception):
+        nccl = groups[0]._get_backend(torch.device("cuda")) if groups else None
+    grouped = nccl is not None and hasattr(nccl, "_group_start") and hasattr(nccl, "_group_end")
+    if grouped:  # as torch's own _abort_process_group does (pytorch issue 119797)
+        try:
+            nccl._group_start()
+        except Exception:
+            grouped = False
+    try:
+        for pg in groups:
+            try:
+                pg.abort()
+            except Exception:
+                with contextlib.suppress(Exception):
+                    pg._get_backend(torch.device("cuda")).abort()
+    finally:
+        if grouped:
             with contextlib.suppress(Exception):
-                pg.abort()  # NCCL: aborts the communicator; its kernels stop
+                nccl._group_end()
 
 
 # per pipeline process group: made once (dist.new_group is collective), shared by its pipelines

@@ -32,7 +32,8 @@ flight (CUDA would race): a write is detected through the tensor's version
 counter and raises.
 
 The stand-in streams and events here are what ``stream.py`` hands out under
-the emulation; compute runs on ``DEFAULT``, the device's default stream.
+the emulation; compute runs on the current stream (``DEFAULT``, the device's default stream, unless
+``use`` made another current, as ``torch.cuda.stream(s)`` would).
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ def use(stream: EmuStream) -> Iterator[None]:
 
 
 def order(stream: EmuStream, transfers: Iterable[EmuTransfer]) -> None:
-    """``stream`` runs on only after ``transfers`` (each completed); on ``DEFAULT`` they become visible."""
-    if stream is DEFAULT:
+    """``stream`` runs on only after ``transfers`` (each completed); ordered onto the stream that is
+    current (where compute runs: ``DEFAULT`` unless the caller made another current), they become visible."""
+    if stream is current():
         for t in transfers:
             t.materialize()
     else:

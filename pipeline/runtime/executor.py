@@ -173,7 +173,15 @@ class Executor:
         copy = _map(batch, lambda t: stream.start_copy(stream.pin(t, device), device, copies))
         return Prefetched(batch, copy, stream.record_event(self.copy_stream))
 
+    def follow_current_stream(self) -> None:
+        """Compute runs on the caller's current stream, read at every step (not only at construction):
+        a step under ``torch.cuda.stream(s)`` runs its stages on s, so receives and input copies must
+        order s, not the stream that was current when the Pipeline was built."""
+        current = stream.current_stream(self.device, self.emulated)
+        self.compute_stream = self.clock.compute = current
+
     def take_prefetched(self, pre: Prefetched) -> Any:
+        self.follow_current_stream()
         """The prefetched copy, with the compute stream ordered after it (an event wait, no host sync)."""
         stream.wait_event(self.compute_stream, pre.event)
         for t in _tensors(pre.copy):  # made on the copy stream, used on compute: not reused before
@@ -263,6 +271,7 @@ class Executor:
     def run(self, inputs: list[Batch], targets: list[Any], record: bool) -> None:
         """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's)."""
         self.inputs, self.targets = inputs, targets
+        self.follow_current_stream()
         clock = self.clock
         clock.begin_step(record)
         for st in self.stages.values():

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -64,7 +65,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from pipeline.runtime import emulation
-from pipeline.runtime.channels import Channels, Transfer, channels_for
+from pipeline.runtime.channels import Channels, Transfer, abort_nccl, channels_for
 from pipeline.runtime.emulation import EmuStream, EmuTransfer
 from pipeline.runtime.watchdog import CHECK_STORE_S, PeerFailure, PipelineTimeout, Watchdog
 
@@ -95,6 +96,21 @@ def _process_group(group: Any) -> Any:
     from torch.distributed import distributed_c10d as c10d
 
     return group if group is not None else c10d._get_default_group()
+
+
+def _nccl_device() -> torch.device:
+    """This rank's CUDA device on NCCL: the current one, which must be LOCAL_RANK's under torchrun
+    (otherwise every rank of a node would pick GPU 0 and NCCL would fail on the duplicate)."""
+    current = torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK")
+    own = int(local) if local is not None and local.isdigit() else current
+    if own != current and own < torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK is {local} but the current CUDA device is cuda:{current}: call "
+            f"torch.cuda.set_device({local}) before building the Pipeline (pipeline.init_distributed() "
+            "does it), so that each rank of a node uses its own GPU"
+        )
+    return torch.device("cuda", current)
 
 
 def _pg_timeout(group: Any, device: torch.device) -> float | None:
@@ -145,7 +161,7 @@ class Comm:
         self.nccl = backend == "nccl" or self.emulated  # the NCCL code path
         self.backend = "nccl-emulated" if self.emulated else backend
         on_gpu = backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.device = _nccl_device() if on_gpu else torch.device("cpu")
         self.requested_timeout = timeout
         self.pg_timeout = _pg_timeout(group, self.device)
         clamp = self.pg_timeout is not None and timeout >= self.pg_timeout
@@ -358,8 +374,7 @@ class Comm:
         if self.channels is not None:
             self.channels.abort()
         if not self.emulated:  # a collective stuck behind a dead peer would hold the exit too
-            with contextlib.suppress(Exception):
-                _process_group(self.group).abort()
+            abort_nccl([_process_group(self.group)])
 
     def _raise(self, what: str, exc: BaseException | None) -> None:
         timed_out = exc is None or "Timed out" in str(exc)
