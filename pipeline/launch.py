@@ -195,6 +195,9 @@ def _run_rank(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # every rank has finished connecting before any may return and close its sockets: gloo's
+        # full-mesh connect of a slow peer fails if a fast rank finishes fn and exits first
+        dist.barrier()
         value = fn(*args)
         # Plain pickle copies tensors into the message, so the result outlives this process.
         results.put((rank, True, pickle.dumps(value)))
