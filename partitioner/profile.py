@@ -113,7 +113,8 @@ def profile(
     loss = None
     with generators_kept(uses_cuda(model, sample, dev)):
         x = sample
-        for index, (name, layer) in enumerate(model.named_children()):
+        # every entry, a module that appears twice included (named_children() would skip it)
+        for index, (name, layer) in enumerate(model._modules.items()):
             label = f"layer {index} ({name}: {type(layer).__name__})"
             here = layer_device(label, layer, dev, device_of(x))
             with live:

@@ -25,6 +25,7 @@ after layer l when it is made at or before l and read after l: ``crossing(values
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -34,7 +35,19 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["Layer", "Value", "crossing", "group_layers", "live_values", "reads", "writes_input"]
+from pipeline.runtime.sizes import is_size, readers
+
+__all__ = [
+    "Layer",
+    "Value",
+    "crossing",
+    "cut_blocks",
+    "group_layers",
+    "live_values",
+    "reads",
+    "size_hint",
+    "writes_input",
+]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -59,6 +72,7 @@ class Value:
     uses: tuple[int, ...]
     nbytes: int
     why: str  # "" if a cut can carry it, else what it is ("a Python int", ...)
+    symbols: frozenset[str] = frozenset()  # its free dimensions (the batch size's symbol), by name
 
     @property
     def last(self) -> int:
@@ -71,7 +85,7 @@ def _stack(node: fx.Node) -> list[tuple[str, str]]:
     out = []
     for path, kind in raw.values():
         name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
-        if path:
+        if path and not str(path).startswith("_empty_nn_module_stack"):  # export's placeholder entry
             out.append((str(path), name.rsplit(".", 1)[-1]))
     if node.op == "call_module" and (not out or out[-1][0] != node.target):
         out.append((str(node.target), "module"))
@@ -88,7 +102,7 @@ def _op_name(node: fx.Node) -> str:
 
 def group_layers(graph: fx.Graph) -> list[Layer]:
     """The layers of ``graph`` (see the module docstring), in the order their first calls run."""
-    calls = [n for n in graph.nodes if n.op in _CALLS]
+    calls = [n for n in graph.nodes if n.op in _CALLS and not is_size(n)]  # sizes: no layer (sizes.py)
     counts: Counter[str] = Counter(path for node in calls for path, _ in _stack(node))
     opened = {p for p, c in counts.items() if 2 * c > len(calls)}
     owner: dict[str, int] = {}
@@ -136,13 +150,21 @@ def _describe(node: fx.Node) -> tuple[int, str]:
     """(bytes, why it cannot cross a cut or "") of the node's value."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        shape = val.shape
-        if not all(isinstance(d, int) for d in shape):
-            return 0, f"a tensor whose shape depends on the data ({list(shape)})"
-        return val.numel() * val.element_size(), ""
+        sizes = [size_hint(d) for d in val.shape]
+        if any(d is None for d in sizes):
+            return 0, f"a tensor whose shape depends on the data ({list(val.shape)})"
+        return math.prod(sizes) * val.element_size(), ""  # type: ignore[arg-type]
     if val is None and "val" not in node.meta:
         return 0, "a value of unknown type"
     return 0, f"a Python {type(val).__name__} ({_short(val)}), not a tensor"
+
+
+def size_hint(d: Any) -> int | None:
+    """A dimension's size in the sample: itself, a free (batch) size's value, None if data decides it."""
+    if isinstance(d, int):
+        return d
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
 
 
 def _short(val: Any) -> str:
@@ -168,7 +190,8 @@ def live_values(graph: fx.Graph, layers: list[Layer], inputs: list[str]) -> dict
             }
         )
         nbytes, why = _describe(node)
-        out[node.name] = Value(node.name, where[node.name], tuple(uses), nbytes, why)
+        free = frozenset(str(d) for d in getattr(node.meta.get("val"), "shape", ()) if not isinstance(d, int))
+        out[node.name] = Value(node.name, where[node.name], tuple(uses), nbytes, why, free)
     return out
 
 
@@ -213,6 +236,14 @@ def cut_blocks(
                 maker = "the model's input" if v.layer < 0 else f"layer {v.layer} ({layers[v.layer].name})"
                 reasons[cut] = reasons[cut] or f"{v.name}, made by {maker}, is {v.why}"
     where = {name: at for at, layer in enumerate(layers) for name in layer.nodes}
+    for symbol, last in readers(graph, where).items():  # a size a later layer reads: carried by a tensor
+        for cut in range(min(last, n - 1)):
+            if not reasons[cut] and not any(symbol in v.symbols for v in crossing(values, cut)):
+                data = " (a size that depends on the data)" if symbol.startswith("u") else ""  # unbacked
+                reasons[cut] = (
+                    f"layer {last} ({layers[last].name}) reads the size {symbol}{data}, which no tensor "
+                    "crossing this cut has as a dimension"
+                )
     for node in graph.nodes:
         if node.name not in where:
             continue

@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeline.runtime.layers import crossing
+from pipeline.runtime.sizes import is_size, rebuild
 from pipeline.runtime.tracing import Traced
 
 __all__ = ["StageSpec", "build", "build_stages", "check_batch", "holder", "layer_spec", "stage_specs"]
@@ -80,7 +81,7 @@ def layer_spec(traced: Traced, layer: int) -> StageSpec:
     wanted: dict[str, None] = {}
     for name in traced.layers[layer].nodes:
         for arg in nodes[name].all_input_nodes:
-            if arg.name not in members and arg.op != "get_attr":
+            if arg.name not in members and arg.name in traced.values:  # not a parameter, not a size
                 wanted[arg.name] = None
     order = {name: j for j, name in enumerate(traced.values)}
     inputs = tuple(sorted(wanted, key=order.__getitem__))
@@ -164,24 +165,29 @@ def build(
     batch = g.placeholder("batch")
     expected = tuple(_shape(nodes[name]) for name in spec.inputs)
     g.call_function(check_batch, (batch, expected, spec.label))
-    env: dict[str, fx.Node] = {}
+    env: dict[str, Any] = {}
+    have: dict[str, fx.Node] = {}  # the original tensors the stage holds so far (sizes are read off them)
     for j, name in enumerate(spec.inputs):
         env[name] = batch if len(spec.inputs) == 1 else g.call_function(operator.getitem, (batch, j))
+        have[name] = nodes[name]
     attrs: dict[str, fx.Node] = {}
 
-    def arg(node: fx.Node) -> fx.Node:
+    def arg(node: fx.Node) -> Any:
         if node.op == "get_attr":
             if node.target not in attrs:
                 attrs[str(node.target)] = g.get_attr(str(node.target))
             return attrs[str(node.target)]
+        if node.name not in env and is_size(node):
+            return rebuild(node, env, have, g, arg, spec.label)
         return env[node.name]
 
     for node in traced.graph.nodes:
         if node.name in member_set:
             env[node.name] = g.node_copy(node, arg)
+            have[node.name] = node
     if spec.outputs is None:
         flat = [
-            env[name] if name is not None else traced.out_constants[j]
+            arg(nodes[name]) if name is not None else traced.out_constants[j]
             for j, name in enumerate(traced.outputs)
         ]
         g.output(pytree.tree_unflatten(flat, traced.out_spec))
@@ -191,7 +197,7 @@ def build(
     if device is not None and torch.device(device) != traced.device:
         _retarget(g, traced.device, torch.device(device))
     gm = fx.GraphModule(held, g, class_name="Stage")
-    for name, child in held.named_children():  # the model's own modules, not GraphModule's copies
+    for name, child in held._modules.items():  # the model's own modules, not GraphModule's copies
         gm._modules[name] = child
     gm._non_persistent_buffers_set = set(held._non_persistent_buffers_set)
     return gm
@@ -214,22 +220,32 @@ def build_stages(
     return out
 
 
-def _shape(node: fx.Node) -> tuple[int, ...]:
+def _shape(node: fx.Node) -> tuple[int | str, ...]:
+    """The traced shape; a free (batch) dimension is its symbol's name, and matches any size."""
     val = node.meta.get("val")
-    return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
+    if not isinstance(val, torch.Tensor):
+        return ()
+    return tuple(d if isinstance(d, int) else str(d) for d in val.shape)
 
 
-def check_batch(batch: Any, expected: tuple[tuple[int, ...], ...], label: str) -> None:
+def check_batch(batch: Any, expected: tuple[tuple[int | str, ...], ...], label: str) -> None:
     """Raise unless ``batch``'s tensors have the traced shapes (called first in every stage)."""
     got = batch if isinstance(batch, tuple) else (batch,)
     shapes = tuple(tuple(int(d) for d in t.shape) if isinstance(t, torch.Tensor) else () for t in got)
-    if shapes != expected:
+    fits = len(shapes) == len(expected) and all(
+        len(have) == len(want) and all(isinstance(w, str) or h == w for h, w in zip(have, want, strict=True))
+        for have, want in zip(shapes, expected, strict=True)
+    )
+    if not fits:
         raise ValueError(
-            f"{label} was traced for inputs of shapes {[list(s) for s in expected]} (from the sample "
-            f"given to partition), but got {[list(s) for s in shapes]}; a traced stage runs the shapes "
-            "it was traced with: pass partition a sample of exactly one micro-batch of the step "
-            "(batch size / n_microbatches rows) and make the plan again"
+            f"{label} was traced for inputs of shapes {_fmt(expected)} (from the sample given to partition), "
+            f"but got {_fmt(shapes)}; a traced stage runs the shapes it was traced with, any batch size "
+            "aside: pass partition a sample of one micro-batch shaped like the step's, and plan again"
         )
+
+
+def _fmt(shapes: tuple[tuple[int | str, ...], ...]) -> str:
+    return str([[d if isinstance(d, int) else "any" for d in shape] for shape in shapes]).replace("'", "")
 
 
 def _retarget(g: fx.Graph, old: torch.device, new: torch.device) -> None:

@@ -8,8 +8,10 @@
 
 Two tracers, in this order::
 
-    torch.export.export(model, sample)       aten-level calls; shapes of the sample (static);
-         | fails                             parameters read by get_attr under their names
+    torch.export.export(model, sample)       aten-level calls; shapes of the sample, the batch
+         | fails                             dimension left free where the code allows (a smaller
+         |                                   last micro-batch runs too); parameters read by
+         |                                   get_attr under their names
          v
     torch.fx.symbolic_trace(model)           module-level calls; shapes found by running the graph
          | fails                             on fake tensors of the sample's
@@ -92,24 +94,34 @@ def sample_signature(sample: Any) -> Signature:
     return tuple((tuple(t.shape), t.dtype) for t in items)
 
 
-def trace(module: nn.Module, sample: Any) -> Traced:
+def trace(module: nn.Module, sample: Any, method: str = "auto") -> Traced:
     """The traced graph of ``module`` on ``sample`` (see the module docstring); the module is not run.
 
-    ``sample`` may live on the meta device (a meta model is traced with meta inputs).
+    ``sample`` may live on the meta device (a meta model is traced with meta inputs). ``method``:
+    "auto" (export, then fx), "export" or "symbolic_trace" (that tracer only).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(module).__name__}")
+    if method not in ("auto", "export", "symbolic_trace"):
+        raise ValueError(f"method ({method!r}) must be 'auto', 'export' or 'symbolic_trace'")
     sig = sample_signature(sample)
     args = sample if isinstance(sample, tuple) else (sample,)
     device = args[0].device
     mode = module.training
+    export_error: BaseException | None = None
     try:
+        if method == "symbolic_trace":
+            raise RuntimeError("not tried (method='symbolic_trace')")
         found = _export(module, args)
-    except Exception as export_error:
-        try:
+    except Exception as err:
+        export_error = err
+    try:
+        if export_error is not None:
+            if method == "export":
+                raise RuntimeError("not tried (method='export')")
             found = _symbolic(module, args)
-        except Exception as fx_error:
-            raise ValueError(_untraceable(module, export_error, fx_error)) from fx_error
+    except Exception as fx_error:
+        raise ValueError(_untraceable(module, export_error, fx_error)) from fx_error
     finally:
         module.train(mode)
     graph, method, outputs, spec, out_constants, constants = found
@@ -130,8 +142,13 @@ _Found = tuple[fx.Graph, str, list[str | None], pytree.TreeSpec, dict[int, Any],
 
 
 def _export(module: nn.Module, args: tuple[torch.Tensor, ...]) -> _Found:
+    """export with the batch dimension free (a step's last micro-batch may be smaller), else static."""
+    dims = tuple({0: torch.export.Dim.AUTO} if a.dim() > 0 else None for a in args)
     with _quiet():
-        program = torch.export.export(module, args, strict=False)
+        try:
+            program = torch.export.export(module, args, dynamic_shapes=dims, strict=False)
+        except Exception:
+            program = torch.export.export(module, args, strict=False)
     try:
         gm = program.module(check_guards=False)  # type: ignore[call-arg]
     except TypeError:  # older torch: no guard switch
@@ -161,7 +178,7 @@ def _symbolic(module: nn.Module, args: tuple[torch.Tensor, ...]) -> _Found:
     gm = fx.symbolic_trace(module)
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     with _quiet():
-        FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(a) for a in args])
+        FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(a, static_shapes=True) for a in args])
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     flat, spec = pytree.tree_flatten(out.args[0])
@@ -260,7 +277,8 @@ def _fingerprint(method: str, sig: Signature, layers: list[Layer], graph: fx.Gra
 # ---- the error when neither tracer can
 
 
-def _untraceable(module: nn.Module, export_error: BaseException, fx_error: BaseException) -> str:
+def _untraceable(module: nn.Module, export_error: BaseException | None, fx_error: BaseException) -> str:
+    assert export_error is not None
     kind = type(module).__name__
     return (
         f"cannot trace {kind} into a graph to split: torch.export stopped {_where(export_error)}, and "
