@@ -198,3 +198,40 @@ def test_a_meta_model_traced_and_built_for_the_cpu() -> None:
     stage = build_stages(tr, [2, len(tr.layers) - 2], stages=[0], device=torch.device("cpu"))[0]
     makes = [n for n in stage.graph.nodes if "arange" in str(n.target)]
     assert makes and all(n.kwargs["device"] == torch.device("cpu") for n in makes)  # moved off meta
+
+
+class _Modal(nn.Module):
+    """Dropout and batch norm: what a stage must do differently in eval()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.norm = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.drop(self.lin(x))))
+
+
+def test_stages_follow_train_and_eval_like_the_model() -> None:
+    torch.manual_seed(0)
+    model, x = _Modal().eval(), torch.randn(6, 4)
+    tr = trace(model, x)
+    assert not model.training  # put back as it was
+    stages = build_stages(tr, [2, len(tr.layers) - 2])
+    for stage in stages.values():
+        stage.eval()
+    want = model(x)
+    y = stages[1](stages[0](x))
+    assert torch.equal(y, want)  # no dropout, running statistics
+    assert int(model.norm.num_batches_tracked) == 0
+    for stage in stages.values():
+        stage.train()
+    model.train()
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    y = stages[1](stages[0](x))
+    assert torch.equal(y, want)  # the same dropout masks, batch statistics
+    assert int(model.norm.num_batches_tracked) == 2  # the model's step and the stages' step

@@ -108,6 +108,7 @@ def trace(module: nn.Module, sample: Any, method: str = "auto") -> Traced:
     args = sample if isinstance(sample, tuple) else (sample,)
     device = args[0].device
     mode = module.training
+    module.train()  # the pipeline trains; stages follow their own mode where the graph allows (traced.py)
     export_error: BaseException | None = None
     try:
         if method == "symbolic_trace":
