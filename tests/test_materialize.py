@@ -26,7 +26,9 @@ class Scaled(nn.Module):
 def test_a_tensor_nothing_initialises_is_named() -> None:
     with torch.device("meta"):
         model = Scaled()
-    with pytest.raises(ValueError, match=r"left scale \(a parameter of Scaled\), mask \(a buffer of Scaled\)"):
+    with pytest.raises(
+        ValueError, match=r"left scale \(a parameter of Scaled\), mask \(a buffer of Scaled\)"
+    ):
         materialize([model], "cpu")
 
 

@@ -18,8 +18,8 @@ from pipeline.runtime.traced import build_stages
 from pipeline.runtime.tracing import trace
 
 
-def _layer(l: int, forward: float) -> LayerProfile:
-    return LayerProfile(l, f"l{l}", "Block", forward, 0.0, 0, 0, 0, 0, (1,), "float32")
+def _layer(at: int, forward: float) -> LayerProfile:
+    return LayerProfile(at, f"l{at}", "Block", forward, 0.0, 0, 0, 0, 0, (1,), "float32")
 
 
 # one skip: l1 -> l3 (1000 bytes) besides the chain's 10-byte tensors; l1 and l2 cost nothing
@@ -27,7 +27,7 @@ SKIP = [("t0", 0, (1,), 10), ("t1", 1, (2,), 10), ("skip", 1, (3,), 1000), ("t2"
 
 
 def test_a_skip_is_paid_at_every_cut_it_crosses() -> None:
-    layers = [_layer(l, f) for l, f in enumerate([1.0, 0.0, 0.0, 1.0])]
+    layers = [_layer(at, f) for at, f in enumerate([1.0, 0.0, 0.0, 1.0])]
     assert cut_bytes(layer_graph(layers, tensors=SKIP)) == [10, 1010, 1010, 0]
     # a tensor read by two later layers is live until the last one, and counted once per cut
     fan = [("x", 0, (2, 3), 7), ("y", -1, (1,), 5), ("z", 2, (4,), 3)]  # 4 = n: the model's output
@@ -37,7 +37,7 @@ def test_a_skip_is_paid_at_every_cut_it_crosses() -> None:
 def test_the_cheaper_cut_of_equal_compute_balance_is_chosen() -> None:
     # [1 | 0 0 1], [1 0 | 0 1], [1 0 0 | 1]: the same compute on both stages (1), but the last two
     # cuts also carry the skip. 2 * 10 B / (1000 B/s) = 0.02 s per stage vs 2 * 1010 / 1000 = 2.02 s.
-    layers = [_layer(l, f) for l, f in enumerate([1.0, 0.0, 0.0, 1.0])]
+    layers = [_layer(at, f) for at, f in enumerate([1.0, 0.0, 0.0, 1.0])]
     prof = Profile(layers, "cpu", layer_graph(layers, tensors=SKIP), traced={"fingerprint": "hand"})
     plan = partition(nn.Module(), 2, None, profile=prof, bandwidth=1000.0)
     assert plan.balance == [1, 3]
@@ -61,26 +61,28 @@ def test_exact_against_brute_force_on_random_dag_orders() -> None:
             made = rng.randint(-1, n - 2)
             readers = tuple(sorted(rng.sample(range(made + 1, n + 1), rng.randint(1, min(3, n - made)))))
             tensors.append((f"v{j}", made, readers, rng.randint(0, 100)))
-        layers = [_layer(l, c) for l, c in enumerate(costs)]
+        layers = [_layer(at, c) for at, c in enumerate(costs)]
         cuts = [b / 50.0 for b in cut_bytes(layer_graph(layers, tensors=tensors))]
         assert cuts == [_brute_cut(tensors, c) / 50.0 for c in range(n - 1)] + [0.0]
         balance = solve(costs, k, cut_costs=cuts)
 
-        def price(bal: tuple[int, ...]) -> float:
-            worst, start = 0.0, 0
-            for s, size in enumerate(bal):
-                stop = start + size
-                c = math.fsum(costs[start:stop])
-                c += cuts[stop - 1] if s < k - 1 else 0.0
-                c += cuts[start - 1] if s > 0 else 0.0
-                worst, start = max(worst, c), stop
-            return worst
-
         best = min(
-            price(tuple(b - a for a, b in itertools.pairwise((0, *ends, n))))
+            _price(costs, cuts, tuple(b - a for a, b in itertools.pairwise((0, *ends, n))))
             for ends in itertools.combinations(range(1, n), k - 1)
         )
-        assert price(tuple(balance)) == pytest.approx(best, rel=1e-12, abs=1e-12)
+        assert _price(costs, cuts, tuple(balance)) == pytest.approx(best, rel=1e-12, abs=1e-12)
+
+
+def _price(costs: list[float], cuts: list[float], balance: tuple[int, ...]) -> float:
+    """The bottleneck by the definition: each stage's compute plus the cuts on both its sides."""
+    worst, start, k = 0.0, 0, len(balance)
+    for s, size in enumerate(balance):
+        stop = start + size
+        c = math.fsum(costs[start:stop])
+        c += cuts[stop - 1] if s < k - 1 else 0.0
+        c += cuts[start - 1] if s > 0 else 0.0
+        worst, start = max(worst, c), stop
+    return worst
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,16 @@ def test_the_plan_names_tied_weights() -> None:
     prof = profile(model, x, warmup=0, repeat=1)
     plan = partition(model, 2, x, profile=prof)
     assert plan.extra["ties"] == {"tok.weight": [0, 1]}
-    assert plan.extra["graph"]["layers"] == ["tok", "arange", "pos", "add", "blocks.0", "blocks.1", "norm", "head"]
+    assert plan.extra["graph"]["layers"] == [
+        "tok",
+        "arange",
+        "pos",
+        "add",
+        "blocks.0",
+        "blocks.1",
+        "norm",
+        "head",
+    ]
     shared = nn.Linear(4, 4)
     seq = nn.Sequential(shared, nn.ReLU(), shared)  # a Parameter object referenced twice
     plan = partition(seq, 2, torch.randn(3, 4))

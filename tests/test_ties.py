@@ -116,5 +116,7 @@ def test_a_peer_that_never_reduces_times_out_naming_the_tie(tmp_path: Path) -> N
 
 def test_a_tie_split_into_two_objects_on_one_rank_is_refused() -> None:
     a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
-    with pytest.raises(ValueError, match=r"tied parameter w \(stages 0, 2\) is 2 different tensors on rank 0"):
+    with pytest.raises(
+        ValueError, match=r"tied parameter w \(stages 0, 2\) is 2 different tensors on rank 0"
+    ):
         TiedGrads([Tie(("w", "w"), (0, 2))], {(0, "w"): a, (2, "w"): b}, rank_of=lambda s: s % 2, rank=0)

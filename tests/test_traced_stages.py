@@ -70,7 +70,9 @@ def test_stages_in_sequence_equal_the_model(traced: tuple[nn.Module, torch.Tenso
             assert _rel(g, expected[name]) < 1e-5, (balance, name)
 
 
-def test_a_smaller_batch_runs_and_other_shapes_are_refused(traced: tuple[nn.Module, torch.Tensor, Traced]) -> None:
+def test_a_smaller_batch_runs_and_other_shapes_are_refused(
+    traced: tuple[nn.Module, torch.Tensor, Traced],
+) -> None:
     model, x, tr = traced
     n = len(tr.layers)
     stages = build_stages(tr, [n // 2, n - n // 2])
