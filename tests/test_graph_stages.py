@@ -58,3 +58,14 @@ def test_a_sequential_plan_slices_and_finds_its_ties() -> None:
         (("0.weight", "2.weight"), (0, 1)),
         (("0.bias", "2.bias"), (0, 1)),
     ]
+
+
+def test_a_replaced_submodule_is_traced_again(planned: tuple[nn.Module, torch.Tensor, Plan]) -> None:
+    _, _, plan = planned
+    torch.manual_seed(0)
+    model, _ = gpt_tied(n_layers=2, **KW)  # type: ignore[arg-type]
+    plan_stages(model, plan, [0], torch.device("cpu"))  # traced, and kept for this model
+    plan_stages(model, plan, [1], torch.device("cpu"))  # the kept trace
+    model.norm = nn.Identity()  # the same model object, another graph
+    with pytest.raises(ValueError, match=r"made for another model"):
+        plan_stages(model, plan, [0], torch.device("cpu"))

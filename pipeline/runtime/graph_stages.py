@@ -12,13 +12,18 @@ fingerprint, the sample's shapes and dtypes, the layers' names). Every rank then
         --build this rank's stages--> materialize them together (meta) or move them to ``device``
 
 Tracing a meta model costs no memory, and only this rank's stages are materialised, all in one
-call, so a weight tied between two of its stages stays one tensor. An ``nn.Sequential`` plan
+call, so a weight tied between two of its stages stays one tensor. A process that builds several
+Pipelines of one model traces it once: the trace is kept while the model lives, for as long as
+its device, the sample's shapes and its module objects stay the same (a replaced submodule is
+traced again). An ``nn.Sequential`` plan
 slices the model as before (``plan.split``) and finds its ties the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +37,10 @@ from pipeline.runtime.traced import build, holder, stage_specs
 from pipeline.runtime.tracing import Traced, trace
 
 __all__ = ["plan_stages", "traced_for_plan"]
+
+# the last trace of each live model, for the same device, sample and module objects: a process
+# that builds several Pipelines of one model traces it once (the entry goes with the model)
+_traces: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Traced]] = weakref.WeakKeyDictionary()
 
 
 def plan_stages(
@@ -74,7 +83,13 @@ def traced_for_plan(model: nn.Module, plan: Plan) -> Traced:
     sample = tuple(
         torch.zeros(shape, dtype=getattr(torch, dtype), device=where) for shape, dtype in record["sample"]
     )
-    traced = trace(model, sample if len(sample) > 1 else sample[0])
+    key = (str(where), repr(record["sample"]), tuple((name, id(sub)) for name, sub in model.named_modules()))
+    cached = _traces.get(model)
+    if cached is not None and cached[0] == key:
+        traced = dataclasses.replace(cached[1], root=model)
+    else:
+        traced = trace(model, sample if len(sample) > 1 else sample[0])
+        _traces[model] = (key, dataclasses.replace(traced, root=nn.Module()))  # not the model itself
     if traced.fingerprint != record["fingerprint"]:
         raise ValueError(_another_model(model, record, traced))
     if len(traced.layers) != plan.n_layers:
