@@ -25,10 +25,8 @@ optimizers and checkpoints see the model's names, and a parameter read by two st
 weight) is the same object in both until they are placed on different ranks (ties.py).
 
 ``device``: tracing writes its device into calls that make tensors (``arange(..., device=meta)``);
-a stage built for another device has those arguments moved to it. Tracing also writes the
-training mode into dropout and batch norm; a stage reads its own ``training`` flag there
-instead, so ``stage.eval()`` evaluates as the model does (other code that reads
-``self.training`` in ``forward`` runs as traced: in training mode).
+a stage built for another device has those arguments moved to it. Dropout and batch norm read
+the stage's own ``training`` flag (modes.py), so ``stage.eval()`` evaluates as the model does.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeline.runtime.layers import crossing
+from pipeline.runtime.modes import follow_mode
 from pipeline.runtime.sizes import is_size, rebuild
 from pipeline.runtime.tracing import Traced
 
@@ -52,7 +51,6 @@ __all__ = [
     "build",
     "build_stages",
     "check_batch",
-    "count_batch",
     "holder",
     "layer_spec",
     "stage_specs",
@@ -208,7 +206,7 @@ def build(
         g.output(outs[0] if len(outs) == 1 else tuple(outs))
     if device is not None and torch.device(device) != traced.device:
         _retarget(g, traced.device, torch.device(device))
-    _follow_mode(g)
+    follow_mode(g)
     gm = fx.GraphModule(held, g, class_name="Stage")
     for name, child in held._modules.items():  # the model's own modules, not GraphModule's copies
         gm._modules[name] = child
@@ -268,43 +266,3 @@ def _retarget(g: fx.Graph, old: torch.device, new: torch.device) -> None:
     for node in g.nodes:
         node.args = fx.node.map_aggregate(node.args, move)  # type: ignore[assignment]
         node.kwargs = fx.node.map_aggregate(node.kwargs, move)  # type: ignore[assignment]
-
-
-_aten = torch.ops.aten
-# calls whose behaviour differs between training and evaluation: the position of their flag
-_MODE_ARG = {
-    _aten.dropout.default: 2,
-    _aten.feature_dropout.default: 2,
-    _aten.alpha_dropout.default: 2,
-    _aten.feature_alpha_dropout.default: 2,
-    _aten.batch_norm.default: 5,
-}
-
-
-def _follow_mode(g: fx.Graph) -> None:
-    """Dropout and batch norm read the stage's ``training`` flag (tracing wrote True into them), and
-    batch norm's step counter moves only in training, so ``stage.eval()`` evaluates as the model would."""
-    flag: fx.Node | None = None
-    for node in list(g.nodes):
-        at = _MODE_ARG.get(node.target)  # type: ignore[call-overload]
-        counter = (
-            node.target is _aten.add_.Tensor
-            and isinstance(node.args[0], fx.Node)
-            and node.args[0].op == "get_attr"
-            and str(node.args[0].target).endswith("num_batches_tracked")
-        )
-        if at is None and not counter:
-            continue
-        if flag is None:
-            with g.inserting_after(next(iter(g.nodes))):  # right after the placeholder
-                flag = g.get_attr("training")
-        if at is not None and len(node.args) > at:
-            node.args = (*node.args[:at], flag, *node.args[at + 1 :])
-        elif counter:
-            node.target = count_batch
-            node.args = (node.args[0], node.args[1], flag)
-
-
-def count_batch(counter: torch.Tensor, step: Any, training: bool) -> torch.Tensor:
-    """Batch norm's ``num_batches_tracked += 1``, in training only (as ``nn.BatchNorm`` does)."""
-    return counter.add_(step) if training else counter

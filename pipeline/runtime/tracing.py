@@ -34,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +45,9 @@ from torch import nn
 
 from pipeline.runtime.layers import Layer, Value, group_layers, live_values
 from pipeline.runtime.microbatch import Signature
+from pipeline.runtime.untraceable import untraceable
 
 __all__ = ["Traced", "sample_signature", "trace"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PIPELINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -122,7 +118,7 @@ def trace(module: nn.Module, sample: Any, method: str = "auto") -> Traced:
                 raise RuntimeError("not tried (method='export')")
             found = _symbolic(module, args)
     except Exception as fx_error:
-        raise ValueError(_untraceable(module, export_error, fx_error)) from fx_error
+        raise ValueError(untraceable(module, export_error, fx_error)) from fx_error
     finally:
         module.train(mode)
     graph, method, outputs, spec, out_constants, constants = found
@@ -273,48 +269,3 @@ def _fingerprint(method: str, sig: Signature, layers: list[Layer], graph: fx.Gra
     text += [f"{layer.name}|{layer.kind}|{len(layer.nodes)}" for layer in layers]
     text += [str(n.target) for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     return hashlib.sha1("\n".join(text).encode()).hexdigest()[:16]
-
-
-# ---- the error when neither tracer can
-
-
-def _untraceable(module: nn.Module, export_error: BaseException | None, fx_error: BaseException) -> str:
-    assert export_error is not None
-    kind = type(module).__name__
-    return (
-        f"cannot trace {kind} into a graph to split: torch.export stopped {_where(export_error)}, and "
-        f"torch.fx.symbolic_trace stopped {_where(fx_error)}. Two ways out: pass an nn.Sequential of the "
-        "model's layers (in the order they run), or change that code so torch.export can trace it (a "
-        "branch on tensor data becomes torch.where or torch.cond; shapes must not depend on the data)"
-    )
-
-
-def _where(error: BaseException) -> str:
-    """``at file:line in fn: `code` (ErrorType: first line)`` for the user's frame that raised."""
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_PIPELINE_DIR)
-    ]
-    head = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    summary = f"({type(error).__name__}: {head[:200]})"
-    if not frames:
-        found = _frame_in_message(str(error))
-        return f"{found} {summary}" if found else summary
-    f = frames[-1]
-    return f"at {os.path.basename(f.filename)}:{f.lineno} in {f.name}: `{(f.line or '').strip()}` {summary}"
-
-
-def _frame_in_message(text: str) -> str:
-    """export names the user's line in its message ("File ..., line N, in fn" and the code)."""
-    lines = text.splitlines()
-    for j in range(len(lines) - 1, -1, -1):
-        line = lines[j].strip()
-        if line.startswith('File "') and ", line " in line:
-            path = line.split('"')[1]
-            rest = line.split(", line ", 1)[1]
-            lineno, _, fn = rest.partition(", in ")
-            code = lines[j + 1].strip() if j + 1 < len(lines) else ""
-            if not path.startswith(_TORCH_DIR):
-                return f"at {os.path.basename(path)}:{lineno} in {fn}: `{code}`"
-    return ""
