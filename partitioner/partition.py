@@ -48,6 +48,7 @@ from partitioner.graph_profile import profile_graph
 from partitioner.memory import held, in_flight, layer_memory
 from partitioner.profile import LossFn, check_autocast, check_model
 from partitioner.profile import profile as run_profile
+from partitioner.shared import shared_across_ranks
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
@@ -57,6 +58,7 @@ from pipeline.schedules.schedule import Schedule, schedule_options
 __all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
 
 
+@shared_across_ranks
 def partition(
     model: nn.Module,
     n_ranks: int,
@@ -66,6 +68,7 @@ def partition(
     n_microbatches: int | None = None,
     n_virtual: int | None = None,
     recompute: str = "never",
+    dp: int = 1,
     cost: str = "time",
     memory_limit: float | Sequence[float] | None = None,
     speeds: Sequence[float] | None = None,
@@ -86,7 +89,11 @@ def partition(
     rank; ``speeds``: one per rank; ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one
     per link (see ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
     ``autocast``, ``loss_fn`` / ``target``, ``device`` and ``init_fn`` go to ``profile`` (see
-    there) unless a ``profile`` is given. Every argument is checked before the model is profiled.
+    there) unless a ``profile`` is given. ``dp``: pipeline replicas, recorded in the plan (the
+    split is one pipeline's: every replica runs the same, on its own share of the batch, so
+    ``sample`` is one micro-batch of one replica). Every argument is checked before the model is
+    profiled. Called on every rank of an initialised process group, it runs on rank 0 and every
+    rank returns rank 0's plan (see ``partitioner.shared``).
 
     ``model`` is an ``nn.Sequential`` (its children are the layers) or any module that
     ``torch.export`` (or else ``torch.fx.symbolic_trace``) can trace with ``sample``: its layers
@@ -99,7 +106,9 @@ def partition(
     v, m = schedule_options(schedule, n_ranks, n_microbatches, n_virtual)
     k = n_ranks * v
     check_autocast(autocast)
-    shape = Plan(balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute)
+    shape = Plan(
+        balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute, dp=dp
+    )
     net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
     check_model(model)
     traced = None
@@ -163,6 +172,7 @@ def plan_for(
     n_microbatches: int | None = None,
     n_virtual: int | None = None,
     recompute: str = "never",
+    dp: int = 1,
     cost: str = "time",
     speeds: Sequence[float] | None = None,
     bandwidth: float | Sequence[float] | None = None,
@@ -172,9 +182,9 @@ def plan_for(
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
     with a boundary where the model cannot be cut is planned, and ``extra["problems"]`` says why
-    no pipeline can run it."""
+    no pipeline can run it. ``dp``: pipeline replicas, recorded in the plan."""
     given: Any = balance  # Plan names what is wrong with it
-    shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute)
+    shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp)
     v, m = schedule_options(schedule, shape.n_ranks, n_microbatches, n_virtual)  # the given m and v
     shape = shape.replace(n_microbatches=m, n_virtual=v)
     net = Options.make(cost, shape.n_ranks, v, speeds, bandwidth, latency, None, optimizer_state_factor)

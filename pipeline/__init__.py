@@ -27,6 +27,8 @@ Index letters, with these meanings in every module's comments (partitioner/ too)
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from pipeline.schedules.actions import Action, Kind, format_action, parse_action
@@ -57,6 +59,20 @@ _LAZY = {
     "CHECKPOINT_MODES": "pipeline.runtime.recompute",
     "RECOMPUTE_MODES": "pipeline.runtime.recompute",
 }
+
+
+class _Package(types.ModuleType):
+    """``pipeline.launch`` stays the function once the module ``pipeline/launch.py`` is imported too
+    (the import system would set the package's attribute to the module, which ``from pipeline
+    import launch`` would then return: the eager imports this package had before did the same)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "launch" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

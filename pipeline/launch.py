@@ -106,7 +106,15 @@ def _group_backend(backend: str) -> str:
     return "nccl" if backend == "nccl" else "gloo"
 
 
-def _set_emulation(backend: str) -> None:
+# NCCL's watchdog, on an error or a timeout, aborts the communicators without killing the process
+# (mode 2; torch's default 3 SIGABRTs it), so that the pipeline's own waits raise and name the failed
+# rank and action; a user's setting wins
+_NCCL_ERRORS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def _set_backend_env(backend: str) -> None:
+    if backend == "nccl":
+        os.environ.setdefault(*_NCCL_ERRORS)
     if backend == "nccl-emulated":
         os.environ[EMULATE_NCCL_ENV] = "1"
     else:
@@ -142,7 +150,7 @@ def init_distributed(backend: str | None = None, timeout: float = 300.0) -> Dist
                 "pass backend=None, or the backend the ranks were started with"
             )
         chosen = backend or ("nccl" if running == "nccl" else default_backend())
-        _set_emulation(chosen)
+        _set_backend_env(chosen)
         return DistInfo(
             dist.get_rank(), dist.get_world_size(), local_rank, _local_device(chosen, local_rank), chosen
         )
@@ -154,7 +162,7 @@ def init_distributed(backend: str | None = None, timeout: float = 300.0) -> Dist
         )
     chosen = backend or default_backend()
     device = _local_device(chosen, local_rank)
-    _set_emulation(chosen)
+    _set_backend_env(chosen)
     dist.init_process_group(_group_backend(chosen), timeout=datetime.timedelta(seconds=timeout))
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, chosen)
 
@@ -174,7 +182,7 @@ def _run_rank(
     _rank_started = True
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
-    _set_emulation(backend)
+    _set_backend_env(backend)
     try:
         if _group_backend(backend) == "gloo":
             torch.set_num_threads(threads or 1)

@@ -3,9 +3,11 @@
     # letters: see pipeline/__init__.py (p ranks, v stages per rank, m micro-batches, s stage, l layer)
 
 A plan holds everything every rank of a run must agree on: the balance (layers
-per stage, stage s on rank s % p), the schedule's name, m, v and the
-recomputation mode, plus what the partitioner predicted for it (per-stage times,
-memory and bytes sent, the step time and bubble). ``partition`` makes one,
+per stage, stage s on rank s % p), the schedule's name, m, v, the
+recomputation mode and ``dp``, the number of pipeline replicas that train on
+different data (the world is dp x p ranks, see ``pipeline.runtime.mesh``), plus
+what the partitioner predicted for one pipeline (per-stage times, memory and
+bytes sent, the step time and bubble). ``partition`` makes one,
 ``Pipeline(model, plan, loss_fn=...)`` runs it, ``to_json`` / ``from_json`` carry it
 between processes. A plan without predictions (``Plan(balance=[3, 4])``) is
 valid too: that is what ``Pipeline`` builds from a plain balance list.
@@ -71,6 +73,7 @@ class Plan:
     n_microbatches: int = 0  # 0: the default, m = p (filled in when the plan is made)
     n_virtual: int = 0  # 0: the default for the schedule
     recompute: str = "never"
+    dp: int = 1  # pipeline replicas (data parallelism): the world is dp x n_ranks
     # predictions; empty for a plan that was not predicted
     stages: list[StagePlan] = field(default_factory=list)
     bottleneck: float = 0.0
@@ -103,6 +106,11 @@ class Plan:
         object.__setattr__(self, "n_virtual", v)
         object.__setattr__(self, "n_microbatches", m)
         check_mode(self.recompute)
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(
+                f"dp ({self.dp!r}) must be an integer >= 1: the number of pipeline replicas (1: no data "
+                "parallelism)"
+            )
         if self.stages and len(self.stages) != len(balance):
             raise ValueError(f"plan has {len(self.stages)} stage predictions for {len(balance)} stages")
 
@@ -117,6 +125,11 @@ class Plan:
     def n_stages(self) -> int:
         """All stages, p * v."""
         return len(self.balance)
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of a run of this plan: dp replicas of p ranks."""
+        return self.dp * self.n_ranks
 
     @property
     def n_layers(self) -> int:
@@ -168,8 +181,12 @@ class Plan:
         return cls(**data)
 
     def summary(self) -> str:
-        """The configuration in one line: ``[1f1b, m=4, v=1, recompute never]``."""
-        return f"[{self.schedule}, m={self.n_microbatches}, v={self.n_virtual}, recompute {self.recompute}]"
+        """The configuration in one line: ``[1f1b, m=4, v=1, recompute never]``, with ``, dp=2`` when
+        the pipeline is replicated."""
+        dp = f", dp={self.dp}" if self.dp > 1 else ""
+        return (
+            f"[{self.schedule}, m={self.n_microbatches}, v={self.n_virtual}, recompute {self.recompute}{dp}]"
+        )
 
     def table(self, title: str = "", reference: float | None = None) -> str:
         """The stage table; with ``reference`` (another plan's bottleneck) adds the ratio to it."""

@@ -13,6 +13,7 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,16 @@ from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
 
-__all__ = ["Precision", "Progress", "generate", "predicted_timeline", "report_busy", "resume", "save"]
-
+__all__ = [
+    "Precision",
+    "Progress",
+    "StepLog",
+    "generate",
+    "predicted_timeline",
+    "report_busy",
+    "resume",
+    "save",
+]
 
 
 class Precision:
@@ -97,6 +106,23 @@ class Progress:
         sys.stdout.flush()
 
 
+class StepLog:
+    """``--loss-log``: one JSON line per step, ``{"step": 3, "loss": 4.12}``, appended (a resumed run goes on
+    where the file stops); nothing when ``path`` is None."""
+
+    def __init__(self, path: str | None, start: int) -> None:
+        self.path = None if path is None else Path(path)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if start == 0:
+                self.path.write_text("")
+
+    def step(self, done: int, loss: float) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": done, "loss": loss}) + "\n")
+
+
 def save(folder: str, step: int, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
          config: dict[str, Any]) -> None:  # fmt: skip
     """Checkpoint ``step``: parameters and buffers, optimizer, scaler, RNG and the run's configuration."""
@@ -133,18 +159,24 @@ def predicted_timeline(plan: Plan) -> Timeline:
 
 
 def report_busy(pipe: Pipeline, plan: Plan, busy: list[float]) -> None:
-    """Rank 0 prints every rank's mean measured compute time per step beside the plan's prediction."""
+    """Rank 0 prints every rank's mean measured compute time per step beside the plan's prediction
+    (the prediction is one pipeline's: each replica's rank r is predicted as pipeline rank r)."""
     mine = sum(busy[1:]) / (len(busy) - 1) if len(busy) > 1 else sum(busy)  # the first step warms up
     measured: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(measured, mine)
     if dist.get_rank() != 0:
         return
+    p, predicted = plan.n_ranks, plan.predicted_busy()
+    replicas = plan.dp > 1
     print("busy time per step (compute only, mean over the run):")
-    print(f"  {'rank':>4}  {'stages':<8}  {'layers':>6}  {'predicted ms':>12}  {'measured ms':>11}")
-    for r, (pred, meas) in enumerate(zip(plan.predicted_busy(), measured, strict=True)):
+    head = f"  {'rank':>4}  " + (f"{'replica':>7}  " if replicas else "")
+    print(head + f"{'stages':<8}  {'layers':>6}  {'predicted ms':>12}  {'measured ms':>11}")
+    for g, meas in enumerate(measured):
+        d, r = divmod(g, p)  # the mesh's layout: pp innermost
         stages = pipe.schedule.stages_of(r)
         layers, names = sum(plan.balance[s] for s in stages), ",".join(map(str, stages))
-        print(f"  {r:>4}  {names:<8}  {layers:>6}  {pred * 1e3:12.1f}  {meas * 1e3:11.1f}", flush=True)
+        row = f"  {g:>4}  " + (f"{d:>7}  " if replicas else "")
+        print(row + f"{names:<8}  {layers:>6}  {predicted[r] * 1e3:12.1f}  {meas * 1e3:11.1f}", flush=True)
 
 
 @torch.no_grad()

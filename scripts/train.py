@@ -3,15 +3,22 @@
     python scripts/train.py     # 2 ranks, 1F1B, 1500 steps: ~2.5 min on 2 idle cores, 6-12 on busy ones
     python scripts/train.py --stages 4 --schedule zb-h1 --microbatches 8 --trace runs/zb.json
     python scripts/train.py --checkpoint-dir runs/ckpt --checkpoint-every 100   # later: add --resume
+    python scripts/train.py --dp 2 --stages 2 --zero    # 2 replicas of a 2-rank pipeline: 4 ranks, ZeRO-1
     torchrun --nproc-per-node 4 scripts/train.py --device cuda --dtype bf16
+    torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        scripts/train.py --dp 2 --stages 4 --device cuda        # each node one pipeline of 4 GPUs
 
     flags -> plan (profile, partition: once) -> on every rank: Pipeline(model, plan), then per step
           pipe.step -> pipe.clip_grad_norm_ -> optimizer step; evaluate and save every so often
           -> busy time against the plan's prediction -> text sampled from the gathered model
 
-Standalone, this process makes the plan and spawns one process per rank (gloo,
-one thread each); under ``torchrun`` rank 0 makes it and sends it to the others,
-and every process is one rank (NCCL on GPUs). The library checks every option;
+Standalone, this process makes the plan and spawns one process per rank, dp x
+stages of them (gloo, one thread each); under ``torchrun`` rank 0 makes it and
+sends it to the others, and every process is one rank (NCCL on GPUs): the
+world is split into dp replicas of a pipeline of ``stages`` ranks, global rank
+g = d * stages + r (replica d, pipeline rank r; see pipeline/runtime/mesh.py).
+``--batch-size`` is the whole step's batch: each replica trains on its own
+1/dp of it, so a run at any dp computes the same losses. The library checks every option;
 its ValueError becomes one line naming the flags involved (exit code 2). The
 data is the Python standard library's own source (``pipeline.reference.data``)
 unless ``--data`` names a text file or folder. The progress bar needs tqdm
@@ -35,10 +42,20 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from _train_support import Precision, Progress, generate, predicted_timeline, report_busy, resume, save
+from _train_support import (
+    Precision,
+    Progress,
+    StepLog,
+    generate,
+    predicted_timeline,
+    report_busy,
+    resume,
+    save,
+)
 
 from partitioner import COSTS, partition, plan_for, profile
 from pipeline import checkpointing
@@ -61,6 +78,8 @@ class Config:
     """One field per flag. ``stages``: pipeline ranks; ``virtual`` None: the schedule's default."""
 
     stages: int = 2
+    dp: int = 1
+    zero: bool = False
     schedule: str = "1f1b"
     virtual: int | None = None
     microbatches: int = 4
@@ -84,6 +103,12 @@ class Config:
     seed: int = 0
     sample_chars: int = 300
     quiet: bool = False
+    loss_log: str | None = None
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences per replica and step."""
+        return self.batch_size // self.dp
 
     def flags(self, *names: str) -> str:
         """The named fields as typed on the command line (``--batch-size 16``), unset ones left out."""
@@ -114,11 +139,14 @@ def _parser() -> argparse.ArgumentParser:
     d, count, more = Config(), _at_least(1), _at_least(0)
     p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--stages", type=int, help=f"pipeline ranks (default {d.stages}; under torchrun: the world size)")
+    add("--stages", type=int, help=f"pipeline ranks (default {d.stages}; under torchrun: the world / --dp)")
+    add("--dp", type=int, help="pipeline replicas, data-parallel (default 1; torchrun: world / --stages)")
+    add("--zero", action="store_true", help="shard the optimizer state over the replicas (ZeRO-1)")
     add("--schedule", choices=SCHEDULES, default=d.schedule)
     add("--virtual", type=int, help="stages per rank (default 2 for interleaved-1f1b, else 1)")
     add("--microbatches", type=int, default=d.microbatches)
-    add("--batch-size", type=count, default=d.batch_size, help="sequences per step, split into micro-batches")
+    add("--batch-size", type=count, default=d.batch_size,
+        help="sequences per step over all replicas, each replica's split into micro-batches")  # fmt: skip
     add("--seq-len", type=count, default=d.seq_len)
     add("--steps", type=count, default=d.steps)
     add("--lr", type=_at_least(0.0, float), default=d.lr, help="peak learning rate (warmup, cosine to 10%%)")
@@ -138,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=d.seed)
     add("--sample-chars", type=more, default=d.sample_chars, help="characters of text generated at the end")
     add("--quiet", action="store_true", help="no progress output")
+    add("--loss-log", metavar="PATH", help="write each step's loss as a JSON line (rank 0); folders are made")
     return p
 
 
@@ -154,9 +183,16 @@ def _torchrun_world() -> int | None:
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     """Flags -> Config, checking what only this script knows; ``make_plan`` asks the library the rest."""
     a, world = _parser().parse_args(argv), _torchrun_world()
-    if world is not None and a.stages not in (None, world):
-        _fail(f"--stages {a.stages} differs from torchrun's world size {world}; drop --stages or match it")
-    a.stages = a.stages if a.stages is not None else world or Config.stages
+    for flag, value in (("--stages", a.stages), ("--dp", a.dp)):
+        if value is not None and value < 1:
+            _fail(f"{flag} {value} must be >= 1")
+    a.stages, a.dp = _split_world(world, a.stages, a.dp)
+    if a.zero and a.dp < 2:
+        _fail("--zero shards the optimizer state over the replicas: give --dp 2 or more")
+    if a.batch_size % a.dp != 0:
+        even = a.dp * max(1, a.batch_size // a.dp)
+        _fail(f"--batch-size {a.batch_size} --dp {a.dp}: the batch is split evenly over the replicas, so "
+              f"--batch-size must be a multiple of --dp (e.g. {even})")  # fmt: skip
     try:
         a.balance = None if a.balance is None else tuple(int(x) for x in a.balance.split(","))
     except ValueError:
@@ -168,9 +204,29 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             CharDataset.load(a.data).check(a.seq_len)
     except (OSError, ValueError) as exc:
         _fail(f"--data {a.data} --seq-len {a.seq_len}: {exc}")
-    if a.device == "cuda" and torch.cuda.device_count() < (1 if world else a.stages):
-        _fail(f"--device cuda needs a GPU per rank: {a.stages} ranks, {torch.cuda.device_count()} GPUs here")
+    if a.device == "cuda" and torch.cuda.device_count() < (1 if world else a.stages * a.dp):
+        _fail(f"--device cuda needs a GPU per rank: {a.stages * a.dp} ranks, {torch.cuda.device_count()} "
+              "GPUs here")  # fmt: skip
     return Config(**vars(a))
+
+
+def _split_world(world: int | None, stages: int | None, dp: int | None) -> tuple[int, int]:
+    """(stages, dp): as given standalone (defaults 2 and 1); under torchrun the world is dp x stages,
+    and a missing one of the two is what the world leaves."""
+    if world is None:
+        return stages or Config.stages, dp or 1
+    if stages is None and dp is None:
+        return world, 1
+    given = stages if stages is not None else dp
+    assert given is not None
+    if world % given != 0 or (stages is not None and dp is not None and stages * dp != world):
+        shown = " ".join(f"--{n} {v}" for n, v in (("stages", stages), ("dp", dp)) if v is not None)
+        _fail(f"{shown} does not split torchrun's world of {world} ranks into dp x stages; give --stages "
+              "and --dp whose product is the world size (or one of them, dividing it)")  # fmt: skip
+    if stages is None:
+        assert dp is not None
+        return world // dp, dp
+    return stages, world // stages if dp is None else dp
 
 
 class FlagError(ValueError):
@@ -189,7 +245,7 @@ def _blame(cfg: Config, *names: str) -> Iterator[None]:
 def build_model(cfg: Config) -> tuple[nn.Sequential, torch.Tensor]:
     """The same model on every rank: seeded right before it is built. Sample: one micro-batch."""
     torch.manual_seed(cfg.seed)
-    rows = max(1, cfg.batch_size // cfg.microbatches)
+    rows = max(1, cfg.local_batch // cfg.microbatches)  # one replica's micro-batch
     return gpt(VOCAB_SIZE, cfg.width, cfg.layers, _N_HEADS, max_seq_len=cfg.seq_len, batch_size=rows)
 
 
@@ -197,8 +253,8 @@ def make_plan(cfg: Config, device: torch.device) -> Plan:
     """Profile and partition the model (or predict ``--balance``). Every check is the library's."""
     with _blame(cfg, "schedule", "stages", "virtual", "microbatches"):
         schedule_options(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)  # before profiling
-    with _blame(cfg, "batch_size", "microbatches"):
-        split(torch.empty(cfg.batch_size, 0, device="meta"), cfg.microbatches)
+    with _blame(cfg, "batch_size", *(("dp",) if cfg.dp > 1 else ()), "microbatches"):  # one replica's batch
+        split(torch.empty(cfg.local_batch, 0, device="meta"), cfg.microbatches)
     with _blame(cfg, "width", "layers"):
         model, sample = build_model(cfg)
     # profiled one layer at a time on the run's device, in its precision, with the loss: never the whole
@@ -207,7 +263,7 @@ def make_plan(cfg: Config, device: torch.device) -> Plan:
     target = torch.randint(0, VOCAB_SIZE, sample.shape, generator=torch.Generator().manual_seed(cfg.seed))
     prof = profile(model, sample, device=device, autocast=amp, loss_fn=gpt_loss, target=target)
     opts: dict[str, Any] = dict(schedule=cfg.schedule, n_microbatches=cfg.microbatches, n_virtual=cfg.virtual,
-                                recompute=cfg.recompute, cost=cfg.cost)  # fmt: skip
+                                recompute=cfg.recompute, dp=cfg.dp, cost=cfg.cost)  # fmt: skip
     with _blame(cfg, "stages", "balance", "virtual", "layers"):
         if cfg.balance is None:
             return partition(model, cfg.stages, sample, profile=prof, **opts)
@@ -238,31 +294,35 @@ def learning_rate(cfg: Config, step: int) -> float:
 def train(cfg: Config, plan: Plan) -> dict[str, Any]:
     """One rank's whole run; returns its per-step losses and evaluations."""
     rank, device = dist.get_rank(), _device(cfg)
-    first, last = rank == 0, rank == dist.get_world_size() - 1  # stage 0 on rank 0, the last on p - 1
+    replica, pp_rank = divmod(rank, cfg.stages)  # the mesh's layout: pp innermost
+    first, last = pp_rank == 0, pp_rank == cfg.stages - 1  # stage 0 on pipeline rank 0, the last on p - 1
     data = CharDataset.load(cfg.data) if first or last else None
     model, _ = build_model(cfg)
-    if first and data is not None:
+    if rank == 0 and data is not None:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"data: {data.source}, {len(data.train):,} train / {len(data.val):,} val characters, "
               f"vocabulary {VOCAB_SIZE}\nmodel: {cfg.layers} blocks, width {cfg.width}, "
               f"{n_params / 1e6:.2f}M parameters\n{plan}", flush=True)  # fmt: skip
     precision = Precision(cfg.dtype, device)
     pipe = Pipeline(model, plan, loss_fn=precision.loss_fn, device=device, timeout=_TIMEOUT_S)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    opt = optimizer(cfg, pipe)
     model_keys = {k: getattr(cfg, k) for k in _MODEL_KEYS}
     start = resume(cfg.checkpoint_dir or "", pipe, opt, precision, model_keys) if cfg.resume else 0
 
     def batch(split_name: str, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if data is None:  # inputs go to the first rank, targets to the last
             return None, None
-        x, y = data.batch(split_name, step, cfg.batch_size, cfg.seq_len, cfg.seed)
-        return (x if first else None), (y if last else None)  # the pipeline copies them (pinned, async)
+        x, y = data.batch(split_name, step, cfg.batch_size, cfg.seq_len, cfg.seed)  # every replica's rows
+        rows = slice(replica * cfg.local_batch, (replica + 1) * cfg.local_batch)  # this replica's share
+        return (x[rows] if first else None), (y[rows] if last else None)  # copied by the pipeline
 
     def loss_of(run: Callable[..., float], split_name: str, step: int, **kw: Any) -> float:
         with precision.autocast():  # pipe.step or pipe.evaluate
             return float(run(*batch(split_name, step), **kw)) / precision.scale
 
-    progress = Progress(cfg.steps, start, cfg.batch_size * cfg.seq_len, show=last and not cfg.quiet)
+    shown = rank == dist.get_world_size() - 1  # the last stage's rank of the last replica
+    progress = Progress(cfg.steps, start, cfg.batch_size * cfg.seq_len, show=shown and not cfg.quiet)
+    log = StepLog(cfg.loss_log if rank == 0 else None, start)
     losses, evals, busy, window = [], [], [], []
     t_run = t_window = time.perf_counter()
     for step in range(start, cfg.steps):
@@ -275,7 +335,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
         if record and cfg.trace is not None:
             Path(cfg.trace).parent.mkdir(parents=True, exist_ok=True)
             pipe.write_trace(cfg.trace, predicted_timeline(plan))
-            if first:
+            if rank == 0:
                 progress.write(f"wrote the measured timeline of step {step} to {cfg.trace}")
         precision.update(pipe, opt, _CLIP)
         opt.zero_grad(set_to_none=True)
@@ -283,11 +343,12 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
         window.append(loss)
         done = step + 1
         progress.step(done, loss)
+        log.step(done, loss)
         if done % cfg.eval_every == 0 or done == cfg.steps:
             val = sum(loss_of(pipe.evaluate, "val", k) for k in range(_EVAL_BATCHES)) / _EVAL_BATCHES
             tok_s = len(window) * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t_window)
             evals.append((done, sum(window) / len(window), val, tok_s))
-            if last:
+            if shown:
                 progress.write(f"step {done} | train loss {evals[-1][1]:.4f} | val loss {val:.4f} | "
                                f"tokens/s {tok_s:,.0f}")  # fmt: skip
             window, t_window = [], time.perf_counter()
@@ -297,14 +358,22 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
             save(cfg.checkpoint_dir, done, pipe, opt, precision, asdict(cfg))
     seconds = time.perf_counter() - t_run
     report_busy(pipe, plan, busy)
-    state, text = pipe.gather_state_dict(dst=0) if cfg.sample_chars else None, ""
-    if state is not None:
+    state, text = pipe.gather_state_dict(dst=0) if cfg.sample_chars else None, ""  # in every replica
+    if state is not None and rank == 0:
         full, _ = build_model(cfg)
         full.load_state_dict(state)
         text = generate(full.to(device), "def ", cfg.sample_chars, cfg.seq_len, cfg.seed)
         print("---- generated text ----\n" + text + "\n------------------------", flush=True)
     return {"rank": rank, "start": start, "losses": losses, "evals": evals, "seconds": seconds,
             "sample": text}  # fmt: skip
+
+
+def optimizer(cfg: Config, pipe: Pipeline) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters; with ``--zero`` its state sharded over the replicas (ZeRO-1)."""
+    kw: dict[str, Any] = dict(lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    if not cfg.zero:
+        return torch.optim.AdamW(pipe.parameters(), **kw)
+    return ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, process_group=pipe.dp_group, **kw)
 
 
 def _device(cfg: Config) -> torch.device:
@@ -327,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             _fail(str(exc))
         finally:
             torch.set_num_threads(threads)
-        return launch(train, cfg.stages, cfg, plan, backend=backend, timeout=600.0)
+        return launch(train, cfg.dp * cfg.stages, cfg, plan, backend=backend, timeout=600.0)
     init_distributed(backend)
     try:
         box: list[Any] = [None]

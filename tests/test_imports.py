@@ -198,3 +198,11 @@ def test_public_names_resolve() -> None:
 
     for name in pipeline.__all__:
         assert getattr(pipeline, name) is not None, name
+
+
+def test_pipeline_launch_stays_the_function_after_its_module_is_imported() -> None:
+    # importing pipeline/launch.py sets the package attribute to the module unless the package keeps it
+    code = "import pipeline.launch; from pipeline import launch; print(callable(launch), launch.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "pipeline.launch"]

@@ -48,9 +48,18 @@ def test_autocast_mode_word() -> None:
 def test_specs_carry_tensors_forward_and_float_grads_backward() -> None:
     boundary = (((4, 8), torch.float32), ((4,), torch.int64))
     send_f, send_b = Msg(Action(0, Kind.SEND_F, 1), 1), Msg(Action(1, Kind.SEND_B, 1), 0)
-    set_specs({send_f.action: send_f, send_b.action: send_b}, {1: boundary}, {0: boundary})  # type: ignore[dict-item]
+    msgs = {send_f.action: send_f, send_b.action: send_b}
+    set_specs(msgs, {1: {4: boundary}}, {0: {4: boundary}}, [4, 4])  # type: ignore[dict-item]
     assert send_f.spec == boundary and send_f.mask == [True, True] and send_f.like_tuple
     assert send_b.spec == boundary[:1] and send_b.mask == [True, False]
+
+
+def test_specs_take_their_micro_batchs_rows() -> None:
+    """B = 7, m = 3: micro-batch 0 has 3 rows, 1 and 2 have 2: each message the signature of its size."""
+    sigs = {n: (((n, 8), torch.float32),) for n in (3, 2)}
+    msgs = {Action(0, Kind.SEND_F, i): Msg(Action(0, Kind.SEND_F, i), 1) for i in range(3)}
+    set_specs(msgs, {}, {0: sigs}, [3, 2, 2])  # type: ignore[arg-type]
+    assert [m.spec[0][0] for m in msgs.values()] == [(3, 8), (2, 8), (2, 8)]
 
 
 def test_send_checks_name_stage_and_signatures() -> None:

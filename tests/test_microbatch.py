@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime.microbatch import concat, signature, split
+from pipeline.runtime.microbatch import concat, rows, signature, split, weights, with_rows
 
 
 def test_split_tensor_into_views() -> None:
@@ -32,9 +32,35 @@ def test_signature() -> None:
     )
 
 
-def test_indivisible_batch() -> None:
-    with pytest.raises(ValueError, match=r"batch size \(10\) is not divisible by n_microbatches \(4\)"):
-        split(torch.zeros(10, 2), 4)
+SPLITS = [(30, 4, [8, 8, 7, 7]), (7, 3, [3, 2, 2]), (8, 4, [2] * 4), (4, 4, [1] * 4)]  # (B, m, rows)
+
+
+@pytest.mark.parametrize(("n", "m", "sizes"), SPLITS)
+def test_uneven_batches_split_as_evenly_as_possible(n: int, m: int, sizes: list[int]) -> None:
+    x, y = torch.arange(float(n)).view(n, 1).expand(n, 3), torch.arange(n)
+    chunks = split((x, y), m)
+    assert rows(n, m) == sizes == [c[0].shape[0] for c in chunks] == [c[1].shape[0] for c in chunks]
+    assert all(c[0].data_ptr() == x[sum(sizes[:i]) :].data_ptr() for i, c in enumerate(chunks))  # views
+    back = concat(chunks)
+    assert isinstance(back, tuple) and torch.equal(back[0], x) and torch.equal(back[1], y)
+    shares = weights(sizes)
+    assert shares == [k / n for k in sizes] and abs(sum(shares) - 1.0) < 1e-12
+    if n % m == 0:
+        assert shares == [1.0 / m] * m  # even batches weigh each micro-batch exactly 1/m, as before
+
+
+def test_a_micro_batch_signature_has_its_rows() -> None:
+    sig = (((30, 4, 5), torch.float32), ((30,), torch.int64))
+    assert with_rows(sig, 7) == (((7, 4, 5), torch.float32), ((7,), torch.int64))
+
+
+def test_fewer_rows_than_micro_batches_names_both_and_the_fix() -> None:
+    error = (
+        r"inputs has 3 rows but n_microbatches is 4, and every micro-batch needs at least one row; pass "
+        r"a batch of at least 4 rows, or build the Pipeline with n_microbatches <= 3"
+    )
+    with pytest.raises(ValueError, match=error):
+        split(torch.zeros(3, 2), 4, what="inputs")
 
 
 def test_mismatched_tuple_sizes() -> None:

@@ -90,6 +90,19 @@ def test_plan_records_the_options(small_gpt, name: str, kw: dict, shape: tuple[i
     assert Plan.from_json(plan.to_json()) == plan
     same = plan_for(prof, plan.balance, schedule=name, **kw)
     assert same == plan  # the plan of a balance is the same whoever made it
+    assert plan.dp == 1  # one pipeline unless dp says otherwise
+
+
+def test_dp_is_recorded_and_the_split_is_one_pipeline_s(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    model, sample, prof = small_gpt
+    one = partition(model, 2, sample, profile=prof)
+    two = partition(model, 2, sample, profile=prof, dp=2)
+    assert two.dp == 2 and two.world_size == 4
+    assert two == one.replace(dp=2)  # the same balance and predictions: each replica is one pipeline
+    assert plan_for(prof, one.balance, dp=2) == two
+    bad_sample = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2)), 2, torch.randn(2, 4)  # fails profiling
+    with pytest.raises(ValueError, match=r"dp \(0\) must be an integer >= 1"):
+        partition(*bad_sample, dp=0)  # checked before the model is profiled
 
 
 def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-def]

@@ -53,7 +53,8 @@ def _autocast_and_threads() -> dict[str, Any]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pipe.step(x, y)
         ex = pipe.executor
-        between = ex.out_sig[0] if pipe.rank == 0 else ex.in_sig[1]  # as sent, and as received
+        rows = BATCH // M  # the micro-batches' one size
+        between = ex.out_sig[0][rows] if pipe.rank == 0 else ex.in_sig[1][rows]  # as sent, and as received
         out[f"bf16/{name}"] = (loss, grads_of(pipe.named_parameters()), between)
         for t in pipe.parameters():
             t.grad = None

@@ -151,8 +151,16 @@ def test_checkpoint_is_the_old_name_of_recompute() -> None:
 def test_bad_step_input_in_one_process() -> None:
     model, _ = mlp(width=4, depth=2, batch_size=4)
     pipe = Pipeline(model, [2], schedule="gpipe", n_microbatches=4, loss_fn=nn.functional.mse_loss)
-    with pytest.raises(ValueError, match=r"inputs size \(10\) is not divisible by n_microbatches \(4\)"):
-        pipe.step(torch.zeros(10, 4), torch.zeros(10, 4))
+    with pytest.raises(ValueError, match=r"inputs has 3 rows but n_microbatches is 4, .* <= 3"):
+        pipe.step(torch.zeros(3, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"the targets have 8 rows but the inputs \(on stage 0's rank\) 10"):
+        pipe.step(torch.zeros(10, 4), torch.zeros(8, 4))
+    with pytest.raises(TypeError, match=r"prefetch must be the next call's \(inputs, targets\) pair"):
+        pipe.step(torch.zeros(8, 4), torch.zeros(8, 4), prefetch=torch.zeros(8, 4))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dst \(1\) must be a rank of the pipeline's group, 0 to 0"):
+        pipe.predict(torch.zeros(8, 4), dst=1)
+    with pytest.raises(ValueError, match=r"rank 0 holds stage 0 but predict\(\) got no inputs"):
+        pipe.predict()
     with pytest.raises(ValueError, match=r"rank 0 holds the last stage \(0\) but step\(\) got no targets"):
         pipe.step(torch.zeros(8, 4))
     with pytest.raises(ValueError, match=r"rank 0 holds stage 0 but step\(\) got no inputs"):

@@ -54,8 +54,10 @@ def _scenario(kind: str, group: Any) -> tuple[str, str, float]:
         loss_fn = lambda out, y: (out - y) ** 2  # noqa: E731
     elif kind == "disagree":
         m = 4 if rank == 0 else 8
-    elif kind == "indivisible":
-        batch = 10
+    elif kind == "few-rows":
+        batch = 3  # fewer rows than micro-batches
+    elif kind == "rows-differ":
+        batch = 10  # inputs of 10 rows, targets of 8
     model = nn.Sequential(*layers)
     if kind == "group-size":  # a plan for 2 ranks in a group of 3
         try:
@@ -90,7 +92,8 @@ def _failures() -> dict[str, list[tuple[str, str, float]]]:
         "shape",
         "scalar",
         "disagree",
-        "indivisible",
+        "few-rows",
+        "rows-differ",
         "targets",
         "autocast",
         "group-size",
@@ -138,7 +141,8 @@ def test_timeout_names_rank_and_action(failures: dict[str, Any]) -> None:
         ("shape", 0, "ValueError: stage 0 produced [2, 5] float32 for micro-batch 0, but stage 1 was set up "
                      "for [2, 4] float32"),
         ("scalar", 2, "ValueError: loss_fn must return a scalar (0-dim) tensor, got (2, 4)"),
-        ("indivisible", 0, "ValueError: inputs size (10) is not divisible by n_microbatches (4)"),
+        ("few-rows", 0, "ValueError: inputs has 3 rows but n_microbatches is 4"),
+        ("rows-differ", 2, "ValueError: the targets have 8 rows but the inputs (on stage 0's rank) 10"),
         ("targets", 2, "ValueError: rank 2 holds the last stage (2) but step() got no targets"),
         ("autocast", 1, "ValueError: rank 1 runs the step with autocast off on cpu but rank 0 with "
                         "autocast(bfloat16) on cpu; wrap the step in the same torch.autocast (or none) on "

@@ -35,6 +35,7 @@ def _plan() -> Plan:
         balance=[2, 1],
         schedule="1f1b",
         n_microbatches=4,
+        dp=2,
         stages=[_stage(0, 2, 0.001, 0.002), _stage(2, 3, 0.002, 0.002)],
         bottleneck=0.004,
         step_time=0.02,
@@ -69,6 +70,7 @@ def test_json_round_trips_every_field() -> None:
         n_microbatches=4,
         n_virtual=2,
         recompute="except_last",
+        dp=3,
         stages=[
             _stage(0, 1, 1.0, 2.0, 0.5),
             _stage(1, 3, 0.5, 0.5, 0.25),
@@ -170,7 +172,7 @@ def test_split_rejects_another_model() -> None:
 def test_table() -> None:
     text = str(_plan())
     assert "stage" in text and "0-1" in text and "balance [2, 1]" in text and "bubble 0.250" in text
-    assert "[1f1b, m=4, v=1, recompute never]" in text
+    assert "[1f1b, m=4, v=1, recompute never, dp=2]" in text  # dp shown when the pipeline is replicated
     assert "(2.000x ours)" in _plan().table(reference=0.002)
     assert str(Plan(balance=[3, 4])) == "balance [3, 4]  [1f1b, m=2, v=1, recompute never] (no predictions)"
 
@@ -187,3 +189,17 @@ def test_predicted_busy_sums_each_ranks_stages() -> None:
     assert plan.predicted_busy() == [4 * (3.0 + 4.0), 4 * (1.0 + 0.5)]
     flat = Plan(balance=[1, 1, 1, 1], n_microbatches=2, stages=stages)
     assert flat.predicted_busy() == [6.0, 2.0, 8.0, 1.0]
+
+
+def test_dp_is_the_number_of_replicas() -> None:
+    plan = Plan(balance=[1, 1, 1, 1], schedule="interleaved-1f1b")
+    assert plan.dp == 1 and plan.world_size == 2  # 2 ranks x 2 stages each, one pipeline
+    four = plan.replace(dp=2)
+    assert four.world_size == 4 and four.n_ranks == 2 and four.summary().endswith(", dp=2]")
+    assert Plan.from_json(four.to_json()).dp == 2
+    old = json.loads(plan.to_json())
+    del old["dp"]  # a plan written before dp existed: one pipeline
+    assert Plan.from_json(json.dumps(old)) == plan
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"dp \({bad!r}\) must be an integer >= 1: the number of "):
+            Plan(balance=[1, 1], dp=bad)  # type: ignore[arg-type]

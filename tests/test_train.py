@@ -4,6 +4,8 @@ import io
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +48,8 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
         (["--schedule", "2f2b"], "invalid choice: '2f2b'"),
         (["--recompute", "sometimes"], "invalid choice: 'sometimes'"),
         (["--data", "/nonexistent/corpus"], "'/nonexistent/corpus' does not exist"),
-        (["--batch-size", "10", "--microbatches", "4"], "--batch-size 10 --microbatches 4: "),
-        (["--batch-size", "10", "--microbatches", "4"], "size (10) is not divisible by n_microbatches (4)"),
+        (["--batch-size", "3", "--microbatches", "4"], "--batch-size 3 --microbatches 4: "),
+        (["--batch-size", "3", "--microbatches", "4"], "batch has 3 rows but n_microbatches is 4"),
         (
             ["--balance", "4,4"],
             "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the profile has 7",
@@ -65,6 +67,13 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
         (
             ["--virtual", "2"],
             "--schedule 1f1b --stages 2 --virtual 2 --microbatches 4: n_virtual (2) must be 1",
+        ),
+        (["--zero"], "--zero shards the optimizer state over the replicas: give --dp 2 or more"),
+        (["--dp", "0"], "--dp 0 must be >= 1"),
+        (["--dp", "3"], "--batch-size 16 --dp 3: the batch is split evenly over the replicas, so"),
+        (
+            ["--dp", "4", "--batch-size", "8", "--microbatches", "4"],
+            "--batch-size 8 --dp 4 --microbatches 4: batch has 2 rows but n_microbatches is 4",
         ),
     ],
 )
@@ -84,6 +93,19 @@ def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys
         with pytest.raises(SystemExit):
             train.parse_args(["--device", "cuda"])
         assert "--device cuda needs a GPU per rank: 2 ranks, 0 GPUs here" in capsys.readouterr().err
+
+
+def test_under_torchrun_the_world_is_split_into_dp_x_stages(capsys: Any) -> None:
+    assert train._split_world(None, None, None) == (2, 1)  # standalone: the defaults
+    assert train._split_world(None, 4, 2) == (4, 2)
+    assert train._split_world(4, None, None) == (4, 1)  # torchrun: one pipeline over the world
+    assert train._split_world(4, None, 2) == (2, 2)
+    assert train._split_world(4, 2, None) == (2, 2)
+    assert train._split_world(8, 2, 4) == (2, 4)
+    for stages, dp in ((3, None), (2, 4), (None, 3)):
+        with pytest.raises(SystemExit):
+            train._split_world(4, stages, dp)
+        assert "does not split torchrun's world of 4 ranks into dp x stages" in capsys.readouterr().err
 
 
 def test_too_short_data_file_is_a_flag_error(tmp_path: Path, capsys: Any) -> None:
@@ -234,3 +256,55 @@ def test_seed_lr_and_recompute_steer_the_run(tmp_path: Path) -> None:
     # recomputing activations changes the memory, not the numbers
     recomputed = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--recompute", "always")[0]["losses"]
     assert recomputed == base
+
+
+# ---- replicas (data parallel), ZeRO-1, and two torchrun "nodes" on this host
+
+
+def test_replicas_train_like_one_pipeline_on_the_whole_batch(tmp_path: Path) -> None:
+    args = ("--steps", "3", "--balance", "3,2", "--microbatches", "2")
+    one = _run(tmp_path, *args)[0]["losses"]
+    log = tmp_path / "logs" / "dp2.jsonl"
+    two = _run(tmp_path, *args, "--dp", "2", "--loss-log", str(log))
+    assert len(two) == 4 and all(r["losses"] == two[0]["losses"] for r in two)  # the global mean everywhere
+    assert two[0]["losses"] == pytest.approx(one, rel=1e-5)  # each replica half of the same batch
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"step": k + 1, "loss": loss} for k, loss in enumerate(two[0]["losses"])
+    ]
+    zero = _run(tmp_path, *args, "--dp", "2", "--zero")
+    assert zero[0]["losses"] == two[0]["losses"]  # the same updates, the state sharded
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_torchrun_nodes_on_this_host_give_the_single_node_losses(tmp_path: Path) -> None:
+    flags = [*TINY, *QUIET, "--steps", "3", "--balance", "3,2", "--microbatches", "2", "--dp", "2",
+             "--stages", "2"]  # fmt: skip
+    single = train.main(flags)[0]["losses"]
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent), "GLOO_SOCKET_IFNAME": "lo"}
+    nodes = []
+    try:
+        for k in range(2):
+            log = str(tmp_path / f"node{k}.jsonl")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
+                   "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   "--rdzv-id", f"test-{port}", "--rdzv-conf", "join_timeout=60", "--max-restarts", "0",
+                   str(SCRIPTS / "train.py"), *flags, "--loss-log", log]  # fmt: skip
+            nodes.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))  # fmt: skip
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:  # the agents and their ranks: each node's own process group
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    logs = [p for p in tmp_path.glob("node*.jsonl")]  # written by global rank 0, on either node
+    assert len(logs) == 1
+    losses = [json.loads(line)["loss"] for line in logs[0].read_text().splitlines()]
+    assert losses == single

@@ -39,6 +39,15 @@ here because ``get_optimizer_state_dict`` takes a zero-lr optimizer step to
 create state for an optimizer that has none: a checkpoint taken before the
 first step would then resume with Adam's step count at 1, not 0.
 
+ZeRO-1 (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the
+pipeline's "dp" group) keeps each parameter's state on one replica only, in
+its local optimizer (``.optim``, over this rank's shard). Each rank saves its
+shard's entries, so the replicas together save every parameter once, in the
+same layout as a plain optimizer: a checkpoint of either loads into the other,
+and at another dp (the shards then differ) each rank asks for its own shard's
+names. The hyperparameters of every group of the wrapper, whose groups hold all
+parameters, are restored too and passed on to the local optimizer.
+
 Tensor values are dcp tensors; any other value (a number, None, a dict) is
 stored whole inside a 1-tuple, since dcp would split a dict into other keys.
 """
@@ -50,6 +59,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["flatten", "restore", "targets"]
 
@@ -71,8 +81,24 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
+def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: ZeRO's local one (over its shard), else ``optimizer``.
+
+    ZeRO passes the wrapper's hyperparameters on to the local groups only when it steps, so a
+    scheduler's change since is passed on here first (as ZeRO's step would).
+    """
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    for group, shard in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
+        shard.update(_hyper(group))
+    local: torch.optim.Optimizer = optimizer.optim
+    return local
+
+
 def flatten(optimizer: torch.optim.Optimizer, names: Mapping[int, str], rank: int) -> dict[str, Any]:
-    """``optimizer``'s state and hyperparameters under parameter names (``names``: id(param) -> name)."""
+    """``optimizer``'s state and hyperparameters under parameter names (``names``: id(param) -> name);
+    under ZeRO, this rank's shard's."""
+    optimizer = _local(optimizer)
     flat: dict[str, Any] = {f"{GROUPS}{rank}": ([_hyper(g) for g in optimizer.param_groups],)}
     for g, group in enumerate(optimizer.param_groups):
         hyper = _hyper(group)
@@ -88,6 +114,21 @@ def targets(
     optimizer: torch.optim.Optimizer, names: Mapping[int, str], meta: Mapping[str, Any], rank: int
 ) -> tuple[dict[str, Any], list[str]]:
     """What to load for ``optimizer`` (``meta``: the checkpoint's entries), and the names it lacks."""
+    want, missing = _targets(_local(optimizer), names, meta, rank)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # every group's hyperparameters, of all parameters
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = _name_of(names, p, g, i)
+                if f"{GROUP}{name}" in meta:
+                    want[f"{GROUP}{name}"] = None
+                elif name not in missing:
+                    missing.append(name)
+    return want, missing
+
+
+def _targets(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], meta: Mapping[str, Any], rank: int
+) -> tuple[dict[str, Any], list[str]]:
     saved: dict[str, list[str]] = {}
     for key in meta:
         if key.startswith(STATE):
@@ -117,9 +158,29 @@ def restore(
     optimizer: torch.optim.Optimizer, names: Mapping[int, str], loaded: Mapping[str, Any], rank: int
 ) -> None:
     """Load ``loaded`` (``targets`` filled in by dcp) into ``optimizer``: state and param groups."""
+    local = _local(optimizer)
     own = f"{GROUPS}{rank}"
     (by_index,) = loaded[own] if own in loaded else loaded[f"{GROUPS}0"]
-    current = optimizer.state_dict()  # its param_groups hold the parameters' indices
+    current = local.state_dict()  # its param_groups hold the parameters' indices
+    state, groups = _merged(local, current["param_groups"], names, loaded, by_index)
+    local.load_state_dict({"state": state, "param_groups": groups})
+    if local is not optimizer:  # ZeRO: the wrapper's groups (all parameters), then the local ones from them
+        _, full = _merged(optimizer, optimizer.param_groups, names, loaded, by_index)
+        for group, values in zip(optimizer.param_groups, full, strict=True):
+            group.update(_hyper(values))
+        for group, shard in zip(optimizer.param_groups, local.param_groups, strict=True):
+            shard.update(_hyper(group))
+
+
+def _merged(
+    optimizer: torch.optim.Optimizer,
+    current: list[dict[str, Any]],
+    names: Mapping[int, str],
+    loaded: Mapping[str, Any],
+    by_index: list[dict[str, Any]],
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The state by parameter index and the param groups ``optimizer`` loads (``current``: its groups
+    as ``state_dict`` gives them, parameters by index)."""
     by_name: dict[str, dict[str, Any]] = {}
     for key, value in loaded.items():
         if key.startswith(STATE):
@@ -127,7 +188,7 @@ def restore(
             by_name.setdefault(name, {})[item] = value if isinstance(value, torch.Tensor) else value[0]
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
-    for g, (group, indexed) in enumerate(zip(optimizer.param_groups, current["param_groups"], strict=True)):
+    for g, (group, indexed) in enumerate(zip(optimizer.param_groups, current, strict=True)):
         merged = dict(indexed)
         first: tuple[str, dict[str, Any]] | None = None
         for i, p in enumerate(group["params"]):
@@ -143,7 +204,7 @@ def restore(
         if first is None and g < len(by_index):  # no parameters here: the values saved for this index
             merged.update(_hyper(by_index[g]))
         groups.append(merged)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return state, groups
 
 
 def _check_same_group(g: int, a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]) -> None:

@@ -27,7 +27,9 @@ batch. Collectives never use the channels, so they never queue behind them.
 
 The groups are made with ``dist.new_group``, which every rank of the world
 calls in the same order, once per process group (pipelines on one group share
-them: each NCCL communicator holds device buffers). Under the emulation they
+them: each NCCL communicator holds device buffers). With replicas of the
+pipeline (a mesh, mesh.py), every rank makes the channels of every replica's
+pipeline, replica by replica, and keeps its own. Under the emulation they
 are gloo groups and ``post`` returns emulation.py's ``EmuTransfer``.
 """
 
@@ -45,7 +47,14 @@ import torch.distributed as dist
 from pipeline.runtime.emulation import EmuTransfer
 from pipeline.runtime.watchdog import Pairs, close_pairs
 
-__all__ = ["Channels", "NcclTransfer", "Op", "Transfer", "channels_for"]
+__all__ = [
+    "Channels",
+    "NcclTransfer",
+    "Op",
+    "Transfer",
+    "abort_nccl",
+    "channels_for",
+]
 
 # one op of a group: (tensor, peer rank in the pipeline's group, is a send)
 Op = tuple[torch.Tensor, int, bool]
@@ -76,14 +85,23 @@ class Channels:
     """This rank's channels in a pipeline group of ``len(global_ranks)`` ranks (group rank ``rank``)."""
 
     def __init__(
-        self, group: Any, rank: int, global_ranks: list[int], backend: str, timeout: datetime.timedelta
+        self,
+        group: Any,
+        rank: int,
+        global_ranks: list[int],
+        backend: str,
+        timeout: datetime.timedelta,
+        pipelines: list[list[int]] | None = None,
     ) -> None:
         n = len(global_ranks)
-        if n != dist.get_world_size():
+        rows = pipelines if pipelines is not None else [global_ranks]
+        covered = sorted(g for row in rows for g in row)
+        if covered != list(range(dist.get_world_size())) or global_ranks not in rows:
             raise ValueError(
-                f"the pipeline's process group has {n} of the world's {dist.get_world_size()} ranks; "
-                "on NCCL (and its emulation) the pipeline's channels are made with dist.new_group, "
-                "which needs the pipeline group to span the world: pass group=None"
+                f"the pipelines' process groups hold ranks {covered} of the world's "
+                f"{dist.get_world_size()}; on NCCL (and its emulation) the pipeline's channels are made "
+                "with dist.new_group, which every rank of the world calls: pass group=None, or a mesh "
+                "that spans the world (mesh=)"
             )
         from torch.distributed import distributed_c10d as c10d
 
@@ -93,11 +111,12 @@ class Channels:
         pairs = sorted({(a, (a + d) % n) for a in range(n) for d in (1, -1) if (a + d) % n != a})
         # (src, dst) -> (group, dst-or-src's rank in it, its global rank)
         self._lanes: dict[tuple[int, int], tuple[Any, int, int]] = {}
-        for a, b in pairs:  # the same order on every rank: dist.new_group is collective
-            pg = dist.new_group([global_ranks[a], global_ranks[b]], timeout=timeout, backend=backend)
-            if rank in (a, b):
-                peer = global_ranks[b if rank == a else a]
-                self._lanes[(a, b)] = (pg, dist.get_group_rank(pg, peer), peer)
+        for row in rows:  # the same order on every rank: dist.new_group is collective
+            for a, b in pairs:
+                pg = dist.new_group([row[a], row[b]], timeout=timeout, backend=backend)
+                if row == global_ranks and rank in (a, b):
+                    peer = global_ranks[b if rank == a else a]
+                    self._lanes[(a, b)] = (pg, dist.get_group_rank(pg, peer), peer)
 
     def _lane(self, q: int, send: bool) -> tuple[Any, int, int]:
         """(group, q's rank in it, q's global rank): q's channel, or the pipeline's group."""
@@ -147,9 +166,36 @@ class Channels:
         if self.emulated:
             close_pairs(self.pairs())
             return
-        for pg, _, _ in self._lanes.values():
+        abort_nccl([pg for pg, _, _ in self._lanes.values()])
+
+
+def abort_nccl(groups: Sequence[Any]) -> None:
+    """Abort the NCCL communicators of ``groups``, all of them inside one NCCL group call where the
+    torch build allows it (aborting them one by one can wait on a kernel of the next one).
+
+    ``ProcessGroup.abort()`` exists from torch 2.7; older builds abort through the NCCL backend
+    object, so that an abort is never silently a no-op.
+    """
+    nccl: Any = None
+    with contextlib.suppress(Exception):
+        nccl = groups[0]._get_backend(torch.device("cuda")) if groups else None
+    grouped = nccl is not None and hasattr(nccl, "_group_start") and hasattr(nccl, "_group_end")
+    if grouped:  # as torch's own _abort_process_group does (pytorch issue 119797)
+        try:
+            nccl._group_start()
+        except Exception:
+            grouped = False
+    try:
+        for pg in groups:
+            try:
+                pg.abort()
+            except Exception:
+                with contextlib.suppress(Exception):
+                    pg._get_backend(torch.device("cuda")).abort()
+    finally:
+        if grouped:
             with contextlib.suppress(Exception):
-                pg.abort()  # NCCL: aborts the communicator; its kernels stop
+                nccl._group_end()
 
 
 # per pipeline process group: made once (dist.new_group is collective), shared by its pipelines
@@ -157,13 +203,19 @@ _made: weakref.WeakKeyDictionary[Any, Channels] = weakref.WeakKeyDictionary()
 
 
 def channels_for(
-    group: Any, rank: int, global_ranks: list[int], backend: str, timeout: datetime.timedelta
+    group: Any,
+    rank: int,
+    global_ranks: list[int],
+    backend: str,
+    timeout: datetime.timedelta,
+    pipelines: list[list[int]] | None = None,
 ) -> Channels:
-    """The channels of ``group`` (None: the world), made at the first call on every rank."""
+    """The channels of ``group`` (None: the world), made at the first call on every rank; with
+    ``pipelines`` (every replica's global ranks, ``group`` one of them) those of every replica."""
     from torch.distributed import distributed_c10d as c10d
 
     key = group if group is not None else c10d._get_default_group()
     made = _made.get(key)
     if made is None:
-        made = _made[key] = Channels(group, rank, global_ranks, backend, timeout)
+        made = _made[key] = Channels(group, rank, global_ranks, backend, timeout, pipelines)
     return made

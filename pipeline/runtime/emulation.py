@@ -23,12 +23,17 @@ asynchrony  a receive lands in a staging buffer; the buffer compute reads holds
                                      \\  order(default, transfer): staging -> buffer
     default stream   [F0] ............ [F1 reads buffer]      (no order: F1 reads NaN)
 
+Host-to-device copies of the inputs (``copy``) are emulated the same way: the
+copy reads as poison until compute is ordered after the copy stream it was
+queued on (a prefetched batch used without that ordering gives NaN).
+
 Sent tensors and receive buffers must not be written while a transfer is in
 flight (CUDA would race): a write is detected through the tensor's version
 counter and raises.
 
 The stand-in streams and events here are what ``stream.py`` hands out under
-the emulation; compute runs on ``DEFAULT``, the device's default stream.
+the emulation; compute runs on the current stream (``DEFAULT``, the device's default stream, unless
+``use`` made another current, as ``torch.cuda.stream(s)`` would).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ __all__ = [
     "EmuEvent",
     "EmuStream",
     "EmuTransfer",
+    "copy",
     "current",
     "enabled",
     "order",
@@ -178,12 +184,26 @@ def use(stream: EmuStream) -> Iterator[None]:
 
 
 def order(stream: EmuStream, transfers: Iterable[EmuTransfer]) -> None:
-    """``stream`` runs on only after ``transfers`` (each completed); on ``DEFAULT`` they become visible."""
-    if stream is DEFAULT:
+    """``stream`` runs on only after ``transfers`` (each completed); ordered onto the stream that is
+    current (where compute runs: ``DEFAULT`` unless the caller made another current), they become visible."""
+    if stream is current():
         for t in transfers:
             t.materialize()
     else:
         stream.after.update(t for t in transfers if not t.visible)
+
+
+def copy(tensor: torch.Tensor, stream: EmuStream) -> torch.Tensor:
+    """An emulated host-to-device copy of ``tensor`` queued on ``stream``: poison until compute is
+    ordered after it. The source is snapshotted, as a pinned staging copy would be."""
+    out = torch.empty_like(tensor)
+    shape = "x".join(map(str, tensor.shape)) or "scalar"
+    what = f"the host-to-device copy of a {shape} input"
+    done = EmuTransfer([], [], [(out, tensor.detach().clone())], what)
+    done.done = True
+    stream.after = {t for t in stream.after if not t.visible}  # forget what is visible already
+    stream.after.add(done)
+    return out
 
 
 def wait_stream(waiter: EmuStream, target: EmuStream) -> None:

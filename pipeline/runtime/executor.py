@@ -5,7 +5,8 @@
 ``Executor`` compiles the rank's lowered list once (program.py: messages and
 bound instructions) and runs it at every step:
 
-    step:  header + signatures (metadata.py, only when the input changes)
+    step:  header + signatures (metadata.py, only when the batch's signature changes;
+           per micro-batch size: B rows split into m give at most two)
            -> post the first block's receives (lookahead)
            -> per instruction: compute (its input ordered before it only now) | post a comm block
            -> order the sends still pending
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,13 +46,14 @@ import torch
 from pipeline.runtime import emulation, stream
 from pipeline.runtime.clock import StepClock
 from pipeline.runtime.metadata import (
+    Signatures,
     check_sendable,
     derive_signatures,
     exchange_header,
     send_tensors,
     set_specs,
 )
-from pipeline.runtime.microbatch import Batch, Signature, from_tuple
+from pipeline.runtime.microbatch import Batch, Signature, batch_rows, from_tuple, rows, signature, with_rows
 from pipeline.runtime.p2p import NCCL_DTYPES, Comm
 from pipeline.runtime.program import Msg, compile_rank
 from pipeline.runtime.stage import StageRuntime
@@ -58,15 +61,37 @@ from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import TimedAction
 
-__all__ = ["RUN_AHEAD", "Executor"]
+__all__ = ["RUN_AHEAD", "Executor", "Prefetched"]
 
 RUN_AHEAD = 2  # compute actions the host may queue past the last one the device finished
+
+
+def _map(batch: Any, fn: Any) -> Any:
+    """``fn`` on each tensor of a tensor or tuple; anything else as it is (checked where it is used)."""
+    if isinstance(batch, tuple):
+        return tuple(_map(t, fn) for t in batch)
+    return fn(batch) if isinstance(batch, torch.Tensor) else batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, tuple):
+        return [t for item in batch for t in _tensors(item)]
+    return [batch] if isinstance(batch, torch.Tensor) else []
 
 
 def _normal(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+class Prefetched:
+    """A batch whose copy to the device was started ahead of its step (``Executor.prefetch``)."""
+
+    __slots__ = ("copy", "event", "host")
+
+    def __init__(self, host: Any, copy: Any, event: stream.Event) -> None:
+        self.host, self.copy, self.event = host, copy, event
 
 
 class Executor:
@@ -103,12 +128,15 @@ class Executor:
         self._abandoned: list[list[Any]] = []  # works of a failed step
         self._ends: deque[tuple[Action, stream.Event]] = deque(maxlen=RUN_AHEAD)
         self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)  # recent receives
-        # signatures, derived at the first step and when the input signature or autocast state changes
+        # signatures, derived at the first step and when the batch's signature or autocast state changes
         self._input_key: tuple[Signature, int] | None = None
         self._version = 0
-        self.in_sig: dict[int, Signature] = {}
-        self.out_sig: dict[int, Signature] = {}
-        compiled = compile_rank(sched, rank, stages, self, self.lookahead)
+        self.sizes: list[int] = []  # the rows of this step's micro-batches
+        self.in_sig: Signatures = {}  # per local stage, per micro-batch size
+        self.out_sig: Signatures = {}
+        compiled = compile_rank(sched, rank, stages, self, self.lookahead, comm.name if comm else None)
+        # per compute action: what runs just before it and just after it (the data-parallel reduction)
+        self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._program = compiled.program
         self._msgs = compiled.msgs
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
@@ -124,16 +152,41 @@ class Executor:
     def events(self) -> list[TimedAction]:
         return self.clock.events
 
+    def hook(self, a: Action, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """Run ``before()`` just before compute action ``a`` and ``after()`` just after it, at every
+        step (outside its busy time): the data-parallel reduction arms and launches there."""
+        if a not in {b for b, _ in self._program if b is not None}:
+            raise ValueError(f"rank {self.rank} runs no {a} in this schedule")
+        self._hooks[a] = (before, after)
+
     # ---- inputs
 
     def to_device(self, batch: Any) -> Any:
-        """``batch`` (a tensor or tuple of them) on this rank's device: pinned, copied on the copy stream."""
-        if isinstance(batch, tuple):
-            return tuple(self.to_device(t) for t in batch)
-        if not isinstance(batch, torch.Tensor):
-            return batch
-        host = stream.pin(batch, self.device)
-        return stream.to_device(host, self.device, self.copy_stream, self.compute_stream)
+        """``batch`` (a tensor or tuple of them) on this rank's device: pinned, copied on the copy stream,
+        ordered before what compute runs next."""
+        return self.take_prefetched(self.prefetch(batch))
+
+    def prefetch(self, batch: Any) -> Prefetched:
+        """Start ``batch``'s copy to the device on the copy stream; compute is not ordered after it
+        until ``take_prefetched`` (so the copy overlaps whatever compute is queued meanwhile)."""
+        device, copies = self.device, self.copy_stream
+        copy = _map(batch, lambda t: stream.start_copy(stream.pin(t, device), device, copies))
+        return Prefetched(batch, copy, stream.record_event(self.copy_stream))
+
+    def follow_current_stream(self) -> None:
+        """Compute runs on the caller's current stream, read at every step (not only at construction):
+        a step under ``torch.cuda.stream(s)`` runs its stages on s, so receives and input copies must
+        order s, not the stream that was current when the Pipeline was built."""
+        current = stream.current_stream(self.device, self.emulated)
+        self.compute_stream = self.clock.compute = current
+
+    def take_prefetched(self, pre: Prefetched) -> Any:
+        self.follow_current_stream()
+        """The prefetched copy, with the compute stream ordered after it (an event wait, no host sync)."""
+        stream.wait_event(self.compute_stream, pre.event)
+        for t in _tensors(pre.copy):  # made on the copy stream, used on compute: not reused before
+            stream.record_stream(t, self.compute_stream)
+        return pre.copy
 
     # ---- communication, called by the bound instructions
 
@@ -182,25 +235,43 @@ class Executor:
     # ---- metadata
 
     def _exchange_header(self) -> tuple[Signature, int]:
-        key, sent = exchange_header(self.comm, self.rank, self.p, self.device, self.inputs)
+        batch = None
+        if self.inputs:  # the whole batch's signature: micro-batch 0's with the batch's rows
+            batch = with_rows(signature(self.inputs[0]), sum(batch_rows(x) for x in self.inputs))
+        key, sent = exchange_header(self.comm, self.rank, self.p, self.device, batch)
         if sent is not None:
             self._sent.append(sent)
         return key
 
-    def _setup(self, sig: Signature) -> None:
-        """Every local stage's input and output signatures, in stage order; the messages' specs."""
+    def _setup(self, batch: Signature) -> None:
+        """Every local stage's input and output signatures per micro-batch size; the messages' specs."""
         self._version += 1
         key = f"{self.key_prefix}/sig{self._version}"
-        self.in_sig, self.out_sig = derive_signatures(sig, self.stages, self.sched, self.rank, self.comm, key)
-        set_specs(self._msgs, self.in_sig, self.out_sig)
+        self.sizes = rows(batch[0][0][0], self.sched.n_microbatches)
+        self.in_sig, self.out_sig = derive_signatures(
+            batch, self.sizes, self.stages, self.sched, self.rank, self.comm, key
+        )
+        set_specs(self._msgs, self.in_sig, self.out_sig, self.sizes)
         if self.nccl:
             check_sendable(self._msgs, NCCL_DTYPES, "NCCL")
+
+    def _check_targets(self) -> None:
+        """On the last stage's rank: the targets have the inputs' rows (the header's), split alike."""
+        if not self.targets or self.targets[0] is None:
+            return
+        got = [batch_rows(y, what="targets") for y in self.targets]
+        if got != self.sizes:
+            raise ValueError(
+                f"the targets have {sum(got)} rows but the inputs (on stage 0's rank) {sum(self.sizes)}; "
+                "pass the targets of the same batch as the inputs"
+            )
 
     # ---- the step
 
     def run(self, inputs: list[Batch], targets: list[Any], record: bool) -> None:
         """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's)."""
         self.inputs, self.targets = inputs, targets
+        self.follow_current_stream()
         clock = self.clock
         clock.begin_step(record)
         for st in self.stages.values():
@@ -212,6 +283,9 @@ class Executor:
                 if key != self._input_key:  # the autocast state changes the dtypes between stages too
                     self._setup(key[0])
                     self._input_key = key
+                self._check_targets()
+                for st in self.stages.values():  # every step: another executor shares the stages
+                    st.set_rows(self.sizes)
                 if self._first_recvs:
                     self.post([], self._first_recvs, self._first_recvs[0].what)
                 bound = self.nccl
@@ -221,9 +295,14 @@ class Executor:
                         continue
                     if bound and len(self._ends) == RUN_AHEAD:
                         self._run_ahead_wait()
+                    hooks = self._hooks.get(a)
+                    if hooks is not None:
+                        hooks[0]()
                     clock.begin()
                     fn()  # may wait for its input first (clock.input_ready)
                     self._ends.append((a, clock.end(a)))
+                    if hooks is not None:
+                        hooks[1]()
                 self._drain()
         except BaseException:
             self._reset()

@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipeline.runtime.p2p import Comm
 
@@ -43,10 +44,14 @@ def gather_state_dict(
     ]
     if comm is None or comm.world_size == 1:
         return _ordered([(e, t.detach().to("cpu", copy=True)) for e, t in mine])
+    # NCCL creates a group's communicator at its first use, and that first use must involve every
+    # rank of the group: one tiny all-reduce makes it before the point-to-point below (which uses the
+    # group itself between non-neighbours and may come before any step)
+    comm.all_reduce(comm.zeros((1,)), dist.ReduceOp.SUM, "gather_state_dict's start (every rank)")
     if comm.rank != dst:
         comm.set_key(f"{key}/{comm.rank}", json.dumps([e for e, _ in mine]).encode())
         tensors = [t.detach().to(device).contiguous() for e, t in mine if t.numel() > 0]
-        what = f"rank {dst}'s receive of rank {comm.rank}'s state (gather_state_dict)"
+        what = f"rank {comm.name(dst)}'s receive of rank {comm.me}'s state (gather_state_dict)"
         (works,) = comm.post([(tensors, dst)], [], what)
         comm.wait(works, what)
         return None
@@ -54,7 +59,7 @@ def gather_state_dict(
     received: list[tuple[int, list[tuple[Entry, torch.Tensor]]]] = []
     for q in range(comm.world_size):
         if q != dst:
-            layout = comm.wait_key(f"{key}/{q}", f"rank {q}'s state layout (gather_state_dict)")
+            layout = comm.wait_key(f"{key}/{q}", f"rank {comm.name(q)}'s state layout (gather_state_dict)")
             theirs = [_entry(e) for e in json.loads(layout)]
             received.append(
                 (q, [(e, torch.empty(e[2], dtype=getattr(torch, e[3]), device=device)) for e in theirs])
@@ -62,7 +67,7 @@ def gather_state_dict(
     recvs = [([t for e, t in part if t.numel() > 0], q) for q, part in received]
     works = comm.post([], recvs, "the state of every rank (gather_state_dict)")
     for (q, _), w in zip(received, works, strict=True):
-        comm.wait(w, f"rank {q}'s state (gather_state_dict)")
+        comm.wait(w, f"rank {comm.name(q)}'s state (gather_state_dict)")
     for _, part in received:
         entries += [(e, t.to("cpu")) for e, t in part]
     return _ordered(entries)

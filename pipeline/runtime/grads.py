@@ -18,6 +18,12 @@ n_j ** q) ** (1/q), grouped by rank; the clipping factor
 Norms are computed in fp32 at least (bf16 gradients accumulate in fp32), and
 no gradient is copied.
 
+With replicas of the pipeline (a mesh, runtime/dp.py), each parameter has a
+copy on every replica, with the same (reduced) gradient: the pipeline's part
+is then all-reduced over the replicas too, summed and divided by their number
+(MAX for the inf-norm and the flag), so that each parameter counts once and
+every rank of the world gets the same number.
+
 The finite check is GradScaler's fused kernel with a scale of exactly 1.0:
 it sets a flag for any inf or NaN (multiplying by 1.0 leaves every value as it
 was), then one all-reduce (MAX) of the flag gives every rank the same answer.
@@ -51,10 +57,15 @@ def _groups(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype],
 
 
 def total_norm(
-    grads: list[torch.Tensor], norm_type: float, comm: Comm | None, device: torch.device
+    grads: list[torch.Tensor],
+    norm_type: float,
+    comm: Comm | None,
+    device: torch.device,
+    replicas: Comm | None = None,
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all gradients of every rank: a 0-dim fp32 tensor on ``device``
-    (the communication device), the same on every rank. Call on every rank."""
+    (the communication device), the same on every rank. ``replicas``: the "dp" group's Comm, whose
+    ranks hold the same parameters. Call on every rank."""
     q = check_norm_type(norm_type)
     part = torch.zeros((), dtype=torch.float32, device=device)
     for (_, dtype), group in _groups(grads).items():
@@ -65,6 +76,11 @@ def total_norm(
     if comm is not None and comm.world_size > 1:
         op = dist.ReduceOp.MAX if q == math.inf else dist.ReduceOp.SUM
         comm.all_reduce(part, op, "the gradient norm's all-reduce (clip_grad_norm_)")
+    if replicas is not None and replicas.world_size > 1:
+        op = dist.ReduceOp.MAX if q == math.inf else dist.ReduceOp.SUM
+        replicas.all_reduce(part, op, "the gradient norm's all-reduce over the replicas (clip_grad_norm_)")
+        if q != math.inf:
+            part = part / replicas.world_size
     return part if q == math.inf else part.pow(1.0 / q)
 
 
@@ -75,7 +91,9 @@ def clip_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> No
         torch._foreach_mul_(group, coef.to(dev))
 
 
-def all_finite(grads: list[torch.Tensor], comm: Comm | None, device: torch.device) -> bool:
+def all_finite(
+    grads: list[torch.Tensor], comm: Comm | None, device: torch.device, replicas: Comm | None = None
+) -> bool:
     """True when no gradient of any rank holds an inf or NaN; the same answer on every rank."""
     flag = torch.zeros((), dtype=torch.float32, device=device)
     for (dev, _), group in _groups(grads).items():
@@ -85,4 +103,6 @@ def all_finite(grads: list[torch.Tensor], comm: Comm | None, device: torch.devic
         flag = torch.maximum(flag, found.to(device).reshape(()))
     if comm is not None and comm.world_size > 1:
         comm.all_reduce(flag, dist.ReduceOp.MAX, "the all-finite flag's all-reduce (grads_finite)")
+    if replicas is not None and replicas.world_size > 1:
+        replicas.all_reduce(flag, dist.ReduceOp.MAX, "the all-finite flag's all-reduce over the replicas")
     return bool(flag == 0)

@@ -3,11 +3,11 @@
     # s: stage, i: micro-batch, r: this rank, p: ranks
 
 At every step, the rank of stage 0 sends a (HEADER_LEN,) int64 header with the
-input micro-batch's signature and its autocast state (off, or on with a dtype,
-for the pipeline's device type) down the chain of ranks 0 -> 1 -> ... -> p-1,
-before any other message on each link:
+whole batch's signature (its rows B included) and its autocast state (off, or
+on with a dtype, for the pipeline's device type) down the chain of ranks
+0 -> 1 -> ... -> p-1, before any other message on each link:
 
-    header:  [autocast, n, (dtype, ndim, *shape) per tensor, 0 ...]
+    header:  [autocast, n, (dtype, ndim, B, *shape[1:]) per tensor, 0 ...]
     rank 0 --header--> rank 1 --header--> ... --header--> rank p-1
 
 one tiny one-way message per link per step, which arrives while the previous
@@ -16,7 +16,15 @@ must run the step under the same autocast state (it decides the dtypes between
 stages), and one that does not fails at once. When the header differs from the
 previous step's (or at the first step), every rank derives its stages' input
 and output signatures in stage order, with fake tensors (no compute, under the
-step's autocast), passing them on through the store. Receive buffers are then
+step's autocast), passing them on through the store: once per micro-batch size,
+of which a step has at most two (B split as evenly as possible into m, see
+microbatch.py; e.g. B = 30, m = 4: micro-batches of 8, 8, 7, 7 rows, so the
+signatures for 8 rows and for 7), each message then takes its micro-batch's:
+
+    header B=30, m=4 -> rows [8, 8, 7, 7] -> signatures per stage for 8 and for 7 rows
+                     -> F(s, i=2)'s buffers: stage s's input signature for 7 rows
+
+Receive buffers are then
 allocated from these signatures without further messages; a stage output or
 input gradient that does not match them fails before it is sent (gloo fills
 a larger buffer silently and aborts the process on a smaller one).
@@ -34,7 +42,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.runtime.microbatch import Batch, Signature, as_tuple, signature
+from pipeline.runtime.microbatch import Signature, as_tuple, signature, with_rows
 from pipeline.runtime.p2p import Comm
 from pipeline.runtime.program import Msg
 from pipeline.runtime.stage import StageRuntime
@@ -43,6 +51,7 @@ from pipeline.schedules.schedule import Schedule
 
 __all__ = [
     "HEADER_LEN",
+    "Signatures",
     "autocast_mode",
     "check_sendable",
     "decode",
@@ -110,34 +119,36 @@ def autocast_mode(device: torch.device) -> int:
 
 
 def exchange_header(
-    comm: Comm | None, rank: int, p: int, device: torch.device, inputs: list[Batch]
+    comm: Comm | None, rank: int, p: int, device: torch.device, batch: Signature | None
 ) -> tuple[tuple[Signature, int], Msg | None]:
-    """(input signature, autocast state) of the step, and the header send posted to the next rank.
+    """(the batch's signature, autocast state) of the step, and the header send posted to the next rank.
 
-    Rank 0 reads the signature off ``inputs``; the others receive it from the
-    previous rank and check that they run under the same autocast state.
+    Rank 0 passes the whole batch's signature as ``batch``; the others (None)
+    receive it from the previous rank and check that they run under the same
+    autocast state.
     """
     mode = autocast_mode(device)
     if rank == 0:
-        sig = signature(inputs[0])
+        assert batch is not None
+        sig = batch
     if comm is None or p == 1:
         return (sig, mode), None
     header = comm.empty((HEADER_LEN,), torch.int64)
     if rank > 0:
-        what = f"the step's input signature header from rank {rank - 1}"
+        what = f"the step's input signature header from rank {comm.name(rank - 1)}"
         (works,) = comm.post([], [([header], rank - 1)], what)
         comm.wait(works, what)
         sig, theirs = decode(header)
         if theirs != mode:
             raise ValueError(
-                f"rank {rank} runs the step with {_fmt_mode(mode, device)} but rank 0 with "
+                f"rank {comm.me} runs the step with {_fmt_mode(mode, device)} but rank {comm.name(0)} with "
                 f"{_fmt_mode(theirs, device)}; wrap the step in the same torch.autocast (or none) "
                 "on every rank"
             )
     sent = None
     if rank < p - 1:
         sent = Msg(None, rank + 1)
-        sent.what = f"the input signature header to rank {rank + 1}"
+        sent.what = f"the input signature header to rank {comm.name(rank + 1)}"
         sent.tensors = [comm.tensor(encode_words(sig, mode), torch.int64)]
         (sent.works,) = comm.post([(sent.tensors, sent.peer)], [], sent.what)
     return (sig, mode), sent
@@ -146,19 +157,41 @@ def exchange_header(
 # ---- the signatures
 
 
+# per local stage: the signature for each micro-batch size (rows) of the step
+Signatures = dict[int, dict[int, Signature]]
+
+
 def derive_signatures(
-    sig: Signature,
+    batch: Signature,
+    sizes: Sequence[int],
     stages: dict[int, StageRuntime],
     sched: Schedule,
     rank: int,
     comm: Comm | None,
     key: str,
-) -> tuple[dict[int, Signature], dict[int, Signature]]:
-    """Every local stage's (input, output) signatures, in stage order, from the step's input ``sig``.
+) -> tuple[Signatures, Signatures]:
+    """Every local stage's (input, output) signatures for each micro-batch size in ``sizes``.
 
-    An output that a stage on another rank takes is set in the store under
-    ``key``; an input from another rank is waited for there.
+    ``batch`` is the whole batch's signature; a micro-batch of n rows has it with
+    dim 0 set to n. Per size, in stage order: an output that a stage on another
+    rank takes is set in the store under ``key``; an input from another rank is
+    waited for there.
     """
+    in_sig: Signatures = {s: {} for s in stages}
+    out_sig: Signatures = {s: {} for s in stages if s < sched.n_stages - 1}
+    for n in sorted(set(sizes), reverse=True):
+        ins, outs = _derive(with_rows(batch, n), stages, sched, rank, comm, f"{key}/{n}")
+        for s, sig in ins.items():
+            in_sig[s][n] = sig
+        for s, sig in outs.items():
+            out_sig[s][n] = sig
+    return in_sig, out_sig
+
+
+def _derive(
+    sig: Signature, stages: dict[int, StageRuntime], sched: Schedule, rank: int, comm: Comm | None, key: str
+) -> tuple[dict[int, Signature], dict[int, Signature]]:
+    """``derive_signatures`` for one micro-batch size, whose input signature is ``sig``."""
     in_sig: dict[int, Signature] = {}
     out_sig: dict[int, Signature] = {}
     for s in sorted(stages):
@@ -178,11 +211,13 @@ def derive_signatures(
     return in_sig, out_sig
 
 
-def set_specs(msgs: dict[Action, Msg], in_sig: dict[int, Signature], out_sig: dict[int, Signature]) -> None:
-    """Each message's expected (shape, dtype)s, gradient mask and tuple form, from the signatures."""
+def set_specs(msgs: dict[Action, Msg], in_sig: Signatures, out_sig: Signatures, sizes: Sequence[int]) -> None:
+    """Each message's expected (shape, dtype)s, gradient mask and tuple form, from the signatures
+    of its micro-batch's size (``sizes[i]``: the rows of micro-batch i)."""
     for a, m in msgs.items():
         # forward messages carry the stage boundary's tensors, backward ones its float grads
-        boundary = in_sig[a.stage] if a.kind in (Kind.RECV_F, Kind.SEND_B) else out_sig[a.stage]
+        sigs = in_sig[a.stage] if a.kind in (Kind.RECV_F, Kind.SEND_B) else out_sig[a.stage]
+        boundary = sigs[sizes[a.microbatch]]
         forward = a.kind in (Kind.RECV_F, Kind.SEND_F)
         m.mask = [forward or dt.is_floating_point for _, dt in boundary]
         m.spec = tuple(x for x, k in zip(boundary, m.mask, strict=True) if k)

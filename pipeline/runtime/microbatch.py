@@ -1,16 +1,24 @@
-"""Micro-batches: split a batch along dim 0 into equal chunks and concatenate them back.
+"""Micro-batches: split a batch along dim 0 as evenly as possible and concatenate them back.
 
-    # m: micro-batches, B: batch size
+    # m: micro-batches, i: a micro-batch, B: batch size (rows)
 
 A batch is a tensor or a tuple of tensors (a stage may take or return several);
 every tensor of a tuple is split the same way, so chunk i of a tuple is the tuple
-of the tensors' chunks i. Chunks are views (``torch.chunk``): no copy.
+of the tensors' chunks i. Chunks are views (``torch.tensor_split``): no copy.
+When m does not divide B, the first B % m micro-batches get one row more:
 
-    split(x, 4)        # x: (8, C) -> 4 x (2, C)
-    concat(chunks)     # 4 x (2, C) -> (8, C)
+    split(x, 4)        # x: (8, C)  -> 4 x (2, C)
+    split(x, 4)        # x: (30, C) -> 2 x (8, C), 2 x (7, C)       rows(30, 4) == [8, 8, 7, 7]
+    concat(chunks)     # back to (B, C)
+
+so a step's micro-batches have at most two sizes. Each micro-batch's loss is
+weighted by its share of the rows, ``weights(rows)`` (rows_i / B, which is 1/m
+when m divides B): with a loss that is a mean over rows, the weighted sum is the
+mean over the whole batch, as one process computes it.
 
 ``signature`` describes a batch's tensors by shape and dtype: the executor
-allocates receive buffers and checks stage outputs against it.
+allocates receive buffers and checks stage outputs against it;
+``with_rows`` is the signature of a micro-batch of the given rows.
 """
 
 from __future__ import annotations
@@ -19,7 +27,19 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Batch", "Signature", "as_tuple", "concat", "from_tuple", "signature", "split"]
+__all__ = [
+    "Batch",
+    "Signature",
+    "as_tuple",
+    "batch_rows",
+    "concat",
+    "from_tuple",
+    "rows",
+    "signature",
+    "split",
+    "weights",
+    "with_rows",
+]
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
 # per tensor (shape, dtype); a plain tensor is a one-element signature
@@ -43,23 +63,44 @@ def _check(batch: object, what: str) -> tuple[torch.Tensor, ...]:
     return tensors  # type: ignore[return-value]
 
 
-def split(batch: Batch, chunks: int, *, what: str = "batch") -> list[Batch]:
-    """``chunks`` equal micro-batches along dim 0; the batch size must be a multiple of ``chunks``."""
+def batch_rows(batch: Batch, *, what: str = "batch") -> int:
+    """The rows (dim 0) every tensor of ``batch`` has; TypeError / ValueError for anything else."""
     tensors = _check(batch, what)
-    for t in tensors:
-        if t.dim() == 0:
-            raise ValueError(f"{what} holds a 0-dim tensor; micro-batches split dim 0, so give it one")
-        if t.shape[0] % chunks != 0:
-            raise ValueError(
-                f"{what} size ({t.shape[0]}) is not divisible by n_microbatches ({chunks}); "
-                f"use a batch size that is a multiple of {chunks} "
-                f"(e.g. {chunks * max(1, t.shape[0] // chunks)}) or change n_microbatches"
-            )
-    size = tensors[0].shape[0]
-    if any(t.shape[0] != size for t in tensors):
-        sizes = [t.shape[0] for t in tensors]
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError(f"{what} holds a 0-dim tensor; micro-batches split dim 0, so give it one")
+    sizes = [t.shape[0] for t in tensors]
+    if any(n != sizes[0] for n in sizes):
         raise ValueError(f"the tensors of {what} have different sizes along dim 0 ({sizes}); they must agree")
-    parts = [t.chunk(chunks) for t in tensors]
+    return int(sizes[0])
+
+
+def rows(n_rows: int, chunks: int) -> list[int]:
+    """The rows of each of ``chunks`` micro-batches of a batch of ``n_rows``: the first n_rows % chunks
+    get one more (``torch.tensor_split``'s sizes)."""
+    small, extra = divmod(n_rows, chunks)
+    return [small + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def weights(sizes: Sequence[int]) -> list[float]:
+    """Each micro-batch's share of the batch's rows: the weight of its loss."""
+    total = sum(sizes)
+    return [n / total for n in sizes]
+
+
+def with_rows(sig: Signature, n_rows: int) -> Signature:
+    """``sig`` with every tensor's dim 0 set to ``n_rows``: a micro-batch's signature."""
+    return tuple(((n_rows, *shape[1:]), dtype) for shape, dtype in sig)
+
+
+def split(batch: Batch, chunks: int, *, what: str = "batch") -> list[Batch]:
+    """``chunks`` micro-batches along dim 0, as even as possible (see ``rows``); at least one row each."""
+    n = batch_rows(batch, what=what)
+    if n < chunks:
+        raise ValueError(
+            f"{what} has {n} rows but n_microbatches is {chunks}, and every micro-batch needs at least one "
+            f"row; pass a batch of at least {chunks} rows, or build the Pipeline with n_microbatches <= {n}"
+        )
+    parts = [t.tensor_split(chunks) for t in as_tuple(batch)]
     if isinstance(batch, tuple):
         return [tuple(p[i] for p in parts) for i in range(chunks)]
     return list(parts[0])

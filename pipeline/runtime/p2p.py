@@ -40,6 +40,11 @@ work stays False until ``wait()`` is called, so the host cannot poll it;
 ``wait(timeout)`` on expiry closes the connection to the peer; a send
 completes only once the peer has posted its receive.
 
+In a mesh of pipeline replicas (mesh.py) each rank has two: the pipeline's
+("pp", point to point) and its replicas' ("dp", collectives only), which watch
+one failure key in the world's store, so that a failure anywhere in the mesh
+reaches every rank; errors then name global ranks.
+
 Sends are not waited for inside the step: the caller orders each one where it
 is known to be done (see program.py) or at the step's end. Metadata (tensor
 signatures and when they travel) is metadata.py's.
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -59,11 +65,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from pipeline.runtime import emulation
-from pipeline.runtime.channels import Channels, Transfer, channels_for
+from pipeline.runtime.channels import Channels, Transfer, abort_nccl, channels_for
 from pipeline.runtime.emulation import EmuStream, EmuTransfer
 from pipeline.runtime.watchdog import CHECK_STORE_S, PeerFailure, PipelineTimeout, Watchdog
 
-__all__ = ["NCCL_DTYPES", "Comm", "PeerFailure", "PipelineTimeout"]
+__all__ = ["NCCL_DTYPES", "Comm", "PeerFailure", "PipelineTimeout", "world_store"]
 
 # how long a rank that lost a connection waits for the failed peer's published reason
 _LOST_GRACE_S = 1.0
@@ -81,10 +87,30 @@ def _group_store(group: Any) -> Any:
     return entry[1] if entry is not None else c10d._get_default_store()
 
 
+def world_store() -> Any:
+    """The default process group's store: where a mesh's ranks share their failure key."""
+    return _group_store(None)
+
+
 def _process_group(group: Any) -> Any:
     from torch.distributed import distributed_c10d as c10d
 
     return group if group is not None else c10d._get_default_group()
+
+
+def _nccl_device() -> torch.device:
+    """This rank's CUDA device on NCCL: the current one, which must be LOCAL_RANK's under torchrun
+    (otherwise every rank of a node would pick GPU 0 and NCCL would fail on the duplicate)."""
+    current = torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK")
+    own = int(local) if local is not None and local.isdigit() else current
+    if own != current and own < torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK is {local} but the current CUDA device is cuda:{current}: call "
+            f"torch.cuda.set_device({local}) before building the Pipeline (pipeline.init_distributed() "
+            "does it), so that each rank of a node uses its own GPU"
+        )
+    return torch.device("cuda", current)
 
 
 def _pg_timeout(group: Any, device: torch.device) -> float | None:
@@ -106,7 +132,22 @@ Entries = Sequence[tuple[Sequence[torch.Tensor], int]]
 class Comm:
     """One rank's point-to-point and collectives in ``group``, with timeouts and a shared failure key."""
 
-    def __init__(self, group: Any, key_prefix: str, timeout: float) -> None:
+    def __init__(
+        self,
+        group: Any,
+        key_prefix: str,
+        timeout: float,
+        *,
+        failure: tuple[Any, str] | None = None,
+        pipelines: list[list[int]] | None = None,
+        p2p: bool = True,
+        global_names: bool = False,
+    ) -> None:
+        """``failure``: the (store, key) of the failure key when it is shared beyond ``group`` (a
+        mesh's replicas watch one key); ``pipelines``: every pipeline's global ranks when ``group``
+        is one of several (the channels of all are made together); ``p2p=False``: collectives only,
+        no channels; ``global_names``: errors name global ranks (in a mesh, where a group rank is
+        ambiguous)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = n = dist.get_world_size(group)
@@ -120,27 +161,33 @@ class Comm:
         self.nccl = backend == "nccl" or self.emulated  # the NCCL code path
         self.backend = "nccl-emulated" if self.emulated else backend
         on_gpu = backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.device = _nccl_device() if on_gpu else torch.device("cpu")
         self.requested_timeout = timeout
         self.pg_timeout = _pg_timeout(group, self.device)
         clamp = self.pg_timeout is not None and timeout >= self.pg_timeout
         self.timeout = _CLAMP * self.pg_timeout if clamp and self.pg_timeout else timeout
         self.store = _group_store(group)
-        self.failure_key = f"{key_prefix}/failed"
+        self.failure_store, self.failure_key = failure or (self.store, f"{key_prefix}/failed")
         self._global = [dist.get_global_rank(group, q) if group is not None else q for q in range(n)]
+        self._names = self._global if global_names else list(range(n))
+        self.me = self._names[self.rank]  # this rank as errors name it
         self._be: Any = None if on_gpu else _process_group(group)._get_backend(torch.device("cpu"))
         self.channels: Channels | None = None
-        if self.nccl and n > 1:
+        if self.nccl and n > 1 and p2p:
             td = datetime.timedelta(seconds=self.pg_timeout or 1800.0)
             self.channels = channels_for(
-                group, self.rank, self._global, "gloo" if self.emulated else "nccl", td
+                group, self.rank, self._global, "gloo" if self.emulated else "nccl", td, pipelines
             )
         pairs = [(self._be, q) for q in range(n) if q != self.rank] if self._be is not None else []
         pairs += self.channels.pairs() if self.channels is not None else []
-        self._watchdog = Watchdog(self.store, self.failure_key, pairs)
+        self._watchdog = Watchdog(self.failure_store, self.failure_key, pairs)
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
+
+    def name(self, q: int) -> int:
+        """How errors name group rank ``q``: its global rank in a mesh, else ``q``."""
+        return self._names[q]
 
     # ---- tensors on the communication device
 
@@ -157,7 +204,7 @@ class Comm:
         """Refuse what the backend cannot take: fake, meta or other-device tensors, unsendable dtypes."""
         if isinstance(t, FakeTensor):
             raise ValueError(
-                f"rank {self.rank}: {what} was handed a fake tensor ({_fmt(t)}); fake tensors hold no "
+                f"rank {self.me}: {what} was handed a fake tensor ({_fmt(t)}); fake tensors hold no "
                 "data, so nothing would move and the peer would wait: run the step outside "
                 "FakeTensorMode and keep fake values out of the model"
             )
@@ -170,12 +217,12 @@ class Comm:
                 else f"make it on {self.device} (Comm.empty / zeros / tensor) or move it there"
             )
             raise ValueError(
-                f"rank {self.rank}: {what} was handed a tensor on {t.device} ({_fmt(t)}), but this "
+                f"rank {self.me}: {what} was handed a tensor on {t.device} ({_fmt(t)}), but this "
                 f"pipeline's {self.backend} communication runs on {self.device}; {hint}"
             )
         if self.nccl and t.dtype not in NCCL_DTYPES:
             raise ValueError(
-                f"rank {self.rank}: {what} was handed a {str(t.dtype).replace('torch.', '')} tensor "
+                f"rank {self.me}: {what} was handed a {str(t.dtype).replace('torch.', '')} tensor "
                 f"({_fmt(t)}), which NCCL cannot send or receive; use one of "
                 f"{sorted(str(d).replace('torch.', '') for d in NCCL_DTYPES)} between stages"
             )
@@ -207,7 +254,7 @@ class Comm:
     def _check_open(self, what: str) -> None:
         if not self._close.alive:
             raise RuntimeError(
-                f"rank {self.rank}: cannot post {what}: this pipeline's communication was closed "
+                f"rank {self.me}: cannot post {what}: this pipeline's communication was closed "
                 "(Pipeline.close()); build a new Pipeline"
             )
 
@@ -292,7 +339,7 @@ class Comm:
         """A store value another rank sets, with the same timeout and failure watch."""
         start = time.monotonic()
         while not self.store.check([key]):
-            if self.store.check([self.failure_key]) or time.monotonic() - start > self.timeout:
+            if self.failure_store.check([self.failure_key]) or time.monotonic() - start > self.timeout:
                 self._raise(what, None)
             time.sleep(0.002)
         return bytes(self.store.get(key))
@@ -306,28 +353,28 @@ class Comm:
         """Record this rank's failure unless another rank's came first; stop transfers in flight."""
         # a store that is gone already means the launcher is tearing the job down
         with contextlib.suppress(Exception):
-            self.store.compare_set(self.failure_key, "", f"{self.rank}|{message}")
+            self.failure_store.compare_set(self.failure_key, "", f"{self.me}|{message}")
         self.abort()
 
     def failure(self) -> tuple[int, str] | None:
         """(rank, message) of the first published failure, if any."""
         try:
-            if not self.store.check([self.failure_key]):
+            if not self.failure_store.check([self.failure_key]):
                 return None
-            rank, message = bytes(self.store.get(self.failure_key)).decode().split("|", 1)
+            rank, message = bytes(self.failure_store.get(self.failure_key)).decode().split("|", 1)
         except Exception:
             return None
         return int(rank), message
 
     def abort(self) -> None:
         """Stop every transfer in flight (the channels; on NCCL also the group). Idempotent."""
-        if self._aborted or self.channels is None:
+        if self._aborted or (self.channels is None and not self.nccl):
             return
         self._aborted = True
-        self.channels.abort()
+        if self.channels is not None:
+            self.channels.abort()
         if not self.emulated:  # a collective stuck behind a dead peer would hold the exit too
-            with contextlib.suppress(Exception):
-                _process_group(self.group).abort()
+            abort_nccl([_process_group(self.group)])
 
     def _raise(self, what: str, exc: BaseException | None) -> None:
         timed_out = exc is None or "Timed out" in str(exc)
@@ -338,11 +385,11 @@ class Comm:
             failed = self.failure()
         if failed is not None:
             q, message = failed
-            if q != self.rank:
+            if q != self.me:
                 self.abort()
-            raise PeerFailure(f"rank {q} failed while rank {self.rank} waited for {what}: {message}") from exc
+            raise PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}") from exc
         if not timed_out:
-            raise RuntimeError(f"rank {self.rank}: error while waiting for {what}: {exc}") from exc
+            raise RuntimeError(f"rank {self.me}: error while waiting for {what}: {exc}") from exc
         note = ""
         if self.timeout != self.requested_timeout:
             note = (
@@ -350,7 +397,7 @@ class Comm:
                 f"{_CLAMP:.0%} of the process group's {self.pg_timeout:g} s so that it fires first)"
             )
         raise PipelineTimeout(
-            f"rank {self.rank} timed out after {self.timeout:.1f} s{note} waiting for {what}"
+            f"rank {self.me} timed out after {self.timeout:.1f} s{note} waiting for {what}"
         ) from exc
 
     def close(self) -> None:
@@ -371,14 +418,31 @@ class Comm:
             tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what
         )
 
-    def _collective(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> None:
-        self._check_open(what)
-        self.check(tensor, what)
-        work = start_op()
-        if work is None:
-            raise RuntimeError(f"rank {self.rank}: {what} returned no work to wait for")
+    def start_all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> Any:
+        """``dist.all_reduce`` over the group, in place, started: its work, for ``finish``."""
+        return self._start(
+            tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what
+        )
+
+    def finish(self, work: Any, what: str) -> None:
+        """Wait for a started collective like a receive: the timeout and the failure watch."""
         if not self.nccl:
             self._host_wait([work], what)
             return
         self.poll(work.is_completed, lambda: what)
         work.wait()
+
+    def _collective(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> None:
+        self.finish(self._start(tensor, start_op, what), what)
+
+    def _start(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> Any:
+        self._check_open(what)
+        self.check(tensor, what)
+        try:
+            work = start_op()
+        except Exception as exc:  # a peer that is gone already
+            self._raise(what, exc)
+            raise
+        if work is None:
+            raise RuntimeError(f"rank {self.me}: {what} returned no work to wait for")
+        return work

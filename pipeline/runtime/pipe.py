@@ -1,22 +1,100 @@
 """``Pipeline``: a model cut into stages over the ranks of a process group, trained one step at a time.
 
-    # p: ranks, v: virtual stages per rank, m: micro-batches, s: stage
+    # p: ranks, v: virtual stages per rank, m: micro-batches, i: a micro-batch, s: stage, B: batch rows
 
     plan = partition(model, 4, sample, schedule="1f1b", n_microbatches=8)   # or Plan(balance=[...], ...)
     pipe = Pipeline(model, plan, loss_fn=F.cross_entropy)    # on every rank
     opt = torch.optim.AdamW(pipe.parameters())
-    loss = pipe.step(inputs, targets)        # the mean micro-batch loss, on every rank
+    loss = pipe.step(x, y)                   # the batch's mean loss, on every rank
     pipe.clip_grad_norm_(1.0)                # the norm over every stage's gradients
     opt.step(); opt.zero_grad()
+    loss, logits = pipe.evaluate(x, y, return_outputs=True)   # eval mode, no autograd
+    logits = pipe.predict(x)                 # the model's output for the whole batch
     state = pipe.gather_state_dict()         # the whole model's state dict on rank 0
 
 The plan says the balance, schedule, m, v and recomputation mode; a plain
 balance list with those as keywords works too (see options.py). Stage s
 (``balance[s]`` consecutive layers of the ``nn.Sequential``) lives on rank
-s % p. Only this rank's stages are kept. ``step`` leaves in ``.grad`` the
-gradient of the mean micro-batch loss, exactly what one process computes for
-the whole batch (each micro-batch loss is scaled by 1/m); grads accumulate
-across steps as usual, so call ``opt.zero_grad()`` between steps.
+s % p. Only this rank's stages are kept.
+
+What a step computes. The batch's B rows are split into m micro-batches as
+evenly as possible (any B >= m; the first B % m get one row more), and
+micro-batch i's loss is weighted by rows_i / B (1/m when m divides B).
+``step`` leaves in ``.grad`` the gradient of that weighted sum and returns the
+sum: for a ``loss_fn`` that is a mean over rows (``F.cross_entropy``'s and
+``F.mse_loss``'s default), the batch's mean loss and its gradient, as one
+process computes them on the whole batch. What differs is what differs with
+gradient accumulation, since every layer sees one micro-batch at a time:
+BatchNorm normalises with each micro-batch's statistics, not the batch's, and
+updates its running statistics m times per step (``num_batches_tracked`` grows
+by m); a loss that is not a mean over rows (``reduction="sum"``) is weighted
+all the same; and dropout draws its masks from each rank's own generator.
+Gradients accumulate across steps as usual: call ``opt.zero_grad()`` between
+steps.
+
+Outputs. ``predict(x)`` and ``evaluate(x, y, return_outputs=True)`` run only
+the forwards (eval mode, autograd off, modes restored) and return the last
+stage's outputs concatenated in micro-batch order, which is the batch's row
+order: ``model(x)`` of one process in eval mode. They reach every rank, or only
+rank ``dst`` (None elsewhere; ``dst=pipe.last_loss_rank``, the last stage's
+rank, which holds the targets too, moves nothing); see outputs.py.
+
+Data only where it is used. Stage 0's rank needs the inputs
+(``pipe.needs_inputs``), the last stage's rank the targets
+(``pipe.needs_targets``); other ranks pass None, a middle rank just calls
+``pipe.step()``. A data loader then runs only where its batches are used, and
+the next batch's host-to-device copy can start early:
+
+    uses_data = pipe.needs_inputs or pipe.needs_targets
+    batches = iter(loader) if uses_data else itertools.repeat((None, None))   # middle: nothing
+    batch = next(batches)
+    for t in range(n_steps):                                   # the same count on every rank
+        following = next(batches) if t + 1 < n_steps else None
+        loss = pipe.step(*batch, prefetch=following)           # unused inputs / targets are ignored
+        batch = following
+
+``prefetch=(x_next, y_next)`` queues that batch's copy (pinned, non_blocking,
+on the copy stream) once this step's own inputs are on their way, so that it
+overlaps this step's compute; the next ``step`` / ``evaluate`` / ``predict``
+given the same objects (``is``) uses the copy, and compute waits for it only
+then (an event, no host sync). Other objects are copied as usual. On a CPU
+device there is nothing to copy; the values are the same either way.
+
+bf16. Wrap the calls that run the model (``step``, ``evaluate``, ``predict``)
+in the same ``torch.autocast`` on every rank (a rank that differs fails the
+step, naming both states), and partition for that precision, so that the plan
+comes from bf16 timings and sizes (``partition`` sets the precision itself:
+call it outside the region, with ``autocast=``)::
+
+    plan = partition(model, p, sample, autocast=torch.bfloat16, ...)
+    ...
+    with torch.autocast("cuda", dtype=torch.bfloat16):     # "cpu" on a CPU run
+        loss = pipe.step(x, y)                              # evaluate, predict alike
+
+Parameters, gradients and optimizer state stay fp32; the tensors between
+stages and the outputs are bf16 where autocast makes them so.
+
+Replicas (data parallelism). A plan with ``dp`` > 1 runs dp copies of the
+pipeline on a world of dp x p ranks, each on its own batch::
+
+    plan = partition(model, 2, sample, schedule="1f1b", n_microbatches=8, dp=2)   # 4 ranks
+    pipe = Pipeline(model, plan, loss_fn=F.cross_entropy)   # or mesh=init_device_mesh(..., ("dp", "pp"))
+    loss = pipe.step(x_local, y_local)     # this replica's rows; the global mean loss, on every rank
+    opt = ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, process_group=pipe.dp_group)
+
+Global rank g = d * p + r holds pipeline rank r of replica d (``pipe.mesh``, a
+DeviceMesh with dims ("dp", "pp"); ``pipe.pp_group`` / ``pipe.dp_group``;
+``pipe.rank`` is r and ``pipe.replica`` d; see mesh.py for why pp is
+innermost). At construction the replicas check that they run the same plan
+and model, then take replica 0's parameters and buffers. In ``step`` each
+stage's gradients are all-reduced over the "dp" group in buckets of
+``bucket_mb`` that start during the stage's last backward (dp.py) and are
+waited for before ``step`` returns: ``.grad`` is then, on every rank, what one
+process computes on all replicas' rows together (each replica weighted by its
+rows), and ``clip_grad_norm_`` / ``grads_finite`` count each parameter once
+over the whole world. ``evaluate``'s loss is the global mean too; ``predict``,
+``gather_state_dict`` and timelines are each replica's own. With dp = 1 and no
+mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
 
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
@@ -26,11 +104,12 @@ the failed rank and the action they were waiting for (see p2p.py).
 Devices. The stages live on the communication device unless ``device`` says
 otherwise: this rank's CUDA device on NCCL, the CPU on gloo (a CPU run on a
 GPU host never touches CUDA). Inputs are copied there by the executor (pinned
-memory, a copy stream, ``non_blocking``); the loss, flags and norms are made
-on it by the ``Comm``. Under the NCCL emulation (``STAGEWISE_EMULATE_NCCL``)
-``step``, ``evaluate``, ``clip_grad_norm_`` and ``grads_finite`` run with the
-default device set to meta, so that a tensor made without an explicit device
-fails at once, as it would on NCCL.
+memory, a copy stream, ``non_blocking``); the loss, flags, norms and outputs
+are made on it by the ``Comm``. Under the NCCL emulation
+(``STAGEWISE_EMULATE_NCCL``) ``step``, ``evaluate``, ``predict``,
+``clip_grad_norm_`` and ``grads_finite`` run with the default device set to
+meta, so that a tensor made without an explicit device fails at once, as it
+would on NCCL.
 """
 
 from __future__ import annotations
@@ -48,12 +127,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads
-from pipeline.runtime.executor import Executor
+from pipeline.runtime import emulation, grads, replicas
+from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
+from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
-from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.outputs import check_dst, share_outputs
+from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
@@ -77,7 +158,10 @@ class Pipeline:
     ``init_fn(module)`` runs on each local stage after a meta-device model is
     materialised: its parameters then come from ``reset_parameters``
     (re-initialisation, not the values of any other copy of the model) and then
-    ``init_fn``.
+    ``init_fn``. ``mesh``: a DeviceMesh with dims "dp" and "pp" over the world
+    for a replicated plan (default: made from the plan when ``plan.dp`` > 1);
+    ``group`` is then not given. ``bucket_mb``: the size of the gradient
+    all-reduce's buckets across replicas.
     """
 
     def __init__(
@@ -92,6 +176,8 @@ class Pipeline:
         recompute: str | None = None,
         checkpoint: str | None = None,
         group: Any = None,
+        mesh: Any = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         device: torch.device | str | None = None,
         timeout: float = 300.0,
         init_fn: Callable[[nn.Module], None] | None = None,
@@ -107,14 +193,27 @@ class Pipeline:
         check_model(model, options.balance)
         if loss_fn is None:
             raise ValueError("loss_fn is required: pass loss_fn=f with f(output, target) -> scalar tensor")
+        bucket_mb = check_bucket_mb(bucket_mb)
         distributed = dist.is_available() and dist.is_initialized()
-        check_group(options, distributed, dist.get_world_size(group) if distributed else 1)
+        dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
+        groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed)
+        check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
         self.n_microbatches = self.schedule.n_microbatches
-        self.rank = dist.get_rank(group) if distributed else 0
-        self._prefix = _store_prefix(group, distributed)
-        self.comm = Comm(group, self._prefix, timeout) if distributed else None
+        self.mesh, self.pp_group, self.dp_group = groups.mesh, groups.pp, groups.dp
+        self.dp = groups.layout.dp if groups.layout is not None else 1
+        self.replica = groups.layout.replica if groups.layout is not None else 0
+        self.rank = dist.get_rank(groups.pp) if distributed else 0
+        # a mesh spans the world: its pipelines' keys are counted there
+        self._prefix = _store_prefix(None if self.mesh is not None else group, distributed)
+        failure = (world_store(), f"{self._prefix}/failed") if self.mesh is not None else None
+        pipelines = groups.layout.pipelines if groups.layout is not None else None
+        self.comm: Comm | None = None
+        if distributed:
+            named = self.mesh is not None  # errors name global ranks
+            self.comm = Comm(groups.pp, self._prefix, timeout, failure=failure, pipelines=pipelines,
+                             global_names=named)  # fmt: skip
         if device is None:  # where the backend communicates: CUDA on NCCL, else the CPU
             device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.device = torch.device(device)
@@ -136,10 +235,22 @@ class Pipeline:
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
+        self._replicas: replicas.Replicas | None = None
+        if self.dp > 1:
+            assert failure is not None
+            modules = dict(zip(self._stage_ids, self._modules, strict=True))
+            config = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}"
+            with self._publish_failure():  # a replica that differs: its peers must not wait for it
+                self._replicas = replicas.Replicas(
+                    groups, self._prefix, failure, timeout, modules, self.schedule, self.rank,
+                    self.executor, bucket_mb, config,
+                )  # fmt: skip
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
         self.last_loss_rank = self.schedule.rank_of(n_stages - 1)
+        self._prefetched: dict[str, Prefetched] = {}  # "inputs" / "targets": the next call's copy
+        self._prefetch_used = 0  # prefetched copies a call took (for tests)
 
     # ---- construction
 
@@ -167,6 +278,8 @@ class Pipeline:
         """
         if self.comm is not None:
             self.comm.close()
+        if self._replicas is not None:
+            self._replicas.close()
 
     # ---- parameters and buffers (this rank's stages; names as in the model, e.g. "3.weight")
 
@@ -226,7 +339,7 @@ class Pipeline:
             raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
         gs = self._grads()
         with self._publish_failure(), self._strict_devices():
-            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device())
+            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device(), self._dp_comm())
         value = float(total)
         # every rank has the same value, so every rank raises the same error
         if error_if_nonfinite and not math.isfinite(value):
@@ -242,33 +355,94 @@ class Pipeline:
         """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
         gs = self._grads()
         with self._publish_failure(), self._strict_devices():
-            return grads.all_finite(gs, self.comm, self._comm_device())
+            return grads.all_finite(gs, self.comm, self._comm_device(), self._dp_comm())
 
     # ---- the step
 
-    def step(self, inputs: Batch | None = None, targets: Any = None, *, record: bool = False) -> float:
-        """One training step over the batch; the mean micro-batch loss as a float, on every rank.
+    @property
+    def needs_inputs(self) -> bool:
+        """True on the rank of stage 0: the only one whose ``inputs`` are used."""
+        return 0 in self.stages
 
-        ``inputs`` are needed on stage 0's rank and ``targets`` on the last stage's;
-        other ranks may pass None. ``record`` keeps this step's measured timeline
-        (see ``timeline`` and ``write_trace``).
+    @property
+    def needs_targets(self) -> bool:
+        """True on the rank of the last stage: the only one whose ``targets`` are used."""
+        return self.schedule.n_stages - 1 in self.stages
+
+    def step(
+        self,
+        inputs: Batch | None = None,
+        targets: Any = None,
+        *,
+        prefetch: Sequence[Any] | None = None,
+        record: bool = False,
+    ) -> float:
+        """One training step over the batch; the batch's mean loss as a float, on every rank.
+
+        ``inputs`` are used on stage 0's rank and ``targets`` on the last stage's
+        (``needs_inputs`` / ``needs_targets``); other ranks may pass None. Any
+        B >= m rows (see the module docstring). ``prefetch=(x_next, y_next)``
+        starts the next batch's copy to the device. ``record`` keeps this step's
+        measured timeline (see ``timeline`` and ``write_trace``).
         """
+        _check_prefetch(prefetch)
         with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
             if self.device.type == "cuda":  # memory_stats(): this step's peak
                 torch.cuda.reset_peak_memory_stats(self.device)
-            xs, ys = self._microbatches(inputs, targets)
+            xs, ys = self._microbatches(inputs, targets, "step")
+            self._prefetch(prefetch)
+            if self._replicas is not None:
+                self._replicas.begin_step(record)
             self.executor.run(xs, ys, record)
-            return self._loss()
+            if self._replicas is not None:  # every stage's buckets, launched during the step
+                self._replicas.wait(self.stages)
+            return self._loss(self.executor.sizes)
 
-    def evaluate(self, inputs: Batch | None = None, targets: Any = None) -> float:
-        """The mean micro-batch loss without gradients, on every rank; call it on every rank.
+    def evaluate(
+        self,
+        inputs: Batch | None = None,
+        targets: Any = None,
+        *,
+        return_outputs: bool = False,
+        dst: int | None = None,
+        prefetch: Sequence[Any] | None = None,
+    ) -> Any:
+        """The batch's mean loss without gradients, on every rank; call it on every rank.
 
         Runs only the forwards (stage order on each rank), with every stage in eval
         mode and autograd off, then restores the modes. Parameters and ``.grad``
-        are untouched; nothing is kept for a backward.
+        are untouched; nothing is kept for a backward. With ``return_outputs``:
+        ``(loss, outputs)``, the outputs as ``predict`` returns them (on rank
+        ``dst`` only when given, None elsewhere).
         """
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs ({return_outputs!r}) must be True or False")
+        loss, outputs = self._forward_only(inputs, targets, "evaluate", return_outputs, dst, prefetch)
+        assert loss is not None
+        return (loss, outputs) if return_outputs else loss
+
+    def predict(
+        self, inputs: Batch | None = None, *, dst: int | None = None, prefetch: Sequence[Any] | None = None
+    ) -> Batch | None:
+        """The model's output for the whole batch: the last stage's outputs in micro-batch order.
+
+        Like ``evaluate`` (eval mode, no autograd, modes restored, any B >= m rows)
+        without a loss: ``inputs`` on stage 0's rank, nothing on the others. The
+        outputs (a tensor or tuple of tensors, on the communication device) are
+        returned on every rank, or on rank ``dst`` only (None elsewhere). Call it
+        on every rank.
+        """
+        return self._forward_only(inputs, None, "predict", True, dst, prefetch)[1]
+
+    def _forward_only(
+        self, inputs: Batch | None, targets: Any, method: str, outputs: bool, dst: Any, prefetch: Any
+    ) -> tuple[float | None, Batch | None]:
+        """The forwards of one batch in eval mode: (the loss unless predicting, the outputs if asked)."""
+        _check_prefetch(prefetch)
+        world = self.comm.world_size if self.comm is not None else 1
+        dst = check_dst(dst, world) if outputs else None
         if self._eval_executor is None:
             self._eval_executor = Executor(
                 forward_only(self.schedule),
@@ -278,22 +452,33 @@ class Pipeline:
                 self.device,
                 f"{self._prefix}/eval",
             )
+        want_loss = method != "predict"
+        last = self.stages.get(self.schedule.n_stages - 1)
         modes = [(mod, mod.training) for stage in self._modules for mod in stage.modules()]
         try:
             with self._publish_failure(), self._strict_devices():
                 if not self._agreed:
                     self._agree()
-                xs, ys = self._microbatches(inputs, targets)
+                xs, ys = self._microbatches(inputs, targets, method, want_loss)
+                self._prefetch(prefetch)
                 for stage in self._modules:
                     stage.eval()
+                if last is not None:
+                    last.keep_outputs, last.want_loss = outputs, want_loss
+                    ys = ys if want_loss else [None] * self.n_microbatches
                 with torch.no_grad():
                     self._eval_executor.run(xs, ys, False)
-                return self._loss()
+                loss = self._loss(self._eval_executor.sizes) if want_loss else None
+                kept = last.outputs if last is not None else None
+                out = share_outputs(kept, self.comm, self.last_loss_rank, dst, method) if outputs else None
+                return loss, out
         finally:
             for mod, training in modes:
                 mod.training = training
             for st in self.stages.values():
                 st.discard()
+            if last is not None:
+                last.keep_outputs, last.want_loss = False, True
 
     @contextlib.contextmanager
     def _publish_failure(self) -> Iterator[None]:
@@ -310,23 +495,48 @@ class Pipeline:
         """Under the NCCL emulation: the default device is meta (see the module docstring)."""
         return emulation.strict_devices(self.comm is not None and self.comm.emulated)
 
-    def _microbatches(self, inputs: Batch | None, targets: Any) -> tuple[list[Batch], list[Any]]:
+    def _microbatches(
+        self, inputs: Batch | None, targets: Any, method: str, want_targets: bool = True
+    ) -> tuple[list[Batch], list[Any]]:
         """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches."""
-        m, ex = self.n_microbatches, self.executor
+        m = self.n_microbatches
         xs: list[Batch] = []
         ys: list[Any] = []
-        if 0 in self.stages:
+        if self.needs_inputs:
             if inputs is None:
-                raise ValueError(f"rank {self.rank} holds stage 0 but step() got no inputs; pass the batch")
-            xs = split(ex.to_device(inputs), m, what="inputs")
-        if self.schedule.n_stages - 1 in self.stages:
+                raise ValueError(
+                    f"rank {self.rank} holds stage 0 but {method}() got no inputs; pass the batch on this "
+                    "rank (pipe.needs_inputs is True here)"
+                )
+            xs = split(self._on_device(inputs, "inputs"), m, what="inputs")
+        if self.needs_targets and want_targets:
             if targets is None:
                 raise ValueError(
-                    f"rank {self.rank} holds the last stage ({self.schedule.n_stages - 1}) but step() got no "
-                    "targets; pass targets=... on this rank (the loss is computed there)"
+                    f"rank {self.rank} holds the last stage ({self.schedule.n_stages - 1}) but {method}() "
+                    "got no targets; pass targets=... on this rank (the loss is computed there; "
+                    "pipe.needs_targets is True here)"
                 )
-            ys = split(ex.to_device(targets), m, what="targets")
+            ys = split(self._on_device(targets, "targets"), m, what="targets")
         return xs, ys
+
+    def _on_device(self, batch: Any, slot: str) -> Any:
+        """``batch`` on this rank's device: its prefetched copy when it is the batch prefetched."""
+        pre = self._prefetched.get(slot)
+        if pre is not None and pre.host is batch:
+            del self._prefetched[slot]
+            self._prefetch_used += 1
+            return self.executor.take_prefetched(pre)
+        return self.executor.to_device(batch)
+
+    def _prefetch(self, prefetch: Sequence[Any] | None) -> None:
+        """Start the copies of the next call's inputs and targets, where this rank uses them."""
+        if prefetch is None:
+            return
+        x, y = prefetch
+        if self.needs_inputs and x is not None:
+            self._prefetched["inputs"] = self.executor.prefetch(x)
+        if self.needs_targets and y is not None:
+            self._prefetched["targets"] = self.executor.prefetch(y)
 
     def _agree(self) -> None:
         """At the first step: every rank runs the same schedule, micro-batch count and balance."""
@@ -340,19 +550,29 @@ class Pipeline:
                     raise ValueError(
                         f"ranks disagree about the pipeline: rank {self.rank} has {_summary(mine)}, rank {q} "
                         f"has {_summary(theirs)}; build the Pipeline with the same schedule, n_microbatches "
-                        "and balance on every rank"
+                        "and balance on every rank: make the plan once and give every rank that Plan "
+                        "(e.g. partition before pipeline.launch(fn, p, plan)), rather than on each rank"
                     )
         self._agreed = True
 
-    def _loss(self) -> float:
+    def _loss(self, sizes: Sequence[int]) -> float:
+        """The batch's mean loss on every rank; with replicas, over every replica's rows."""
         last = self.stages.get(self.schedule.n_stages - 1)
         comm = self.comm
         value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
-        if last is not None:
-            value += torch.stack(last.losses).float().sum().to(value.device) / self.n_microbatches
+        if last is not None:  # each micro-batch loss weighted by its rows: the batch's mean
+            losses = torch.stack(last.losses).float()
+            shares = torch.tensor(last.weights, dtype=torch.float32, device=losses.device)
+            value += (losses * shares).sum().to(value.device)
         if self.comm is not None and self.comm.world_size > 1:
-            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {self.last_loss_rank}")
+            src = self.comm.name(self.last_loss_rank)
+            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {src}")
+        if self._replicas is not None:
+            return self._replicas.global_mean(float(value), sum(sizes))
         return float(value)
+
+    def _dp_comm(self) -> Comm | None:
+        return self._replicas.comm if self._replicas is not None else None
 
     def _comm_device(self) -> torch.device:
         """Where flags, norms and the loss travel: the Comm's device (the stages' one alone)."""
@@ -391,6 +611,11 @@ class Pipeline:
         """Per local stage: the most micro-batches whose activations it held at once in the last step."""
         return {s: st.peak for s, st in self.stages.items()}
 
+    def reductions(self) -> list[Reduction]:
+        """The gradient all-reduce's buckets in the last ``step(record=True)``: when each was launched
+        and when its wait ended (wall clock, as ``timeline``'s); empty without replicas."""
+        return list(self._replicas.events) if self._replicas is not None else []
+
     def timeline(self) -> Timeline:
         """This rank's events of the last ``step(record=True)``: compute, sends posted, receive waits."""
         return Timeline(list(self.executor.events), self.schedule.n_ranks)
@@ -417,6 +642,16 @@ class Pipeline:
             write_chrome_trace(path, measured, names=["measured"])
         else:
             write_chrome_trace(path, simulated, measured, names=["simulated", "measured"])
+
+
+def _check_prefetch(prefetch: object) -> None:
+    if prefetch is not None and not (isinstance(prefetch, tuple | list) and len(prefetch) == 2):
+        got = f"{type(prefetch).__name__} of {len(prefetch)}" if isinstance(prefetch, tuple | list) else ""
+        raise TypeError(
+            f"prefetch must be the next call's (inputs, targets) pair, e.g. prefetch=(x_next, y_next) "
+            f"(None for what this rank does not use; a DataLoader's [x, y] batch will do), or None; got "
+            f"{got or type(prefetch).__name__}"
+        )
 
 
 def _store_prefix(group: Any, distributed: bool) -> str:

@@ -59,11 +59,12 @@ class Msg:
 
     __slots__ = ("action", "like_tuple", "mask", "peer", "reap", "spec", "tensors", "value", "what", "works")
 
-    def __init__(self, action: Action | None, peer: int) -> None:
+    def __init__(self, action: Action | None, peer: int, peer_name: int | None = None) -> None:
         self.action, self.peer = action, peer
         self.what = ""
-        if action is not None:
-            self.what = f"{action} {'to' if action.kind.is_send else 'from'} rank {peer}"
+        if action is not None:  # errors name the peer by ``peer_name`` (its global rank in a mesh)
+            name = peer if peer_name is None else peer_name
+            self.what = f"{action} {'to' if action.kind.is_send else 'from'} rank {name}"
         self.value: Any = None
         self.tensors: list[torch.Tensor] = []
         self.works: list[Any] | None = None
@@ -99,10 +100,20 @@ class Compiled:
 
 
 def compile_rank(
-    sched: Schedule, rank: int, stages: dict[int, StageRuntime], host: Host, lookahead: bool
+    sched: Schedule,
+    rank: int,
+    stages: dict[int, StageRuntime],
+    host: Host,
+    lookahead: bool,
+    name: Callable[[int], int] | None = None,
 ) -> Compiled:
-    """Compile rank ``rank``'s part of ``sched.lowered()`` over ``stages``, calling back into ``host``."""
-    return _Compiler(sched, rank, stages, host).compile(sched.lowered(), lookahead)
+    """Compile rank ``rank``'s part of ``sched.lowered()`` over ``stages``, calling back into ``host``;
+    ``name(q)``: how errors name rank q (default: q)."""
+    return _Compiler(sched, rank, stages, host, name).compile(sched.lowered(), lookahead)
+
+
+def _same(q: int) -> int:
+    return q
 
 
 def _consumer(a: Action) -> Action:
@@ -120,15 +131,24 @@ def _receiver(a: Action) -> Action:
 
 
 class _Compiler:
-    def __init__(self, sched: Schedule, rank: int, stages: dict[int, StageRuntime], host: Host) -> None:
+    def __init__(
+        self,
+        sched: Schedule,
+        rank: int,
+        stages: dict[int, StageRuntime],
+        host: Host,
+        name: Callable[[int], int] | None,
+    ) -> None:
         self.sched, self.rank, self.stages, self.host = sched, rank, stages, host
+        self.name: Callable[[int], int] = name if name is not None else _same
         self.n_stages = sched.n_stages
         self.msgs: dict[Action, Msg] = {}
         self.local: dict[tuple[int, int], Msg] = {}
 
     def _msg(self, a: Action) -> Msg:
         if a not in self.msgs:
-            self.msgs[a] = Msg(a, self.sched.rank_of(a.peer_stage))
+            q = self.sched.rank_of(a.peer_stage)
+            self.msgs[a] = Msg(a, q, self.name(q))
         return self.msgs[a]
 
     def _box(self, s: int, i: int) -> Msg:

@@ -22,6 +22,11 @@ runs ``autograd.backward(o_l, g_l, inputs=params_l)`` per layer: the weight
 gradients, from the same graphs, after which everything is freed. The sums are
 those of one whole backward, so the gradients equal the unsplit ones.
 
+The last stage's loss for micro-batch i is scaled by its weight, rows_i / B
+(``set_rows``; 1/m when m divides B), so that the backward leaves the gradient
+of the batch's mean loss. In a forward-only pass the last stage may also keep
+its outputs (``keep_outputs``, for ``predict``) and skip the loss (``want_loss``).
+
 Recomputed micro-batches (see recompute.py) run F under ``no_grad`` keeping
 only the input and the RNG state, and rebuild the graphs at the start of B with
 that state restored, so dropout draws the same masks as in F.
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.runtime.microbatch import Batch, Signature, as_tuple, from_tuple
+from pipeline.runtime.microbatch import Batch, Signature, as_tuple, from_tuple, weights
 from pipeline.runtime.recompute import RNGState, recomputes
 
 __all__ = ["Grads", "StageRuntime"]
@@ -93,21 +98,29 @@ class StageRuntime:
         self.layers = list(module)
         self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
-        self.scale = 1.0 / n_microbatches
+        self.weights = [1.0 / n_microbatches] * n_microbatches  # each micro-batch loss's (set_rows)
         self._saved: dict[int, _Saved] = {}
         self.losses: list[torch.Tensor] = []  # last stage: unscaled micro-batch losses of this step
+        # last stage, forward-only passes: keep each micro-batch's output (predict), compute the loss
+        self.keep_outputs, self.want_loss = False, True
+        self.outputs: dict[int, Batch] = {}
         self.live = 0  # micro-batches whose state is held
         self.peak = 0  # the most held at once since reset_peak()
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
+    def set_rows(self, sizes: list[int]) -> None:
+        """The rows of this step's micro-batches: micro-batch i's loss weighs rows_i / B."""
+        self.weights = weights(sizes)
+
     # ---- forward
 
     def _run(
-        self, x: Batch, target: Any, chain: list[tuple[Batch, Batch]] | None, record: bool = True
+        self, i: int, x: Batch, target: Any, chain: list[tuple[Batch, Batch]] | None, record: bool = True
     ) -> Batch:
-        """The stage's layers (and the scaled loss on the last stage); ``chain`` collects (a_l, o_l)."""
+        """The stage's layers for micro-batch ``i`` (and its weighted loss on the last stage);
+        ``chain`` collects (a_l, o_l)."""
         if chain is None:
             out: Batch = self.module(x)
         else:
@@ -116,13 +129,15 @@ class StageRuntime:
                 a = out if k == 0 else _leaves(out)
                 out = layer(a)
                 chain.append((a, out))
-        if self.is_last:
-            out = self._loss(out, target, record)
+        if self.is_last and self.keep_outputs:
+            self.outputs[i] = _detached(out)
+        if self.is_last and self.want_loss:
+            out = self._loss(out, target, record, self.weights[i])
             if chain is not None:  # the loss closes the last layer's graph
                 chain[-1] = (chain[-1][0], out)
         return out
 
-    def _loss(self, out: Batch, target: Any, record: bool) -> torch.Tensor:
+    def _loss(self, out: Batch, target: Any, record: bool, weight: float) -> torch.Tensor:
         assert self.loss_fn is not None
         loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -132,7 +147,7 @@ class StageRuntime:
             )
         if record:
             self.losses.append(loss.detach())
-        return loss * self.scale
+        return loss * weight
 
     def forward(self, i: int, x: Batch, target: Any = None) -> Batch | None:
         """F of micro-batch ``i``: the output for the next stage (None on the last stage)."""
@@ -141,17 +156,17 @@ class StageRuntime:
         if self.recomputes[i]:
             saved.rng = RNGState.capture(self.device)
             with torch.no_grad():
-                out = self._run(x, target, None)
+                out = self._run(i, x, target, None)
         else:
             chain = saved.chain if self.split else None
-            out = self._run(x, target, chain)
+            out = self._run(i, x, target, chain)
             saved.outputs = out if not self.split else None
         self._saved[i] = saved
         self.live += 1
         self.peak = max(self.peak, self.live)
         return None if self.is_last else out
 
-    def _replay(self, saved: _Saved) -> None:
+    def _replay(self, i: int, saved: _Saved) -> None:
         """Rebuild a recomputed micro-batch's graph with the RNG state of its F.
 
         The buffers are put back afterwards: F updated them already (BatchNorm's
@@ -163,7 +178,8 @@ class StageRuntime:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             saved.rng.restore()
             with torch.enable_grad():
-                out = self._run(saved.inputs, saved.target, saved.chain if self.split else None, record=False)
+                chain = saved.chain if self.split else None
+                out = self._run(i, saved.inputs, saved.target, chain, record=False)
         # through .data: the graph holds the buffers as inputs (BatchNorm's running statistics),
         # so a tracked write would fail its backward's version check, although a training-mode
         # backward never reads them (and in eval mode their values are unchanged)
@@ -181,7 +197,7 @@ class StageRuntime:
         """
         saved = self._saved[i]
         if saved.rng is not None:
-            self._replay(saved)
+            self._replay(i, saved)
         if self.split:
             return self._input_grads(saved, grads)
         assert saved.outputs is not None
@@ -225,8 +241,9 @@ class StageRuntime:
         self._free(i)
 
     def discard(self) -> None:
-        """Drop every held micro-batch: after a forward-only (evaluation) pass."""
+        """Drop every held micro-batch and kept output: after a forward-only (evaluation) pass."""
         self._saved.clear()
+        self.outputs = {}
         self.live = 0
 
     def _free(self, i: int) -> None:
@@ -262,6 +279,21 @@ class StageRuntime:
                 for b, copy in buffers:
                     b.copy_(copy)
         return tuple((tuple(t.shape), t.dtype) for t in as_tuple(out))
+
+
+def _detached(out: Any) -> Batch:
+    """The last stage's output, kept for ``predict``: a tensor or a tuple of tensors, detached."""
+    tensors = out if isinstance(out, tuple) else (out,)
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors):
+        kinds = ", ".join(
+            "a 0-dim tensor" if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors
+        )
+        raise TypeError(
+            f"predict() and evaluate(return_outputs=True) concatenate the model's outputs along dim 0, "
+            f"so the last stage must return a tensor or a tuple of tensors with a batch dimension, "
+            f"got {kinds or 'an empty tuple'}; return the per-row outputs (e.g. logits), not a reduction"
+        )
+    return from_tuple([t.detach() for t in tensors], isinstance(out, tuple))
 
 
 def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,19 @@ again before the other stream is done with it::
     channel r -> q                        [send mb0]    /
     channel q -> r                           [recv from q]
 
+A batch can be copied ahead of its step (``Pipeline.step(..., prefetch=...)``):
+``start_copy`` queues the copy on the copy stream and an event is recorded
+after it; only when the batch is used is compute made to wait for that event,
+so the copy overlaps the compute queued in between (the current step's):
+
+    copy stream      [H2D batch t+1] . event
+    compute stream   [step t ..........] wait(event) [step t+1 ...]
+
 On plain CPU every call here is a no-op on the ``CPUStream`` stand-in; under
 the NCCL emulation (``emulated=True``) streams and events are emulation.py's
-stand-ins, which make a missing ordering visible. The same executor code runs
-on all three.
+stand-ins, which make a missing ordering visible (a copy made there reads as
+poison until compute is ordered after it). The same executor code runs on all
+three.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ __all__ = [
     "pin",
     "record_event",
     "record_stream",
+    "start_copy",
     "to_device",
     "use_stream",
     "wait_event",
@@ -155,6 +165,23 @@ def pin(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tenso
     return tensor
 
 
+def start_copy(tensor: torch.Tensor, device: torch.device, copy_stream: AbstractStream) -> torch.Tensor:
+    """Queue a (pinned) host tensor's copy to ``device`` on ``copy_stream``; no other stream is ordered
+    after it yet (``wait_event`` / ``wait_stream`` do that, ``record_stream`` marks its use there).
+
+    A tensor already on ``device`` is returned as it is, except under the emulation,
+    where every input is copied as from a host, so that a missing ordering shows.
+    """
+    if isinstance(copy_stream, EmuStream):
+        return emulation.copy(tensor, copy_stream)
+    if tensor.device == device:
+        return tensor
+    if not isinstance(copy_stream, torch.cuda.Stream):
+        return tensor.to(device)
+    with use_stream(copy_stream):
+        return tensor.to(device, non_blocking=True)
+
+
 def to_device(
     tensor: torch.Tensor, device: torch.device, copy_stream: AbstractStream, compute: AbstractStream
 ) -> torch.Tensor:
@@ -163,12 +190,8 @@ def to_device(
     The copy is ``non_blocking``; ``compute`` waits for it with an event and the
     result is recorded on ``compute`` since it was allocated on ``copy_stream``.
     """
-    if tensor.device == device:
-        return tensor
-    if not isinstance(copy_stream, torch.cuda.Stream):
-        return tensor.to(device)
-    with use_stream(copy_stream):
-        out = tensor.to(device, non_blocking=True)
-    wait_stream(compute, copy_stream)
-    record_stream(out, compute)
+    out = start_copy(tensor, device, copy_stream)
+    if out is not tensor:
+        wait_stream(compute, copy_stream)
+        record_stream(out, compute)
     return out

@@ -1,0 +1,145 @@
+"""The 2-D mesh of a replicated pipeline: ``dp`` replicas of a pipeline of ``p`` ranks.
+
+    # p: ranks per pipeline, r: a rank's place in its pipeline (its "pp" rank), d: its replica
+
+Every rank holds one (replica d, pipeline rank r) cell. The order is pp
+innermost: global rank g = d * p + r, so that the ranks of one pipeline are
+adjacent::
+
+                       "pp": the pipeline's ranks (point-to-point, every micro-batch) ->
+                     r = 0     r = 1     r = 2     r = 3
+    "dp"   d = 0    [  0  ] - [  1  ] - [  2  ] - [  3  ]    replica 0: stages s with s % p == r
+     |     d = 1    [  4  ] - [  5  ] - [  6  ] - [  7  ]    replica 1: the same stages, other data
+     v                 |         |         |         |
+                    the "dp" group of pipeline rank r: {r, p + r, ...}, one gradient all-reduce per step
+
+Why this order. Launchers number ranks node by node (torchrun gives node k
+the ranks k * P .. k * P + P - 1 for P processes per node), so with pp
+innermost a pipeline of p <= P ranks lies on one node. Its traffic is on the
+critical path: every forward waits for the previous stage's activations and
+every backward for the next stage's gradients, m times per step, so it wants
+the node's fastest links (NVLink, or the loopback). The data-parallel
+all-reduce moves much more, a whole stage's gradients, but once per step, in
+buckets launched as soon as a stage's last weight gradient is done, so that
+it overlaps the rest of the schedule (runtime/dp.py): it tolerates the slower
+network between nodes.
+
+The mesh is a ``torch.distributed.device_mesh.DeviceMesh`` with dims named
+``("dp", "pp")``, made with ``init_device_mesh`` (``build_mesh``) or given by
+the caller (``check_mesh``). A rank's pipeline rank is its rank in the "pp"
+group and its replica its rank in the "dp" group. The mesh must span the whole
+world: the runtime's per-pair channels (channels.py) are made with
+``dist.new_group``, which every rank of the world calls in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["DIMS", "Layout", "build_mesh", "check_mesh", "check_world", "layout_of", "layout_table"]
+
+DIMS = ("dp", "pp")
+
+# meshes already made, by (device type, dp, p): every rank makes its Pipelines in the same order, so
+# the cache hits (and the collective group creations it saves) are the same on every rank
+_made: dict[tuple[str, int, int], DeviceMesh] = {}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the mesh, and the global ranks of its groups (in group-rank order)."""
+
+    dp: int  # replicas
+    p: int  # ranks per pipeline
+    replica: int  # d: this rank's place in its "dp" group
+    pp_rank: int  # r: this rank's place in its pipeline ("pp" group)
+    pipeline: list[int]  # global ranks of this rank's pipeline, by pipeline rank
+    replicas: list[int]  # global ranks of this rank's "dp" group, by replica
+    pipelines: list[list[int]]  # every pipeline's global ranks, by replica then pipeline rank
+
+
+def check_world(world: int, dp: int, p: int) -> None:
+    """The world must be exactly dp pipelines of p ranks; a ValueError naming the numbers otherwise."""
+    if world % p != 0:
+        raise ValueError(
+            f"the world has {world} ranks, not a multiple of the plan's {p} ranks per pipeline; start "
+            f"dp x {p} ranks (e.g. {dp * p} for dp={dp}) or make the plan for a divisor of {world}"
+        )
+    if world != dp * p:
+        raise ValueError(
+            f"the plan is for dp={dp} replicas of {p} ranks ({dp * p} ranks) but the world has {world}; "
+            f"make the plan with dp={world // p} (plan.replace(dp={world // p})) or start {dp * p} ranks"
+        )
+
+
+def build_mesh(dp: int, p: int, device_type: str) -> DeviceMesh:
+    """The ("dp", "pp") mesh of dp x p ranks over the world (pp innermost); made once per shape."""
+    check_world(dist.get_world_size(), dp, p)
+    key = (device_type, dp, p)
+    if key not in _made:
+        _made[key] = init_device_mesh(device_type, (dp, p), mesh_dim_names=DIMS)
+    return _made[key]
+
+
+def check_mesh(mesh: Any, dp: int, p: int) -> DeviceMesh:
+    """A caller's mesh: a DeviceMesh with dims "dp" and "pp" of the plan's sizes, over the whole world."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh with dims ('dp', 'pp'), got "
+            f"{type(mesh).__name__}; make one with init_device_mesh(device_type, (dp, p), "
+            "mesh_dim_names=('dp', 'pp')) or pass mesh=None"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    if sorted(names) != sorted(DIMS):
+        raise ValueError(
+            f"mesh has dims {names or '(unnamed)'} of sizes {tuple(mesh.mesh.shape)}, but a Pipeline needs "
+            "exactly two named 'dp' (replicas) and 'pp' (the pipeline's ranks); make it with "
+            "init_device_mesh(device_type, (dp, p), mesh_dim_names=('dp', 'pp'))"
+        )
+    world = dist.get_world_size()
+    sizes = {n: int(mesh.mesh.shape[names.index(n)]) for n in DIMS}
+    if mesh.mesh.numel() != world:
+        raise ValueError(
+            f"mesh {sizes} has {mesh.mesh.numel()} ranks but the world has {world}; the mesh must span the "
+            "world (its pipelines' channels are made by every rank of the world)"
+        )
+    if sizes["pp"] != p or sizes["dp"] != dp:
+        raise ValueError(
+            f"mesh has dp={sizes['dp']}, pp={sizes['pp']} but the plan is for dp={dp} replicas of {p} "
+            f"ranks; make the plan for this mesh (partition(..., {sizes['pp']} ranks, dp={sizes['dp']}) or "
+            f"plan.replace(dp={sizes['dp']})) or pass a mesh of shape ({dp}, {p})"
+        )
+    return mesh
+
+
+def layout_of(mesh: DeviceMesh) -> Layout:
+    """This rank's place in ``mesh`` and the global ranks of its groups."""
+    pp, dpg = mesh.get_group("pp"), mesh.get_group("dp")
+    names = tuple(mesh.mesh_dim_names or ())
+    grid = mesh.mesh if names == DIMS else mesh.mesh.transpose(0, 1)  # (dp, pp)
+    # a group's ranks are ordered by group rank, which is what the runtime's messages use
+    rows = sorted((sorted(int(g) for g in row) for row in grid.tolist()), key=lambda r: r[0])
+    return Layout(
+        dp=int(grid.shape[0]),
+        p=int(grid.shape[1]),
+        replica=dist.get_rank(dpg),
+        pp_rank=dist.get_rank(pp),
+        pipeline=[int(g) for g in dist.get_process_group_ranks(pp)],
+        replicas=[int(g) for g in dist.get_process_group_ranks(dpg)],
+        pipelines=rows,
+    )
+
+
+def layout_table(dp: int, p: int, stages_of: Any = None) -> str:
+    """Which global rank holds which (replica, pipeline rank) in the default layout; with
+    ``stages_of(r)`` (a Schedule's), the stages too. For logs and documentation."""
+    lines = [f"{'rank':>4}  {'replica':>7}  {'pp rank':>7}  stages"]
+    for g in range(dp * p):
+        d, r = divmod(g, p)
+        stages = ",".join(map(str, stages_of(r))) if stages_of is not None else str(r)
+        lines.append(f"{g:>4}  {d:>7}  {r:>7}  {stages}")
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""Data parallelism over pipeline replicas: how much of the gradient all-reduce the schedule hides.
+
+    python scripts/bench_dp.py                       # dp = 2 x 2 pipeline ranks: 4 processes, ~2 min
+    python scripts/bench_dp.py --width 1024 --steps 8 --json runs/dp.json
+
+    # p = 2 ranks per pipeline, dp = 2 replicas, m micro-batches, B rows per replica
+
+In the same 4 processes (gloo, one intra-op thread each), one step of each run in
+turn, so that a load spike hits them all. Every replica trains on its own B rows,
+the same B in every run:
+
+    ours dp=1     our pipeline on each replica's rows, no reduction (two pipelines side by side)
+    (a) overlap   ours, dp = 2: each stage's buckets launched during its last backward
+    (b) after     ours dp=1, then the same buckets all-reduced once the step is done (the naive way)
+    torch dp=1    torch.distributed.pipelining, Schedule1F1B, no reduction
+    (c) torch+DDP torch.distributed.pipelining stages wrapped in DistributedDataParallel, as torchtitan
+                  composes them (DDP reduces during the last micro-batch's backward)
+    all-reduce    our buckets alone, launched and waited with no compute: what there is to hide
+
+A step's time runs from a barrier to the last rank's end. The all-reduce costs a run
+its step time minus its dp=1 run's, and the share hidden is
+``1 - (T_run - T_dp1) / T_allreduce``.
+
+Workloads: ``linear``, Linear(width, width) layers (at width 1536, 9.4 MB of fp32
+gradients each, 4 per stage), whose compute needs the same CPU cores as gloo's
+reduction; ``timed``, layers with as many parameters that sleep their forward and
+backward (``--fwd-ms``, ``--bwd-ms``) and leave the cores free, as an accelerator
+leaves the host while it computes: what the schedule can hide, apart from a
+host's contention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout, uninstalled
+
+from pipeline.launch import launch
+from pipeline.plan import Plan
+from pipeline.runtime.dp import GradReducer, assign_parameters, reduction_points
+from pipeline.runtime.p2p import Comm
+from pipeline.runtime.pipe import Pipeline
+
+__all__ = ["main"]
+
+P, DP = 2, 2
+RUNS = ("ours dp=1", "(a) overlap", "(b) after", "torch dp=1", "(c) torch+DDP", "all-reduce")
+
+
+@dataclass(frozen=True)
+class Config:
+    width: int = 1536
+    layers: int = 8
+    rows: int = 8  # per micro-batch
+    m: int = 4
+    steps: int = 8
+    warmup: int = 2
+    bucket_mb: float = 25.0
+    workload: str = "linear"
+    fwd_ms: float = 10.0
+    bwd_ms: float = 20.0
+
+
+class _Sleep(torch.autograd.Function):
+    """x -> x, sleeping ``t_f``; backward sleeps ``t_b`` and gives ``weight`` a gradient (zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
+        time.sleep(t_f)
+        ctx.t_b, ctx.like = t_b, weight
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        time.sleep(ctx.t_b)
+        return grad, torch.zeros_like(ctx.like), None, None
+
+
+class TimedLayer(nn.Module):
+    """As many parameters as Linear(width, width), costing ``t_f`` / ``t_b`` of sleep, no CPU."""
+
+    def __init__(self, width: int, t_f: float, t_b: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width * (width + 1)))
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Sleep.apply(x, self.weight, self.t_f, self.t_b)  # type: ignore[no-untyped-call]
+        return out
+
+
+_TIMED_WIDTH = 16  # the timed workload's activations: small messages
+
+
+def _model(cfg: Config) -> nn.Sequential:
+    torch.manual_seed(0)
+    if cfg.workload == "timed":
+        t_f, t_b = cfg.fwd_ms / 1e3, cfg.bwd_ms / 1e3
+        return nn.Sequential(*[TimedLayer(cfg.width, t_f, t_b) for _ in range(cfg.layers)])
+    layers = [nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.Tanh()) for _ in range(cfg.layers)]
+    return nn.Sequential(*layers)
+
+
+def _batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1 + dist.get_rank() // P)  # each replica its own rows
+    n, width = cfg.m * cfg.rows, _TIMED_WIDTH if cfg.workload == "timed" else cfg.width
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+Step = Callable[[], None]
+
+
+def _ours(cfg: Config, dp: int, groups: Any) -> tuple[Step, list[nn.Parameter], Pipeline]:
+    model, (x, y) = _model(cfg), _batch(cfg)
+    plan = Plan(balance=[cfg.layers // 2] * 2, schedule="1f1b", n_microbatches=cfg.m, dp=dp)
+    if dp > 1:
+        pipe = Pipeline(model, plan, loss_fn=_mse, bucket_mb=cfg.bucket_mb, mesh=groups.mesh)
+    else:
+        pipe = Pipeline(model, plan, loss_fn=_mse, group=groups.pp)
+
+    def step() -> None:
+        pipe.step(x, y)
+
+    return step, list(pipe.parameters()), pipe
+
+
+def _reducer(cfg: Config, pipe: Pipeline, groups: Any) -> GradReducer:
+    """Our buckets for ``pipe``'s stages, on the "dp" group, launched whenever asked."""
+    points = reduction_points(pipe.schedule, pipe.rank)
+    lowered = list(pipe.schedule.lowered()[pipe.rank])
+    owned = assign_parameters(dict(zip(pipe.stages, pipe._modules, strict=True)), points, lowered)
+    comm = Comm(groups.dp, "bench/dp", 60.0)
+    return GradReducer(owned, comm, int(cfg.bucket_mb * 1e6), dist.get_rank(), groups.replicas)
+
+
+def _after(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
+    inner, params, pipe = _ours(cfg, 1, groups)
+    reducer = _reducer(cfg, pipe, groups)
+
+    def step() -> None:
+        inner()
+        reducer.begin_step(False)
+        for s in pipe.stages:
+            reducer.arm(s, cfg.m * cfg.rows)
+            reducer.launch(s)
+        reducer.wait(pipe.stages)
+
+    return step, params
+
+
+def _allreduce(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
+    inner, _, pipe = _ours(cfg, 1, groups)
+    inner()  # gradients to reduce
+    reducer = _reducer(cfg, pipe, groups)
+
+    def step() -> None:
+        reducer.begin_step(False)
+        for s in pipe.stages:
+            reducer.arm(s, cfg.m * cfg.rows)
+            reducer.launch(s)
+        reducer.wait(pipe.stages)
+
+    return step, []  # keeps its gradients
+
+
+def _torch(cfg: Config, ddp: bool, groups: Any) -> tuple[Step, list[nn.Parameter]]:
+    from torch.distributed import pipelining as tp
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, (x, y) = _model(cfg), _batch(cfg)
+    r, half = dist.get_rank() % P, cfg.layers // 2
+    part: nn.Module = model[r * half : (r + 1) * half]
+    if ddp:
+        part = DistributedDataParallel(part, process_group=groups.dp, bucket_cap_mb=cfg.bucket_mb)
+    stage = tp.PipelineStage(part, r, P, torch.device("cpu"), group=groups.pp)
+    sched = tp.Schedule1F1B(stage, cfg.m, loss_fn=_mse)
+
+    def step() -> None:
+        if r == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+
+    return step, list(part.parameters())
+
+
+@dataclass
+class _Groups:
+    mesh: Any
+    pp: Any
+    dp: Any
+    replicas: list[int]
+
+
+def _rank_main(cfg: Config) -> dict[str, list[float]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, P), mesh_dim_names=("dp", "pp"))
+    dp_group = mesh.get_group("dp")
+    groups = _Groups(mesh, mesh.get_group("pp"), dp_group, dist.get_process_group_ranks(dp_group))
+    a_step, a_params, _ = _ours(cfg, DP, groups)
+    d_step, d_params, _ = _ours(cfg, 1, groups)
+    runs: dict[str, tuple[Step, list[nn.Parameter]]] = {
+        "ours dp=1": (d_step, d_params),
+        "(a) overlap": (a_step, a_params),
+        "(b) after": _after(cfg, groups),
+        "torch dp=1": _torch(cfg, False, groups),
+        "(c) torch+DDP": _torch(cfg, True, groups),
+        "all-reduce": _allreduce(cfg, groups),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for k in range(cfg.warmup + cfg.steps):
+        for name in names if k % 2 == 0 else reversed(names):  # alternate who goes first
+            step, params = runs[name]
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            if k >= cfg.warmup:
+                times[name].append(time.perf_counter() - start)
+    dist.barrier()
+    return times
+
+
+def _report(cfg: Config, per_rank: list[dict[str, list[float]]]) -> dict[str, Any]:
+    step = {name: statistics.median(max(r[name][k] for r in per_rank) for k in range(cfg.steps))
+            for name in RUNS}  # fmt: skip
+    ar = step["all-reduce"]
+    hidden = {
+        "(a) overlap": 1 - (step["(a) overlap"] - step["ours dp=1"]) / ar,
+        "(b) after": 1 - (step["(b) after"] - step["ours dp=1"]) / ar,
+        "(c) torch+DDP": 1 - (step["(c) torch+DDP"] - step["torch dp=1"]) / ar,
+    }
+    mb = 4 * cfg.width * (cfg.width + 1) * cfg.layers // 2 / 1e6
+    layer = f"Linear({cfg.width}, {cfg.width})"
+    if cfg.workload == "timed":
+        layer = f"timed layers of {cfg.width * (cfg.width + 1) / 1e6:.2f}M parameters, F {cfg.fwd_ms:g} ms " \
+                f"B {cfg.bwd_ms:g} ms (sleeps)"  # fmt: skip
+    print(f"# torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, gloo, "
+          f"dp={DP} x p={P} (4 processes, 1 thread each); 1F1B, m={cfg.m}, {cfg.m * cfg.rows} rows per "
+          f"replica; {cfg.layers} x {layer}; {mb:.1f} MB of gradients per stage; "
+          f"buckets {cfg.bucket_mb:g} MB; median of {cfg.steps} steps after {cfg.warmup}")  # fmt: skip
+    print(f"{'run':<16}{'step ms':>10}{'vs dp=1 ms':>12}{'hidden':>9}")
+    for name in RUNS:
+        base = step["torch dp=1"] if name.startswith("(c)") else step["ours dp=1"]
+        extra = f"{(step[name] - base) * 1e3:12.1f}" if name in hidden else f"{'':>12}"
+        share = f"{hidden[name]:9.0%}" if name in hidden else ""
+        print(f"{name:<16}{step[name] * 1e3:10.1f}{extra}{share}")
+    return {"config": cfg.__dict__, "step_s": step, "hidden": hidden}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    d = Config()
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    for name in ("width", "layers", "rows", "m", "steps", "warmup"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    parser.add_argument("--workload", choices=("linear", "timed"), default=d.workload)
+    parser.add_argument("--fwd-ms", type=float, default=d.fwd_ms, help="timed: each layer's forward")
+    parser.add_argument("--bwd-ms", type=float, default=d.bwd_ms, help="timed: each layer's backward")
+    parser.add_argument("--json", help="also write the numbers here")
+    a = parser.parse_args(argv)
+    if a.layers % 2 or a.layers < 2:
+        parser.error(f"--layers {a.layers} must be even: half on each pipeline rank")
+    cfg = Config(
+        a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb, a.workload, a.fwd_ms, a.bwd_ms
+    )
+    per_rank = launch(_rank_main, P * DP, cfg, backend="gloo", timeout=600.0)
+    out = _report(cfg, per_rank)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

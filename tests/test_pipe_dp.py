@@ -1,0 +1,240 @@
+"""Pipeline replicas (dp = 2 x 2 pipeline ranks, 4 gloo processes) against one process on the global batch.
+
+Each launch runs every configuration in turn and returns losses and gradients: every schedule, with and
+without recomputation, uneven local batches, several AdamW and ZeRO-1 steps, clipping, evaluation, the
+overlap seen in recorded timelines, and the NCCL emulation.
+
+    global rank g = d * 2 + r: replica d = g // 2 holds rows [d * B, (d + 1) * B) of the global batch
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from pipeline.plan import Plan
+from pipeline.reference.models import gpt, gpt_loss, mlp
+from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.actions import Kind
+from tests.dist import run_ranks
+from tests.pipe_common import assert_close, balance_of
+
+M, LOCAL, P, DP = 4, 8, 2, 2  # micro-batches, rows per replica, ranks per pipeline, replicas
+GLOBAL = LOCAL * DP
+CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]  # (schedule, v)
+UNEVEN = (11, 5)  # replica 0's and 1's rows when the local batches differ
+
+
+def _build(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
+    """(model, global inputs, global targets, loss_fn), the same on every call."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model, x = mlp(width=8, depth=8, batch_size=GLOBAL)
+        return model, x, torch.randn(GLOBAL, 8), nn.functional.mse_loss
+    model, x = gpt(vocab_size=16, width=16, n_layers=6, n_heads=2, max_seq_len=8, batch_size=GLOBAL)
+    return model, x, torch.randint(0, 16, (GLOBAL, 8)), gpt_loss
+
+
+def _rows(rows: tuple[int, int] = (LOCAL, LOCAL)) -> slice:
+    d = dist.get_rank() // P
+    start = sum(rows[:d])
+    return slice(start, start + rows[d])
+
+
+def _grads(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    return {k: p.grad.detach().clone() for k, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _plan(model: nn.Sequential, sched: str, v: int, mode: str = "never") -> Plan:
+    balance = balance_of(len(model), P * v)
+    return Plan(balance=balance, schedule=sched, n_microbatches=M, n_virtual=v, recompute=mode, dp=DP)
+
+
+def _matrix() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (sched, v), mode in itertools.product(("mlp", "gpt"), CONFIGS, ("never", "always")):
+        if name == "gpt" and mode == "always":
+            continue
+        model, x, y, loss_fn = _build(name)
+        pipe = Pipeline(model, _plan(model, sched, v, mode), loss_fn=loss_fn, timeout=30.0)
+        loss = pipe.step(x[_rows()], y[_rows()])
+        out[f"{name}/{sched}/{mode}"] = (loss, _grads(pipe))
+    # uneven local batches: each replica weighs by its rows, as one process on all 16 does
+    model, x, y, loss_fn = _build("mlp")
+    pipe = Pipeline(model, _plan(model, "1f1b", 1), loss_fn=loss_fn, timeout=30.0)
+    out["uneven"] = (pipe.step(x[_rows(UNEVEN)], y[_rows(UNEVEN)]), _grads(pipe))
+    out["layout"] = (
+        pipe.replica,
+        pipe.rank,
+        dist.get_process_group_ranks(pipe.dp_group),
+        dist.get_process_group_ranks(pipe.pp_group),
+        pipe.mesh.mesh.tolist() if pipe.mesh is not None else None,
+    )
+    out["eval"] = pipe.evaluate(x[_rows(UNEVEN)], y[_rows(UNEVEN)])
+    # replicas seeded differently: replica 0's initial values reach replica 1 at construction
+    torch.manual_seed(dist.get_rank() // P)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    before = {k: t.detach().clone() for k, t in model.named_parameters()}
+    pipe = Pipeline(model, _plan(model, "1f1b", 1), loss_fn=nn.functional.mse_loss, timeout=30.0)
+    out["seeded"] = (before, {k: t.detach().clone() for k, t in pipe.named_parameters()})
+    # clip_grad_norm_ and grads_finite over the whole pp x dp world, each parameter once
+    model, x, y, loss_fn = _build("mlp")
+    pipe = Pipeline(model, _plan(model, "interleaved-1f1b", 2), loss_fn=loss_fn, timeout=30.0)
+    pipe.step(x[_rows()], y[_rows()])
+    norm = pipe.clip_grad_norm_(0.05)
+    out["clip"] = (norm, pipe.grads_finite(), _grads(pipe))
+    # several optimizer steps: AdamW, and ZeRO-1 over the replicas
+    for zero in (False, True):
+        model, x, y, loss_fn = _build("mlp")
+        pipe = Pipeline(model, _plan(model, "1f1b", 1), loss_fn=loss_fn, timeout=30.0)
+        kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+        opt = (
+            ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, process_group=pipe.dp_group, **kw)
+            if zero
+            else torch.optim.AdamW(pipe.parameters(), **kw)
+        )
+        for _ in range(3):
+            opt.zero_grad()
+            pipe.step(x[_rows()], y[_rows()])
+            opt.step()
+        out[f"adamw/{zero}"] = {k: t.detach().clone() for k, t in pipe.named_parameters()}
+    # recorded: when each bucket was launched against the rank's compute
+    for sched, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        model, x, y, loss_fn = _build("mlp")
+        pipe = Pipeline(model, _plan(model, sched, v), loss_fn=loss_fn, timeout=30.0, bucket_mb=1e-4)
+        pipe.step(x[_rows()], y[_rows()])
+        pipe.step(x[_rows()], y[_rows()], record=True)
+        compute = [(e.action, e.start, e.end) for e in pipe.timeline().events if e.action.kind.is_compute]
+        out[f"overlap/{sched}"] = (compute, pipe.reductions())
+    return out
+
+
+def _reference(name: str, rows: slice = slice(None)) -> tuple[float, dict[str, torch.Tensor]]:
+    model, x, y, loss_fn = _build(name)
+    loss = loss_fn(model(x[rows]), y[rows])
+    loss.backward()
+    return float(loss.detach()), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _check(results: list[dict[str, Any]], key: str, name: str) -> None:
+    loss_ref, grads_ref = _reference(name)
+    for g, res in enumerate(results):
+        loss, _ = res[key]
+        assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref), (key, g, loss, loss_ref)  # the global mean
+    for d in range(DP):  # each replica holds every gradient, each parameter on one of its ranks
+        merged: dict[str, torch.Tensor] = {}
+        for res in results[d * P : (d + 1) * P]:
+            assert not set(merged) & set(res[key][1])
+            merged.update(res[key][1])
+        assert_close(merged, grads_ref, f"{key} replica {d}")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(tmp_path_factory.mktemp("dp"), _matrix, P * DP, timeout=240.0)
+
+
+@pytest.mark.parametrize(("sched", "v"), CONFIGS)
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_every_schedule_equals_one_process_on_the_global_batch(
+    results: list[dict[str, Any]], sched: str, v: int, mode: str
+) -> None:
+    _check(results, f"mlp/{sched}/{mode}", "mlp")
+    if mode == "never":
+        _check(results, f"gpt/{sched}/{mode}", "gpt")
+
+
+def test_uneven_local_batches_are_weighted_by_rows(results: list[dict[str, Any]]) -> None:
+    _check(results, "uneven", "mlp")  # replicas of 11 and 5 rows: the mean over all 16
+    model, x, y, loss_fn = _build("mlp")
+    with torch.no_grad():
+        want = float(loss_fn(model.eval()(x), y))
+    assert all(abs(r["eval"] - want) <= 1e-5 * want for r in results)
+
+
+def test_replicas_start_from_replica_0_s_parameters(results: list[dict[str, Any]]) -> None:
+    for g, res in enumerate(results):
+        before, after = res["seeded"]
+        mine = results[g % P]["seeded"][0]  # replica 0's rank of the same pipeline rank
+        assert set(after) and all(torch.equal(after[k], mine[k]) for k in after)
+        if g >= P:  # replica 1 was seeded otherwise: its values were replaced
+            assert all(not torch.equal(before[k], after[k]) for k in after)
+
+
+def test_the_mesh_puts_a_pipeline_s_ranks_next_to_each_other(results: list[dict[str, Any]]) -> None:
+    for g, res in enumerate(results):
+        d, r = divmod(g, P)
+        assert res["layout"] == (d, r, [r, P + r], [d * P, d * P + 1], [[0, 1], [2, 3]])
+
+
+def test_clipping_and_finiteness_cover_the_whole_world_once(results: list[dict[str, Any]]) -> None:
+    model, x, y, loss_fn = _build("mlp")
+    loss_fn(model(x), y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    grads_ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    for res in results:
+        norm, finite, _ = res["clip"]
+        assert abs(norm - want) <= 1e-5 * want and finite is True
+    for d in range(DP):
+        merged = {k: t for res in results[d * P : (d + 1) * P] for k, t in res["clip"][2].items()}
+        assert_close(merged, grads_ref, f"clipped, replica {d}")
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["adamw", "zero-1"])
+def test_optimizer_steps_equal_one_process(results: list[dict[str, Any]], zero: bool) -> None:
+    model, x, y, loss_fn = _build("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    want = {k: t.detach() for k, t in model.named_parameters()}
+    for d in range(DP):
+        merged = {k: t for res in results[d * P : (d + 1) * P] for k, t in res[f"adamw/{zero}"].items()}
+        assert_close(merged, want, f"3 steps, zero={zero}, replica {d}")
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "interleaved-1f1b"])
+def test_a_stage_s_all_reduce_starts_before_the_rank_s_compute_ends(
+    results: list[dict[str, Any]], sched: str
+) -> None:
+    for g, res in enumerate(results):
+        compute, reductions = res[f"overlap/{sched}"]
+        last_end = max(end for _, _, end in compute)
+        assert reductions and all(e.rank == g for e in reductions)
+        first = min(reductions, key=lambda e: e.launched)
+        # launched during the rank's own compute: before its last compute action ends
+        assert first.launched < last_end, (g, sched, first, last_end)
+        if sched == "interleaved-1f1b":  # stage r + 2 is done first: all of it overlaps stage r's drain
+            later = [e for e in reductions if e.stage == g % P + P]
+            last_b = max(end for a, _, end in compute if a.stage == g % P and a.kind is Kind.B)
+            assert later and all(e.launched < last_b for e in later), (g, later, last_b)
+
+
+def _emulated() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for sched, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        model, x, y, loss_fn = _build("mlp")
+        pipe = Pipeline(model, _plan(model, sched, v), loss_fn=loss_fn, timeout=30.0, bucket_mb=1e-4)
+        out[f"mlp/{sched}/never"] = (pipe.step(x[_rows()], y[_rows()]), _grads(pipe))
+        norm = pipe.clip_grad_norm_(0.05)
+        out[f"clip/{sched}"] = (norm, pipe.grads_finite(), _grads(pipe))
+    return out
+
+
+def test_the_nccl_code_path_under_the_emulation_equals_one_process(tmp_path: Path) -> None:
+    # per-pair channels for both replicas' pipelines, polled collectives on the "dp" group
+    results = run_ranks(tmp_path, _emulated, P * DP, timeout=240.0, backend="nccl-emulated")
+    for sched in ("1f1b", "interleaved-1f1b", "zb-h1"):
+        _check(results, f"mlp/{sched}/never", "mlp")
+    model, x, y, loss_fn = _build("mlp")
+    loss_fn(model(x), y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    assert all(abs(r[f"clip/{s}"][0] - want) <= 1e-5 * want for r in results for s in ("1f1b", "zb-h1"))
