@@ -82,7 +82,7 @@ class StageRuntime:
     def __init__(
         self,
         index: int,
-        module: nn.Sequential,
+        module: nn.Module,
         *,
         n_stages: int,
         n_microbatches: int,
@@ -95,7 +95,7 @@ class StageRuntime:
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.n_microbatches, self.split, self.recompute = n_microbatches, split_backward, recompute
         self.loss_fn = loss_fn
-        self.layers = list(module)
+        self.layers = list(module) if isinstance(module, nn.Sequential) else [module]  # traced: one graph
         self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
         self.weights = [1.0 / n_microbatches] * n_microbatches  # each micro-batch loss's (set_rows)

@@ -72,7 +72,8 @@ class TiedGrads:
 
     ``params[(s, name)]``: the local parameter that stage s holds as ``name`` (this rank's stages
     only); ``rank_of(s)``: the group rank of stage s. Build it on every rank of ``group`` (the
-    pipeline's), in the same order as the other ranks' pipelines.
+    pipeline's), in the same order as the other ranks' pipelines. ``failure``: the pipeline's
+    failure key (store, key), which the ties' groups then watch too (see ``Comm``).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class TiedGrads:
         group: Any = None,
         timeout: float = 300.0,
         key_prefix: str = "stagewise/ties",
+        failure: tuple[Any, str] | None = None,
     ) -> None:
         self.rank = rank
         self._local: list[tuple[Tie, nn.Parameter, tuple[int, ...]]] = []
@@ -106,7 +108,8 @@ class TiedGrads:
         for ranks, members in sets.items():
             global_ranks = [dist.get_global_rank(group, q) if group is not None else q for q in ranks]
             sub = dist.new_group(global_ranks, use_local_synchronization=True)
-            comm = Comm(sub, f"{key_prefix}/{'-'.join(map(str, ranks))}", timeout)
+            prefix = f"{key_prefix}/{'-'.join(map(str, ranks))}"
+            comm = Comm(sub, prefix, timeout, failure=failure, p2p=False, global_names=True)
             self._groups.append((comm, ranks, members))
         self._stash: dict[int, torch.Tensor | None] = {}
 
