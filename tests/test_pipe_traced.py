@@ -10,6 +10,7 @@ with gradient clipping (which counts the tied weight once).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -172,3 +173,69 @@ def test_one_rank_refuses_another_model_and_other_shapes(profiles: dict[str, Any
         Pipeline(other, plan, loss_fn=loss_fn)
     with pytest.raises(TypeError, match=r"or make the plan with partition\(model, n_ranks, sample\)"):
         Pipeline(other, [1], loss_fn=loss_fn)
+
+
+def _replicated(plan_json: str) -> tuple[list[float], list[float], Grads, torch.Tensor]:
+    """dp = 2 replicas of 2 pipeline ranks: global rank g = d * 2 + r holds rows [d * 4, d * 4 + 4)."""
+    import torch.distributed as dist
+
+    model, x, y, loss_fn = _build("gpt_tied")
+    rows = slice(dist.get_rank() // 2 * (BATCH // 2), (dist.get_rank() // 2 + 1) * (BATCH // 2))
+    pipe = Pipeline(model, Plan.from_json(plan_json), loss_fn=loss_fn, timeout=60.0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, norms, first = [], [], {}
+    for step in range(3):
+        losses.append(pipe.step(x[rows], y[rows]))
+        if step == 0:
+            first = {k: p.grad.clone() for k, p in pipe.named_parameters() if p.grad is not None}
+        norms.append(pipe.clip_grad_norm_(0.05))
+        opt.step()
+        opt.zero_grad()
+    weight = dict(pipe.named_parameters())["tok.weight"].detach().clone()
+    pipe.close()
+    return losses, norms, first, weight
+
+
+def test_tied_weights_with_pipeline_replicas(tmp_path: Path, profiles: dict[str, Any]) -> None:
+    """Tied copies and data parallelism together: each replica sums its copies' gradients after the
+    replicas' mean; every rank ends with one process's gradient on the global batch."""
+    plan = _plan("gpt_tied", 2, profiles).replace(dp=2)
+    results = run_ranks(tmp_path, _replicated, 4, plan.to_json(), timeout=240.0)
+    model, x, y, loss_fn = _build("gpt_tied")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    want_losses, want_norms, ref = [], [], {}
+    for step in range(3):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if step == 0:
+            ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+        want_losses.append(float(loss.detach()))
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    for g, (losses, norms, grads, weight) in enumerate(results):
+        assert losses == pytest.approx(want_losses, rel=1e-5), g
+        assert norms == pytest.approx(want_norms, rel=1e-5), g
+        assert_close(grads, {k: ref[k] for k in grads}, f"dp=2 x p=2, rank {g}")
+        assert torch.equal(weight, results[0][3])  # every copy, in every replica
+    assert_close({"w": results[0][3]}, {"w": model.tok.weight.detach()}, "tied weight after 3 AdamW steps")
+
+
+def _emulated(plan_json: str) -> tuple[float, Grads]:
+    model, x, y, loss_fn = _build("gpt_tied")
+    pipe = Pipeline(model, Plan.from_json(plan_json), loss_fn=loss_fn, timeout=60.0)
+    loss = pipe.step(x, y)
+    grads = {k: p.grad.clone() for k, p in pipe.named_parameters() if p.grad is not None}
+    pipe.close()
+    return loss, grads
+
+
+def test_tied_weights_on_the_nccl_path(tmp_path: Path, profiles: dict[str, Any]) -> None:
+    """The NCCL code path (emulated on gloo: strict devices and streams) sums the tied copies too."""
+    plan = _plan("gpt_tied", 2, profiles).replace(schedule="zb-h1")
+    results = run_ranks(tmp_path, _emulated, 2, plan.to_json(), backend="nccl-emulated", timeout=240.0)
+    ref_loss, ref = _reference("gpt_tied")
+    for r, (loss, grads) in enumerate(results):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_close(grads, {k: ref[k] for k in grads}, f"nccl-emulated rank {r}")
+    assert "tok.weight" in results[0][1] and "tok.weight" in results[1][1]

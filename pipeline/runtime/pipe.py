@@ -17,6 +17,21 @@ balance list with those as keywords works too (see options.py). Stage s
 (``balance[s]`` consecutive layers of the ``nn.Sequential``) lives on rank
 s % p. Only this rank's stages are kept.
 
+Any other module works with a plan that ``partition`` made by tracing it: each
+rank traces the model again (a meta-device model costs no memory), checks it
+against the plan's graph, and builds its stages as graphs over the model's own
+submodules (graph_stages.py, traced.py), passing every tensor live across a
+cut; parameter names stay the model's (``blocks.3.attn.qkv.weight``). A
+parameter several stages hold (a head tied to the embedding) is kept by each
+rank that uses it: the copies start equal, their gradients are summed after
+each step's backward, after the replicas' reduction (ties.py), so the optimizer
+keeps them equal; ``clip_grad_norm_`` counts the weight once and
+``gather_state_dict`` holds it once, by its first name::
+
+    model = TiedGPT(...)                         # tok, pos, blocks in a loop, norm, head = tok
+    plan = partition(model, 4, sample, loss_fn=gpt_loss, target=y0)
+    pipe = Pipeline(model, plan, loss_fn=gpt_loss)
+
 What a step computes. The batch's B rows are split into m micro-batches as
 evenly as possible (any B >= m; the first B % m get one row more), and
 micro-batch i's loss is weighted by rows_i / B (1/m when m divides B).
@@ -159,7 +174,10 @@ class Pipeline:
     ``init_fn(module)`` runs on each local stage after a meta-device model is
     materialised: its parameters then come from ``reset_parameters``
     (re-initialisation, not the values of any other copy of the model) and then
-    ``init_fn``. ``mesh``: a DeviceMesh with dims "dp" and "pp" over the world
+    ``init_fn``; a parameter or buffer that neither sets is an error naming it
+    (materialize.py). ``model`` is an ``nn.Sequential``, or any module with a
+    plan ``partition`` made for it (see the module docstring). ``mesh``: a
+    DeviceMesh with dims "dp" and "pp" over the world
     for a replicated plan (default: made from the plan when ``plan.dp`` > 1);
     ``group`` is then not given. ``bucket_mb``: the size of the gradient
     all-reduce's buckets across replicas.

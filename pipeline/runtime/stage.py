@@ -2,7 +2,8 @@
 
     # i: micro-batch, m: micro-batches, l: layer of the stage, L: layers
 
-A stage is a slice of the model's ``nn.Sequential``. Its input arrives detached
+A stage is a slice of the model's ``nn.Sequential``, or one traced graph
+(traced.py), which counts as one layer here. Its input arrives detached
 (a graph boundary: gradients stop here and travel back as tensors). The state
 of micro-batch i lives from its F to its last backward action and is then
 dropped, so ``live`` counts the micro-batches whose activations are held.
