@@ -239,3 +239,48 @@ def test_tied_weights_on_the_nccl_path(tmp_path: Path, profiles: dict[str, Any])
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert_close(grads, {k: ref[k] for k in grads}, f"nccl-emulated rank {r}")
     assert "tok.weight" in results[0][1] and "tok.weight" in results[1][1]
+
+
+def _checkpointed(folder: str, plan_json: str) -> tuple[list[float], list[float], list[str]]:
+    """Train a step, save; a differently seeded model loads it; both train on: the same losses."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from pipeline import checkpointing
+
+    runs = []
+    for load in (False, True):
+        model, x, y, loss_fn = _build("gpt_tied")
+        if load:
+            torch.manual_seed(7)
+            model = gpt_tied(vocab_size=16, width=16, n_layers=4, n_heads=2, max_seq_len=8)[0]
+        pipe = Pipeline(model, Plan.from_json(plan_json), loss_fn=loss_fn, timeout=60.0)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        if load:
+            checkpointing.load(folder, pipe=pipe, optimizer=opt)
+        else:
+            pipe.step(x, y)
+            opt.step()
+            opt.zero_grad()
+            checkpointing.save(folder, 1, pipe=pipe, optimizer=opt)
+        losses = []
+        for _ in range(2):
+            losses.append(pipe.step(x, y))
+            opt.step()
+            opt.zero_grad()
+        runs.append(losses)
+        pipe.close()
+    keys = sorted(FileSystemReader(str(checkpointing.latest(folder))).read_metadata().state_dict_metadata)
+    return runs[0], runs[1], keys
+
+
+def test_a_tied_weight_is_saved_once_and_restored_on_every_copy(
+    tmp_path: Path, profiles: dict[str, Any]
+) -> None:
+    plan = _plan("gpt_tied", 2, profiles)
+    results = run_ranks(tmp_path, _checkpointed, 2, str(tmp_path / "ckpt"), plan.to_json(), timeout=240.0)
+    for saved, loaded, keys in results:
+        assert loaded == saved  # the loaded run continues exactly: every copy of tok.weight restored
+        assert [k for k in keys if k.startswith("model/") and "weight" in k and "tok" in k] == [
+            "model/tok.weight"
+        ]
+        assert not any("head.weight" in k for k in keys)  # one entry, by its first name
