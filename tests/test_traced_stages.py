@@ -237,3 +237,22 @@ def test_stages_follow_train_and_eval_like_the_model() -> None:
     y = stages[1](stages[0](x))
     assert torch.equal(y, want)  # the same dropout masks, batch statistics
     assert int(model.norm.num_batches_tracked) == 2  # the model's step and the stages' step
+
+
+def test_a_stage_with_a_data_dependent_size_inside_knows_its_output() -> None:
+    from pipeline.runtime.stage import StageRuntime
+
+    options = {"n_stages": 2, "n_microbatches": 1, "split_backward": False, "recompute": "never"}
+    inside = StageRuntime(0, _DataShaped(), loss_fn=None, device=torch.device("cpu"), **options)  # type: ignore[arg-type]
+    assert inside.infer((((5, 4), torch.float32),)) == (
+        ((4,), torch.float32),
+    )  # the rows vary, not the output
+    leaks = nn.Sequential(_Rows())
+    stage = StageRuntime(0, leaks, loss_fn=None, device=torch.device("cpu"), **options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"stage 0's output 0 has a shape that depends on the data"):
+        stage.infer((((5, 4), torch.float32),))
+
+
+class _Rows(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x[:, 0] > 0]  # as many rows as pass the test

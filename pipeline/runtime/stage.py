@@ -265,20 +265,32 @@ class StageRuntime:
         ``num_batches_tracked``.
         """
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
+        # a shape environment lets a call whose output size depends on the data (nonzero, a boolean
+        # mask) run inside the stage, with a symbolic size; only the stage's outputs must be known
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            with mode, torch.no_grad():
                 empty = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig]
-                fake = [mode.from_tensor(t) for t in empty]
+                fake = [mode.from_tensor(t, static_shapes=True) for t in empty]
                 out = self.module(from_tuple(fake, len(fake) > 1))
         finally:
             torch.set_autocast_cache_enabled(cache)
             with torch.no_grad():
                 for b, copy in buffers:
                     b.copy_(copy)
+        for j, t in enumerate(as_tuple(out)):
+            if not all(isinstance(d, int) for d in t.shape):
+                raise ValueError(
+                    f"stage {self.index}'s output {j} has a shape that depends on the data "
+                    f"({list(t.shape)}): the pipeline sends tensors whose shapes follow from the input's; "
+                    "keep such a result inside one stage (partition() never cuts a traced model there) or "
+                    "give it a fixed size"
+                )
         return tuple((tuple(t.shape), t.dtype) for t in as_tuple(out))
 
 
