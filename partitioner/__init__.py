@@ -1,10 +1,15 @@
-"""stagewise partitioner: profile an ``nn.Sequential``, split it exactly, and plan the stages.
+"""stagewise partitioner: profile a model, split it exactly, and plan the stages.
 
     # p: ranks, v: stages per rank, k = p * v stages
 
 >>> plan = partition(model, 4, sample)        # 4 ranks; sample: one micro-batch
 >>> plan = partition(model, 4, sample, autocast=torch.bfloat16, loss_fn=loss, target=y)
->>> print(plan); stages = plan.split(model)
+>>> print(plan); stages = plan.split(model)   # an nn.Sequential's stages
+
+``model`` is an ``nn.Sequential`` (its children are the layers) or any module ``torch.export``
+(or ``torch.fx.symbolic_trace``) can trace: its layers are then groups of its traced calls, one
+per submodule such as a transformer block (``pipeline.runtime.tracing``), and a cut costs every
+tensor live across it (``graph_profile``, ``graph``). Tied weights are in ``plan.extra["ties"]``.
 
 ``Plan`` and ``StagePlan`` are ``pipeline.plan``'s (one definition, re-exported here): the
 partitioner makes plans, the runtime runs them. Imports go one way, partitioner -> pipeline.
@@ -15,6 +20,7 @@ from partitioner.costs import COSTS, cut_groups, layer_costs
 from partitioner.figures import LayerProfile
 from partitioner.flops import FlopCount
 from partitioner.graph import cut_bytes, layer_graph
+from partitioner.graph_profile import profile_graph
 from partitioner.links import Links, measure_links
 from partitioner.live import LiveBytes
 from partitioner.memory import held, in_flight, layer_memory
@@ -46,6 +52,7 @@ __all__ = [
     "plan_for",
     "predict",
     "profile",
+    "profile_graph",
     "solve",
     "stage_costs",
     "stage_memory",

@@ -14,7 +14,8 @@ only one layer's worth of memory is added at a time::
     on another device         device=...           copies on the profiling device
     on the meta device        device=...           materialised there: ``reset_parameters``
                                                    of every submodule, then ``init_fn``
-                                                   (as ``Pipeline`` does), then dropped
+                                                   (``pipeline.runtime.materialize``: a tensor
+                                                   neither sets is an error), then dropped
 
 The profiling device of layer l is ``device`` if given, else where its tensors live (a model
 spread over devices is profiled where each layer lives), else (no tensors, e.g. ReLU) where its
@@ -30,6 +31,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+
+from pipeline.runtime.materialize import materialize
 
 __all__ = ["changed_parameters", "layer_device", "normalize", "working_copy"]
 
@@ -77,14 +80,10 @@ def working_copy(
     """A copy of ``layer`` on ``dev`` to run instead of it (see the module docstring)."""
     if any(t.is_meta for t in _tensors_of(layer)):
         work = copy.deepcopy(layer)  # meta tensors: nothing to copy
-        work.to_empty(device=dev)
-        with torch.no_grad():
-            for sub in work.modules():
-                reset = getattr(sub, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-        if init_fn is not None:
-            init_fn(work)
+        materialize([work], dev, init_fn)  # ties kept; a tensor nothing initialises is an error
+        for t in _tensors_of(work):  # a layer holding real and meta tensors: the real ones too
+            if normalize(t.device) != dev:
+                t.data = t.data.to(dev)
         return work.train()
     memo: dict[int, object] = {}
     for p in layer.parameters():

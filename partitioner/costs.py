@@ -27,6 +27,8 @@ the cuts between chunks).
 Not every place can be cut (``cut_groups``): the pipeline sends a tensor or a tuple of tensors,
 and a stage's input is a leaf of autograd, which refuses a layer that writes into its input
 (``nn.ReLU(inplace=True)``). Layers joined by such places form one group that no split breaks.
+A traced model's profile says so per cut itself (``Profile.cut_reasons``: every value live
+across the cut counts, not only the previous layer's output).
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from partitioner.figures import LayerProfile
+from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
-from partitioner.profile import Profile
 
 __all__ = [
     "COSTS",
@@ -170,8 +171,11 @@ def cut_rows(
     return [per_link[s % n_ranks] for s in range(k - 1)]
 
 
-def _blocked(layers: Sequence[LayerProfile], cut: int) -> str:
-    """Why the cut after layer ``cut`` is impossible ('' if it is possible)."""
+def _blocked(layers: Sequence[LayerProfile], cut: int, reasons: Sequence[str] | None = None) -> str:
+    """Why the cut after layer ``cut`` is impossible ('' if it is possible); ``reasons``: a traced
+    model's, per cut (``Profile.cut_reasons``), which replace the chain's rule."""
+    if reasons:
+        return reasons[cut]
     before, after = layers[cut], layers[cut + 1]
     if not before.sendable:
         return f"layer {cut} ({before.name}: {before.kind}) returns what the pipeline cannot send"
@@ -180,25 +184,29 @@ def _blocked(layers: Sequence[LayerProfile], cut: int) -> str:
     return ""
 
 
-def cut_groups(layers: Sequence[LayerProfile]) -> tuple[list[int], list[str]]:
+def cut_groups(
+    layers: Sequence[LayerProfile], reasons: Sequence[str] | None = None
+) -> tuple[list[int], list[str]]:
     """Sizes of the runs of layers that no cut may split, and the reasons for the joins."""
-    sizes, reasons = [1], []
+    sizes, joined = [1], []
     for cut in range(len(layers) - 1):
-        why = _blocked(layers, cut)
+        why = _blocked(layers, cut, reasons)
         if why:
             sizes[-1] += 1
-            reasons.append(why)
+            joined.append(why)
         else:
             sizes.append(1)
-    return sizes, reasons
+    return sizes, joined
 
 
-def cut_problems(layers: Sequence[LayerProfile], balance: Sequence[int]) -> list[str]:
+def cut_problems(
+    layers: Sequence[LayerProfile], balance: Sequence[int], reasons: Sequence[str] | None = None
+) -> list[str]:
     """What makes ``balance`` unrunnable: stage boundaries at places that cannot be cut."""
     out, end = [], 0
     for s, size in enumerate(balance[:-1]):
         end += size
-        why = _blocked(layers, end - 1)
+        why = _blocked(layers, end - 1, reasons)
         if why:
             out.append(f"the boundary between stages {s} and {s + 1}: {why}")
     return out

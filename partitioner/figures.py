@@ -1,4 +1,5 @@
-"""``LayerProfile``: one layer's measured figures, the record that profile.py fills and graph.py reads.
+"""``LayerProfile``: one layer's measured figures, the record that profile.py fills and graph.py reads;
+``Profile``: a model's, all layers' figures and the layer graph.
 
     # l: layer
 
@@ -8,9 +9,12 @@ module imports nothing of the profiler: imports in partitioner go one way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["LayerProfile"]
+import networkx as nx
+
+__all__ = ["LayerProfile", "Profile"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class LayerProfile:
     ``inplace``: the layer writes into its input (``nn.ReLU(inplace=True)``), so no stage may start
     with it (a stage's input is a leaf of autograd, which refuses that); ``sendable``: its output
     is a tensor or a tuple of tensors, what the pipeline can send to the next stage.
+
+    ``params``: the names of the parameters it holds, each by the first name the model gives it
+    (a weight tied between two layers has the same name in both: ties are layers' shared names).
     """
 
     index: int
@@ -53,3 +60,31 @@ class LayerProfile:
     cache_bytes: int = 0
     inplace: bool = False
     sendable: bool = True
+    params: tuple[str, ...] = ()
+
+
+@dataclass
+class Profile:
+    """The layers' figures plus ``graph``: a DiGraph with a node per layer and bytes on its edges.
+
+    ``input_bytes`` is the sample's size (what stage 0 keeps per micro-batch when it recomputes);
+    ``loss`` the loss's figures when profiled with a ``loss_fn`` (the last stage runs it);
+    ``autocast`` the dtype name it ran under (None: fp32); ``peak_bytes`` and ``seconds`` what
+    profiling itself took. A traced model's profile (``partitioner.graph_profile``) also has
+    ``cut_reasons`` (per cut after layer l: why no stage boundary may fall there, or "") and
+    ``traced`` (how it was traced, its fingerprint and the sample's signature: what a plan records).
+    """
+
+    layers: list[LayerProfile]
+    device: str
+    graph: nx.DiGraph = field(repr=False)
+    input_bytes: int = 0
+    loss: LayerProfile | None = None
+    autocast: str | None = None
+    peak_bytes: int = 0
+    seconds: float = 0.0
+    cut_reasons: list[str] = field(default_factory=list)
+    traced: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.layers)

@@ -42,14 +42,17 @@ from partitioner.costs import (
     transfer,
     with_loss,
 )
+from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
+from partitioner.graph_profile import profile_graph
 from partitioner.memory import held, in_flight, layer_memory
-from partitioner.profile import LossFn, Profile, check_autocast, check_model
+from partitioner.profile import LossFn, check_autocast, check_model
 from partitioner.profile import profile as run_profile
 from partitioner.shared import shared_across_ranks
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
+from pipeline.runtime.tracing import Traced, trace
 from pipeline.schedules.schedule import Schedule, schedule_options
 
 __all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
@@ -57,7 +60,7 @@ __all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_cost
 
 @shared_across_ranks
 def partition(
-    model: nn.Sequential,
+    model: nn.Module,
     n_ranks: int,
     sample: Any,
     *,
@@ -91,30 +94,49 @@ def partition(
     ``sample`` is one micro-batch of one replica). Every argument is checked before the model is
     profiled. Called on every rank of an initialised process group, it runs on rank 0 and every
     rank returns rank 0's plan (see ``partitioner.shared``).
+
+    ``model`` is an ``nn.Sequential`` (its children are the layers) or any module that
+    ``torch.export`` (or else ``torch.fx.symbolic_trace``) can trace with ``sample``: its layers
+    are then groups of its traced calls (one per transformer block), a cut costs every tensor
+    live across it, and the plan records in ``extra`` the ``cuts`` (the layer each stage after
+    the first begins with) and the trace (``graph``), which ``Pipeline`` checks against the
+    model. Parameters that layers of several stages hold (tied weights) are in ``extra["ties"]``
+    (name -> stages).
     """
-    check_model(model)
-    n = len(model)
     v, m = schedule_options(schedule, n_ranks, n_microbatches, n_virtual)
     k = n_ranks * v
-    if k > n:
-        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
-        raise ValueError(
-            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} layers, "
-            f"and every stage needs at least one; {fix}"
-        )
     check_autocast(autocast)
     shape = Plan(
         balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute, dp=dp
     )
     net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
-    if profile is None:
-        profile = run_profile(
-            model, sample, device=device, autocast=autocast, loss_fn=loss_fn, target=target, init_fn=init_fn
+    check_model(model)
+    traced = None
+    if isinstance(model, nn.Sequential):
+        n = len(model)
+    elif profile is not None:
+        n = len(profile)
+    else:
+        traced = trace(model, sample)
+        n = len(traced.layers)
+    if k > n:
+        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
+        what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
+        raise ValueError(
+            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} {what}, "
+            f"and every stage needs at least one; {fix}"
         )
+    if profile is None:
+        options: dict[str, Any] = {"device": device, "autocast": autocast, "loss_fn": loss_fn}
+        options.update(target=target, init_fn=init_fn)
+        if traced is None:
+            profile = run_profile(model, sample, **options)
+        else:
+            profile = profile_graph(traced, sample, **options)
     else:
         _check_given_profile(profile, n, autocast, loss_fn)
     sched = shape.build_schedule()
-    sizes, reasons = cut_groups(profile.layers)
+    sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
         raise ValueError(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
@@ -266,9 +288,15 @@ def _predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> 
         [st.weight_time for st in stages],
     )
     extra: dict[str, Any] = {"autocast": profile.autocast, "loss": profile.loss is not None}
-    problems = cut_problems(profile.layers, balance)
+    problems = cut_problems(profile.layers, balance, profile.cut_reasons)
     if problems:
         extra["problems"] = problems
+    if profile.traced is not None:  # what Pipeline checks the model against, and where it cuts
+        extra["graph"] = dict(profile.traced, layers=[lp.name for lp in profile.layers])
+        extra["cuts"] = [st.names[0] for st in stages[1:]]
+    ties = _ties(profile.layers, balance)
+    if ties:
+        extra["ties"] = ties
     return shape.replace(
         stages=stages,
         bottleneck=max(per_stage),
@@ -296,6 +324,25 @@ def _memory(
         cache_bytes=[lp.cache_bytes for lp in layers],
     )
     return rows, inputs
+
+
+def _ties(layers: list[LayerProfile], balance: list[int]) -> dict[str, list[int]]:
+    """Parameter name -> the stages holding it, for those more than one stage holds."""
+    held: dict[str, list[int]] = {}
+    start = 0
+    for s, size in enumerate(balance):
+        for lp in layers[start : start + size]:
+            for name in lp.params:
+                stages = held.setdefault(name, [])
+                if not stages or stages[-1] != s:
+                    stages.append(s)
+        start += size
+    return {name: stages for name, stages in held.items() if len(stages) > 1}
+
+
+def _names(traced: Traced) -> str:
+    names = [layer.name for layer in traced.layers]
+    return ", ".join(names) if len(names) <= 12 else ", ".join(names[:12]) + ", ..."
 
 
 def _largest_input(profile: Profile) -> int:

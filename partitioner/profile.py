@@ -1,4 +1,7 @@
-"""Per-layer profile of an ``nn.Sequential``, one layer at a time; the model is left exactly as it was.
+"""Per-layer profile of a model, one layer at a time; the model is left exactly as it was.
+
+An ``nn.Sequential``'s layers are its children (below); any other module is traced and its layers
+are groups of its calls (``partitioner.graph_profile``), profiled the same way.
 
     # l: layer, n: layers
 
@@ -29,55 +32,50 @@ error), and the CPU and CUDA generators' states are put back, so dropout draws n
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import dataclasses
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import nn
 
-from partitioner._measure import Rejected, Run, WithTarget, measure
-from partitioner._placement import changed_parameters, layer_device, normalize, versions, working_copy
-from partitioner._trees import describe, nbytes, tensors, tree_map
-from partitioner.figures import LayerProfile
+from partitioner._measure import Rejected, Run, measure
+from partitioner._placement import layer_device, normalize, versions, working_copy
+from partitioner._profiling import (
+    AUTOCAST_DTYPES,
+    LossFn,
+    canonical_names,
+    check_autocast,
+    check_options,
+    check_untouched,
+    device_of,
+    generators_kept,
+    held_names,
+    profile_loss,
+    refuse_ambient_autocast,
+    uses_cuda,
+)
+from partitioner._trees import describe, nbytes, tree_map
+from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
+from partitioner.graph_profile import profile_graph
 from partitioner.live import LiveBytes
+from pipeline.runtime.tracing import trace
 
-__all__ = ["AUTOCAST_DTYPES", "LayerProfile", "Profile", "profile"]  # LayerProfile is figures.py's
-
-AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-@dataclass
-class Profile:
-    """The layers' figures plus ``graph``: a DiGraph with a node per layer and bytes on its edges.
-
-    ``input_bytes`` is the sample's size (what stage 0 keeps per micro-batch when it recomputes);
-    ``loss`` the loss's figures when profiled with a ``loss_fn`` (the last stage runs it);
-    ``autocast`` the dtype name it ran under (None: fp32); ``peak_bytes`` and ``seconds`` what
-    profiling itself took.
-    """
-
-    layers: list[LayerProfile]
-    device: str
-    graph: nx.DiGraph = field(repr=False)
-    input_bytes: int = 0
-    loss: LayerProfile | None = None
-    autocast: str | None = None
-    peak_bytes: int = 0
-    seconds: float = 0.0
-
-    def __len__(self) -> int:
-        return len(self.layers)
+__all__ = [  # LayerProfile and Profile are figures.py's, the rest _profiling's
+    "AUTOCAST_DTYPES",
+    "LayerProfile",
+    "LossFn",
+    "Profile",
+    "check_autocast",
+    "check_model",
+    "profile",
+]
 
 
 def profile(
-    model: nn.Sequential,
+    model: nn.Module,
     sample: Any,
     *,
     device: torch.device | str | None = None,
@@ -94,26 +92,31 @@ def profile(
     target)``: also profile the loss on the last layer's output (``target``: one micro-batch of
     targets); ``init_fn``: run on each materialised layer of a meta-device model. Raises
     ``ValueError`` for bad arguments and for a layer that rejects its input, naming it.
+
+    Any other module is traced (``pipeline.runtime.tracing``) and profiled one layer group at a
+    time on its graph (``partitioner.graph_profile``).
     """
+    if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+        return profile_graph(
+            trace(model, sample), sample, device=device, autocast=autocast, loss_fn=loss_fn,
+            target=target, init_fn=init_fn, warmup=warmup, repeat=repeat,
+        )  # fmt: skip
     check_model(model)
-    check_autocast(autocast)
-    for label, count, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < least:
-            raise ValueError(f"{label} ({count!r}) must be an integer >= {least}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    check_options(autocast, warmup, repeat, loss_fn)
     dev = None if device is None else normalize(device)
-    _refuse_ambient_autocast()
+    names = canonical_names(model)
+    refuse_ambient_autocast()
     start = time.perf_counter()
     live = LiveBytes()
     layers: list[LayerProfile] = []
     devices: list[str] = []
     loss = None
-    with _generators_kept(_uses_cuda(model, sample, dev)):
+    with generators_kept(uses_cuda(model, sample, dev)):
         x = sample
-        for index, (name, layer) in enumerate(model.named_children()):
+        # every entry, a module that appears twice included (named_children() would skip it)
+        for index, (name, layer) in enumerate(model._modules.items()):
             label = f"layer {index} ({name}: {type(layer).__name__})"
-            here = layer_device(label, layer, dev, _device_of(x))
+            here = layer_device(label, layer, dev, device_of(x))
             with live:
                 x = tree_map(x, lambda t, at=here: t.to(at))  # type: ignore[misc]
                 work = working_copy(layer, here, init_fn)
@@ -127,11 +130,11 @@ def profile(
                     "pass a sample that the model accepts (one micro-batch)"
                 ) from err.__cause__
             del work
-            _check_untouched(label, layer, before)
-            layers.append(figures)
+            check_untouched(label, layer, before)
+            layers.append(dataclasses.replace(figures, params=held_names(layer, names)))
             devices.append(str(here))
         if loss_fn is not None:
-            loss = _profile_loss(loss_fn, target, x, Run(_device_of(x), autocast, warmup, repeat, live))
+            loss = profile_loss(loss_fn, target, x, Run(device_of(x), autocast, warmup, repeat, live))
     return Profile(
         layers,
         ",".join(dict.fromkeys(devices)),
@@ -145,84 +148,10 @@ def profile(
 
 
 def check_model(model: object) -> None:
-    if not isinstance(model, nn.Sequential):
+    if not isinstance(model, nn.Module):
         raise ValueError(
-            f"model must be an nn.Sequential, got {type(model).__name__}; wrap the layers in one"
+            f"model must be an nn.Module (an nn.Sequential, or any module torch.export can trace), got "
+            f"{type(model).__name__}"
         )
-    if len(model) == 0:
+    if isinstance(model, nn.Sequential) and len(model) == 0:
         raise ValueError("model is an empty nn.Sequential: there are no layers; add layers")
-
-
-def check_autocast(autocast: object) -> None:
-    if autocast is not None and autocast not in AUTOCAST_DTYPES:
-        raise ValueError(
-            f"autocast ({autocast!r}) must be torch.bfloat16, torch.float16 or None (fp32): "
-            "the dtype the run's torch.autocast uses"
-        )
-
-
-def _profile_loss(loss_fn: LossFn, target: Any, out: Any, run: Run) -> LayerProfile:
-    target = tree_map(target, lambda t: t.to(run.device))
-
-    def loss(pair: tuple[Any, Any]) -> torch.Tensor:
-        value = loss_fn(*pair)
-        if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
-                f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it, e.g. with .mean()"
-            )
-        return value
-
-    module = loss_fn if isinstance(loss_fn, nn.Module) else None
-    kind = type(loss_fn).__name__
-    try:
-        figures, _ = measure(-1, "loss", kind, loss, module, WithTarget(out, target), run, first=False)
-    except Rejected as err:
-        raise ValueError(
-            f"loss_fn rejected the last layer's output {describe(out)} with target {describe(target)}: "
-            f"{err}; pass target= (one micro-batch of targets) that loss_fn accepts"
-        ) from err.__cause__
-    return figures
-
-
-def _check_untouched(label: str, layer: nn.Module, before: list[int]) -> None:
-    changed = changed_parameters(layer, before)
-    if changed:
-        raise ValueError(
-            f"{label} wrote into its own parameters ({', '.join(changed)}) while it was profiled, so "
-            "the model is not as it was; a forward must not modify parameters in place"
-        )
-
-
-def _refuse_ambient_autocast() -> None:
-    for kind in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(kind):
-            raise ValueError(
-                f"profile() was called inside torch.autocast on {kind}: it sets the run's precision "
-                "itself; call it outside the autocast region and pass autocast=<the region's dtype>"
-            )
-
-
-def _device_of(x: Any) -> torch.device:
-    found = tensors(x)
-    return normalize(found[0].device) if found else torch.device("cpu")
-
-
-def _uses_cuda(model: nn.Module, sample: Any, dev: torch.device | None) -> bool:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return True
-    held = itertools.chain(model.parameters(), model.buffers(), tensors(sample))
-    return (dev is not None and dev.type == "cuda") or any(t.is_cuda for t in held)
-
-
-@contextlib.contextmanager
-def _generators_kept(cuda: bool) -> Iterator[None]:
-    """The CPU generator's state, and every CUDA device's, are put back on the way out."""
-    cpu = torch.get_rng_state()
-    gpus = torch.cuda.get_rng_state_all() if cuda else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if gpus is not None:
-            torch.cuda.set_rng_state_all(gpus)

@@ -16,6 +16,9 @@ Part 3: what ``partition()`` runs at n = 1000 layers, p = 64 ranks (1F1B, m = 64
 profile: costs, per-link cut costs, one memory row per stage, the solve and the simulated
 prediction; with a memory limit that fits, and one that does not (the issue's target: under 100 ms).
 Part 4: profiling time and its own peak memory for 8 .. 128 equal layers (peak flat in n).
+Part 5 (``--graphs``, alone): models that are not an nn.Sequential, split on their traced layer
+graph, against equal counts, torchgpipe and evenly placed SplitPoints (bottleneck, bytes sent),
+and the partition time for a traced graph of several thousand nodes (see ``_graph_bench``).
 """
 
 from __future__ import annotations
@@ -170,11 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="skip profiling the built-in models")
     parser.add_argument("--profiling-only", action="store_true", help="only part 4: profiling cost")
+    parser.add_argument("--graphs", action="store_true", help="only part 5: non-Sequential models")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     if args.profiling_only:
         profiling_table()
+        return 0
+    if args.graphs:
+        from _graph_bench import graph_tables  # beside this script, on the path when run as one
+
+        graph_tables()
         return 0
 
     print(f"bottleneck ratio to ours: torchgpipe/equal-counts (synthetic n = {N_SYNTH}; 1.000 = optimal)")

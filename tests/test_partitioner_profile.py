@@ -147,8 +147,8 @@ def test_bad_sample_names_layer_and_shape() -> None:
 def test_bad_models_and_arguments() -> None:
     with pytest.raises(ValueError, match="empty"):
         profile(nn.Sequential(), torch.randn(1))
-    with pytest.raises(ValueError, match=r"nn\.Sequential"):
-        profile(nn.Linear(2, 2), torch.randn(1, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must be an nn\.Module"):
+        profile("a model", torch.randn(1, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"repeat \(0\) must be an integer >= 1"):
         profile(nn.Sequential(nn.ReLU()), torch.randn(2), repeat=0)
     with pytest.raises(ValueError, match=r"warmup \(-1\) must be an integer >= 0"):

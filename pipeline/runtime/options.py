@@ -176,12 +176,18 @@ def check_group(options: Options, distributed: bool, world: int) -> None:
         )
 
 
-def check_model(model: Any, balance: list[int]) -> nn.Sequential:
-    """``model`` as the nn.Sequential the balance cuts, or a TypeError / ValueError saying what to change."""
+def check_model(model: Any, balance: list[int], plan: Plan | None = None) -> nn.Module:
+    """``model`` as the plan cuts it, or a TypeError / ValueError saying what to change: an
+    nn.Sequential for a balance, any module for a plan ``partition`` made by tracing it."""
+    if plan is not None and "graph" in plan.extra:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be the nn.Module the plan was made for, got {type(model).__name__}")
+        return model  # checked against the plan's graph when the stages are built (graph_stages.py)
     if not isinstance(model, nn.Sequential):
         raise TypeError(
             f"Pipeline cuts an nn.Sequential into stages of consecutive layers, got {type(model).__name__}; "
-            "wrap the model's layers, in the order they run, in one: nn.Sequential(layer_0, layer_1, ...)"
+            "wrap the model's layers, in the order they run, in one: nn.Sequential(layer_0, layer_1, ...), "
+            "or make the plan with partition(model, n_ranks, sample), which splits any module it can trace"
         )
     if sum(balance) != len(model):
         raise ValueError(

@@ -17,6 +17,21 @@ balance list with those as keywords works too (see options.py). Stage s
 (``balance[s]`` consecutive layers of the ``nn.Sequential``) lives on rank
 s % p. Only this rank's stages are kept.
 
+Any other module works with a plan that ``partition`` made by tracing it: each
+rank traces the model again (a meta-device model costs no memory), checks it
+against the plan's graph, and builds its stages as graphs over the model's own
+submodules (graph_stages.py, traced.py), passing every tensor live across a
+cut; parameter names stay the model's (``blocks.3.attn.qkv.weight``). A
+parameter several stages hold (a head tied to the embedding) is kept by each
+rank that uses it: the copies start equal, their gradients are summed after
+each step's backward, after the replicas' reduction (ties.py), so the optimizer
+keeps them equal; ``clip_grad_norm_`` counts the weight once and
+``gather_state_dict`` holds it once, by its first name::
+
+    model = TiedGPT(...)                         # tok, pos, blocks in a loop, norm, head = tok
+    plan = partition(model, 4, sample, loss_fn=gpt_loss, target=y0)
+    pipe = Pipeline(model, plan, loss_fn=gpt_loss)
+
 What a step computes. The batch's B rows are split into m micro-batches as
 evenly as possible (any B >= m; the first B % m get one row more), and
 micro-batch i's loss is weighted by rows_i / B (1/m when m divides B).
@@ -118,7 +133,6 @@ import contextlib
 import itertools
 import math
 import resource
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -131,11 +145,13 @@ from pipeline.runtime import emulation, grads, replicas
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
+from pipeline.runtime.graph_stages import plan_stages
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
+from pipeline.runtime.ties import TiedGrads
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
 
@@ -158,7 +174,10 @@ class Pipeline:
     ``init_fn(module)`` runs on each local stage after a meta-device model is
     materialised: its parameters then come from ``reset_parameters``
     (re-initialisation, not the values of any other copy of the model) and then
-    ``init_fn``. ``mesh``: a DeviceMesh with dims "dp" and "pp" over the world
+    ``init_fn``; a parameter or buffer that neither sets is an error naming it
+    (materialize.py). ``model`` is an ``nn.Sequential``, or any module with a
+    plan ``partition`` made for it (see the module docstring). ``mesh``: a
+    DeviceMesh with dims "dp" and "pp" over the world
     for a replicated plan (default: made from the plan when ``plan.dp`` > 1);
     ``group`` is then not given. ``bucket_mb``: the size of the gradient
     all-reduce's buckets across replicas.
@@ -166,7 +185,7 @@ class Pipeline:
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         plan: Plan | Sequence[int],
         *,
         loss_fn: LossFn | None,
@@ -190,7 +209,7 @@ class Pipeline:
             recompute=recompute,
             checkpoint=checkpoint,
         )
-        check_model(model, options.balance)
+        check_model(model, options.balance, options.plan)
         if loss_fn is None:
             raise ValueError("loss_fn is required: pass loss_fn=f with f(output, target) -> scalar tensor")
         bucket_mb = check_bucket_mb(bucket_mb)
@@ -219,7 +238,10 @@ class Pipeline:
         self.device = torch.device(device)
         n_stages = len(self.balance)
         self._stage_ids = self.schedule.stages_of(self.rank)
-        self._modules = [self._local_stage(model, s, init_fn) for s in self._stage_ids]
+        shape = options.plan if options.plan is not None else Plan(balance=self.balance)
+        local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn)
+        self._modules = [local[s] for s in self._stage_ids]
+        self.fingerprint = str(shape.extra.get("graph", {}).get("fingerprint", ""))  # a traced model
         self.module: nn.Module = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
         self.stages = {
             s: StageRuntime(
@@ -245,6 +267,14 @@ class Pipeline:
                     groups, self._prefix, failure, timeout, modules, self.schedule, self.rank,
                     self.executor, bucket_mb, config,
                 )  # fmt: skip
+        params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
+        shared = (self.comm.failure_store, self.comm.failure_key) if self.comm is not None else None
+        self.tied = TiedGrads(
+            ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
+            key_prefix=f"{self._prefix}/ties", failure=shared,
+        )  # fmt: skip
+        with self._publish_failure():
+            self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
@@ -253,23 +283,6 @@ class Pipeline:
         self._prefetch_used = 0  # prefetched copies a call took (for tests)
 
     # ---- construction
-
-    def _local_stage(
-        self, model: nn.Sequential, s: int, init_fn: Callable[[nn.Module], None] | None
-    ) -> nn.Sequential:
-        start = sum(self.balance[:s])
-        keys = list(model._modules)[start : start + self.balance[s]]
-        module = nn.Sequential(OrderedDict((k, model._modules[k]) for k in keys))  # names as in the model
-        if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
-            module.to_empty(device=self.device)
-            with torch.no_grad():
-                for sub in module.modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
-            if init_fn is not None:
-                init_fn(module)
-        return module.to(self.device)
 
     def close(self) -> None:
         """Stop this rank's communication thread (also done when the Pipeline is garbage-collected).
@@ -280,6 +293,7 @@ class Pipeline:
             self.comm.close()
         if self._replicas is not None:
             self._replicas.close()
+        self.tied.close()
 
     # ---- parameters and buffers (this rank's stages; names as in the model, e.g. "3.weight")
 
@@ -338,8 +352,9 @@ class Pipeline:
         if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm >= 0:
             raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
         gs = self._grads()
-        with self._publish_failure(), self._strict_devices():
-            total = grads.total_norm(gs, norm_type, self.comm, self._comm_device(), self._dp_comm())
+        once = [p.grad for p in self.parameters() if p.grad is not None and self.tied.counted(p)]
+        with self._publish_failure(), self._strict_devices():  # a tied weight's copies count once
+            total = grads.total_norm(once, norm_type, self.comm, self._comm_device(), self._dp_comm())
         value = float(total)
         # every rank has the same value, so every rank raises the same error
         if error_if_nonfinite and not math.isfinite(value):
@@ -395,9 +410,11 @@ class Pipeline:
             self._prefetch(prefetch)
             if self._replicas is not None:
                 self._replicas.begin_step(record)
+            self.tied.begin()
             self.executor.run(xs, ys, record)
             if self._replicas is not None:  # every stage's buckets, launched during the step
                 self._replicas.wait(self.stages)
+            self.tied.reduce()  # each copy of a tied weight: the sum of every copy's gradient
             return self._loss(self.executor.sizes)
 
     def evaluate(
@@ -541,7 +558,8 @@ class Pipeline:
     def _agree(self) -> None:
         """At the first step: every rank runs the same schedule, micro-batch count and balance."""
         if self.comm is not None and self.comm.world_size > 1:
-            mine = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}"
+            traced = f" (traced graph {self.fingerprint})" if self.fingerprint else ""
+            mine = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}{traced}"
             key = f"{self._prefix}/config"
             self.comm.set_key(f"{key}/{self.rank}", mine.encode())
             for q in range(self.comm.world_size):

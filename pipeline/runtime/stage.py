@@ -2,7 +2,8 @@
 
     # i: micro-batch, m: micro-batches, l: layer of the stage, L: layers
 
-A stage is a slice of the model's ``nn.Sequential``. Its input arrives detached
+A stage is a slice of the model's ``nn.Sequential``, or one traced graph
+(traced.py), which counts as one layer here. Its input arrives detached
 (a graph boundary: gradients stop here and travel back as tensors). The state
 of micro-batch i lives from its F to its last backward action and is then
 dropped, so ``live`` counts the micro-batches whose activations are held.
@@ -82,7 +83,7 @@ class StageRuntime:
     def __init__(
         self,
         index: int,
-        module: nn.Sequential,
+        module: nn.Module,
         *,
         n_stages: int,
         n_microbatches: int,
@@ -95,7 +96,7 @@ class StageRuntime:
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.n_microbatches, self.split, self.recompute = n_microbatches, split_backward, recompute
         self.loss_fn = loss_fn
-        self.layers = list(module)
+        self.layers = list(module) if isinstance(module, nn.Sequential) else [module]  # traced: one graph
         self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
         self.weights = [1.0 / n_microbatches] * n_microbatches  # each micro-batch loss's (set_rows)
@@ -264,20 +265,32 @@ class StageRuntime:
         ``num_batches_tracked``.
         """
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
+        # a shape environment lets a call whose output size depends on the data (nonzero, a boolean
+        # mask) run inside the stage, with a symbolic size; only the stage's outputs must be known
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            with mode, torch.no_grad():
                 empty = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig]
-                fake = [mode.from_tensor(t) for t in empty]
+                fake = [mode.from_tensor(t, static_shapes=True) for t in empty]
                 out = self.module(from_tuple(fake, len(fake) > 1))
         finally:
             torch.set_autocast_cache_enabled(cache)
             with torch.no_grad():
                 for b, copy in buffers:
                     b.copy_(copy)
+        for j, t in enumerate(as_tuple(out)):
+            if not all(isinstance(d, int) for d in t.shape):
+                raise ValueError(
+                    f"stage {self.index}'s output {j} has a shape that depends on the data "
+                    f"({list(t.shape)}): the pipeline sends tensors whose shapes follow from the input's; "
+                    "keep such a result inside one stage (partition() never cuts a traced model there) or "
+                    "give it a fixed size"
+                )
         return tuple((tuple(t.shape), t.dtype) for t in as_tuple(out))
 
 

@@ -1,0 +1,138 @@
+"""What both profilers share: option checks, the loss's profile, the model left as it was, RNG kept.
+
+    # l: layer
+
+``profile`` (an ``nn.Sequential``, layer by layer) and ``graph_profile`` (a traced model, layer
+group by layer group) measure the same figures the same way (``_measure``); this module holds
+their common checks and guards, so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioner._measure import Rejected, Run, WithTarget, measure
+from partitioner._placement import changed_parameters, normalize
+from partitioner._trees import describe, tensors, tree_map
+from partitioner.figures import LayerProfile
+
+__all__ = [
+    "AUTOCAST_DTYPES",
+    "LossFn",
+    "canonical_names",
+    "check_autocast",
+    "check_options",
+    "check_untouched",
+    "device_of",
+    "generators_kept",
+    "held_names",
+    "profile_loss",
+    "refuse_ambient_autocast",
+    "uses_cuda",
+]
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def check_options(autocast: torch.dtype | None, warmup: int, repeat: int, loss_fn: LossFn | None) -> None:
+    check_autocast(autocast)
+    for label, count, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < least:
+            raise ValueError(f"{label} ({count!r}) must be an integer >= {least}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's first name in ``model`` (a tied one has one name), by identity."""
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), name)
+    return out
+
+
+def held_names(module: nn.Module, names: dict[int, str]) -> tuple[str, ...]:
+    """The canonical names of the parameters ``module`` holds."""
+    return tuple(sorted({names[id(p)] for p in module.parameters() if id(p) in names}))
+
+
+def check_autocast(autocast: object) -> None:
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"autocast ({autocast!r}) must be torch.bfloat16, torch.float16 or None (fp32): "
+            "the dtype the run's torch.autocast uses"
+        )
+
+
+def profile_loss(loss_fn: LossFn, target: Any, out: Any, run: Run) -> LayerProfile:
+    target = tree_map(target, lambda t: t.to(run.device))
+
+    def loss(pair: tuple[Any, Any]) -> torch.Tensor:
+        value = loss_fn(*pair)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it, e.g. with .mean()"
+            )
+        return value
+
+    module = loss_fn if isinstance(loss_fn, nn.Module) else None
+    kind = type(loss_fn).__name__
+    try:
+        figures, _ = measure(-1, "loss", kind, loss, module, WithTarget(out, target), run, first=False)
+    except Rejected as err:
+        raise ValueError(
+            f"loss_fn rejected the last layer's output {describe(out)} with target {describe(target)}: "
+            f"{err}; pass target= (one micro-batch of targets) that loss_fn accepts"
+        ) from err.__cause__
+    return figures
+
+
+def check_untouched(label: str, layer: nn.Module, before: list[int]) -> None:
+    changed = changed_parameters(layer, before)
+    if changed:
+        raise ValueError(
+            f"{label} wrote into its own parameters ({', '.join(changed)}) while it was profiled, so "
+            "the model is not as it was; a forward must not modify parameters in place"
+        )
+
+
+def refuse_ambient_autocast() -> None:
+    for kind in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(kind):
+            raise ValueError(
+                f"profile() was called inside torch.autocast on {kind}: it sets the run's precision "
+                "itself; call it outside the autocast region and pass autocast=<the region's dtype>"
+            )
+
+
+def device_of(x: Any) -> torch.device:
+    found = tensors(x)
+    return normalize(found[0].device) if found else torch.device("cpu")
+
+
+def uses_cuda(model: nn.Module, sample: Any, dev: torch.device | None) -> bool:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return True
+    held = itertools.chain(model.parameters(), model.buffers(), tensors(sample))
+    return (dev is not None and dev.type == "cuda") or any(t.is_cuda for t in held)
+
+
+@contextlib.contextmanager
+def generators_kept(cuda: bool) -> Iterator[None]:
+    """The CPU generator's state, and every CUDA device's, are put back on the way out."""
+    cpu = torch.get_rng_state()
+    gpus = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if gpus is not None:
+            torch.cuda.set_rng_state_all(gpus)

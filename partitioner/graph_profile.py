@@ -1,0 +1,143 @@
+"""Per-layer profile of a traced model: each layer (a group of its calls) alone, on a working copy.
+
+    # n: layers, l: layer
+
+A traced model (``pipeline.runtime.tracing``) has layers that read any earlier layer's tensors
+and the model's inputs, not just the previous layer's output. Layer l is profiled as its own
+small graph (``pipeline.runtime.traced.layer_spec``): it takes the tensors its calls read from
+outside it and gives those it makes that are read later; these are kept by name, each until its
+last reader is profiled::
+
+    inputs --> [layer 0] --> a ----------------------.
+                          \\-> b --> [layer 1] --> c --> [layer 2](a, c) --> out --> [loss]
+
+Each layer runs on a working copy of the modules it reads (``_placement.working_copy``:
+parameters share the model's storage, buffers are copied, a meta model is materialised there),
+measured as ``profile`` measures an ``nn.Sequential``'s layers (``_measure``), and the model is
+left as it was. The layer graph's edges name the tensors (``partitioner.graph``), so a cut costs
+every tensor live across it, a long skip once per cut it crosses. ``cut_reasons`` says where no
+cut may fall (``pipeline.runtime.layers.cut_blocks``), and ``traced`` what a plan records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from partitioner._measure import Rejected, Run, measure
+from partitioner._placement import layer_device, normalize, versions, working_copy
+from partitioner._profiling import (
+    LossFn,
+    canonical_names,
+    check_options,
+    check_untouched,
+    device_of,
+    generators_kept,
+    held_names,
+    profile_loss,
+    refuse_ambient_autocast,
+    uses_cuda,
+)
+from partitioner._trees import describe, nbytes
+from partitioner.figures import LayerProfile, Profile
+from partitioner.graph import layer_graph
+from partitioner.live import LiveBytes
+from pipeline.runtime.layers import cut_blocks
+from pipeline.runtime.traced import build, holder, layer_spec
+from pipeline.runtime.tracing import Traced
+
+__all__ = ["profile_graph", "traced_record"]
+
+
+def profile_graph(
+    traced: Traced,
+    sample: Any,
+    *,
+    device: torch.device | str | None = None,
+    autocast: torch.dtype | None = None,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    warmup: int = 2,
+    repeat: int = 5,
+) -> Profile:
+    """Profile every layer of ``traced`` on ``sample`` (the one it was traced with); see the docstring.
+
+    The options are ``partitioner.profile``'s.
+    """
+    check_options(autocast, warmup, repeat, loss_fn)
+    dev = None if device is None else normalize(device)
+    refuse_ambient_autocast()
+    start = time.perf_counter()
+    live = LiveBytes()
+    names = canonical_names(traced.root)
+    env: dict[str, Any] = dict(
+        zip(traced.inputs, sample if isinstance(sample, tuple) else (sample,), strict=True)
+    )
+    layers: list[LayerProfile] = []
+    devices: list[str] = []
+    loss = None
+    with generators_kept(uses_cuda(traced.root, sample, dev)):
+        for index, layer in enumerate(traced.layers):
+            spec = layer_spec(traced, index)
+            label = f"layer {index} ({layer.name}: {layer.kind})"
+            held = holder(traced.root, layer.params, traced.constants)
+            given = [env[name] for name in spec.inputs]
+            here = layer_device(label, held, dev, device_of(given))
+            with live:
+                moved = [t.to(here) for t in given]
+                work = build(traced, spec, working_copy(held, here, init_fn), here)
+            x = moved[0] if len(moved) == 1 else tuple(moved)
+            before = versions(held)
+            run = Run(here, autocast, warmup, repeat, live)
+            first = all(name in traced.inputs for name in spec.inputs)
+            try:
+                figures, out = measure(index, layer.name, layer.kind, work, work, x, run, first=first)
+            except Rejected as err:
+                raise ValueError(
+                    f"{label} rejected its input {describe(x)}: {err}; pass the sample the model was "
+                    "traced with (one micro-batch)"
+                ) from err.__cause__
+            del work
+            check_untouched(label, held, before)
+            outs = out if isinstance(out, tuple) else (out,)
+            env.update(zip(spec.outputs or (), outs, strict=True))
+            for name in [n for n in env if traced.values[n].last <= index]:
+                del env[name]  # no later layer reads it
+            layers.append(dataclasses.replace(figures, params=held_names(held, names)))
+            devices.append(str(here))
+        if loss_fn is not None:
+            flat = [
+                env[name] if name is not None else traced.out_constants[j]
+                for j, name in enumerate(traced.outputs)
+            ]
+            out = pytree.tree_unflatten(flat, traced.out_spec)
+            loss = profile_loss(loss_fn, target, out, Run(device_of(flat), autocast, warmup, repeat, live))
+    tensors = [(v.name, v.layer, v.uses, v.nbytes) for v in traced.values.values()]
+    return Profile(
+        layers,
+        ",".join(dict.fromkeys(devices)),
+        layer_graph(layers, tensors=tensors),
+        input_bytes=nbytes(sample),
+        loss=loss,
+        autocast=None if autocast is None else str(autocast).removeprefix("torch."),
+        peak_bytes=live.most(),
+        seconds=time.perf_counter() - start,
+        cut_reasons=cut_blocks(traced.graph, traced.layers, traced.values, traced.root),
+        traced=traced_record(traced),
+    )
+
+
+def traced_record(traced: Traced) -> dict[str, Any]:
+    """What a plan keeps of the trace: how, its fingerprint, the sample's signature (JSON-friendly)."""
+    return {
+        "method": traced.method,
+        "fingerprint": traced.fingerprint,
+        "sample": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in traced.signature],
+    }
