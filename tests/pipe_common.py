@@ -14,6 +14,7 @@ __all__ = [
     "CONFIGS",
     "MODELS",
     "RECOMPUTES",
+    "CarriesIds",
     "M",
     "assert_close",
     "balance_of",
@@ -75,3 +76,21 @@ def assert_close(
     for k, g in got.items():
         err = float((g.double() - ref[k].double()).abs().max() / ref[k].double().abs().max().clamp_min(1e-12))
         assert err < rel, f"{label}: {k} relative error {err:.2e}"
+
+
+class CarriesIds(nn.Module):
+    """(ids) or (h, ids) -> (h', ids): every stage boundary carries an int64 tensor (no gradient)
+    beside h. The last layer returns h'.mean over T, or with ``tuple_output`` (h'.mean, ids)."""
+
+    def __init__(self, first: bool, last: bool, width: int, tuple_output: bool = False) -> None:
+        super().__init__()
+        self.first, self.last, self.tuple_output = first, last, tuple_output
+        self.emb = nn.Embedding(16, width)
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: Any) -> Any:
+        h, ids = (self.emb(x), x) if self.first else x
+        h = torch.tanh(self.lin(h) + self.emb(ids))
+        if not self.last:
+            return h, ids
+        return (h.mean(1), ids) if self.tuple_output else h.mean(1)

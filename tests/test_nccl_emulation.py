@@ -29,6 +29,7 @@ from pipeline.runtime import emulation, stream
 from pipeline.runtime.emulation import DEFAULT, EmuStream, EmuTransfer
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import run_ranks
+from tests.pipe_common import CarriesIds
 
 BATCH, WIDTH, DEPTH = 8, 8, 8
 CHECKPOINTS = ("never", "always")
@@ -118,27 +119,12 @@ def test_the_step_default_device_is_meta_only_under_the_emulation() -> None:
 # ---- the runtime under the emulation, against one process
 
 
-class _Tuple(nn.Module):
-    """(h, ids) -> (h', ids): every stage boundary carries an int64 tensor (no gradient) beside h."""
-
-    def __init__(self, first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        self.emb = nn.Embedding(16, WIDTH)
-        self.lin = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: Any) -> Any:
-        h, ids = (self.emb(x), x) if self.first else x
-        h = torch.tanh(self.lin(h) + self.emb(ids))
-        return h.mean(1) if self.last else (h, ids)
-
-
 def _build(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     if name == "mlp":
         model, x = mlp(width=WIDTH, depth=DEPTH, batch_size=BATCH)
     else:
-        model = nn.Sequential(*[_Tuple(k == 0, k == DEPTH - 1) for k in range(DEPTH)])
+        model = nn.Sequential(*[CarriesIds(k == 0, k == DEPTH - 1, WIDTH) for k in range(DEPTH)])
         x = torch.randint(0, 16, (BATCH, 4))
     return model, x, torch.randn(BATCH, WIDTH)
 

@@ -28,7 +28,7 @@ from pipeline.plan import Plan
 from pipeline.reference.models import mlp
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import run_ranks
-from tests.pipe_common import assert_close, balance_of, grads_of
+from tests.pipe_common import CarriesIds, assert_close, balance_of, grads_of
 
 WIDTH, DEPTH = 8, 8
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
@@ -47,22 +47,6 @@ def _configs(p: int) -> list[tuple[str, str, int, int, int]]:
     return out
 
 
-class _Pair(nn.Module):
-    """(ids) or (h, ids) -> (h', ids): stage boundaries carry an int64 tensor beside h; the last layer
-    returns a tuple (h'.mean over T, ids), so the outputs are a tuple too."""
-
-    def __init__(self, first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        self.emb = nn.Embedding(16, WIDTH)
-        self.lin = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: Any) -> Any:
-        h, ids = (self.emb(x), x) if self.first else x
-        h = torch.tanh(self.lin(h) + self.emb(ids))
-        return (h.mean(1), ids) if self.last else (h, ids)
-
-
 def _pair_loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out[0], y)
 
@@ -73,7 +57,9 @@ def _build(name: str, rows: int, seed: int = 1) -> tuple[nn.Sequential, Any, tor
     if name == "mlp":
         model, _ = mlp(width=WIDTH, depth=DEPTH, batch_size=1)
     else:
-        model = nn.Sequential(*[_Pair(k == 0, k == DEPTH - 1) for k in range(DEPTH)])
+        model = nn.Sequential(
+            *[CarriesIds(k == 0, k == DEPTH - 1, WIDTH, tuple_output=True) for k in range(DEPTH)]
+        )
     gen = torch.Generator().manual_seed(seed)
     x: Any = torch.randn(rows, WIDTH, generator=gen)
     if name == "pair":
