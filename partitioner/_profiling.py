@@ -1,4 +1,5 @@
-"""What both profilers share: option checks, the loss's profile, the model left as it was, RNG kept.
+"""What both profilers share: option checks, the loss's profile, the model left as it was, RNG kept,
+the times blended toward the FLOP prior and the warning when they are too noisy (``trust``).
 
     # l: layer
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioner import noise
 from partitioner._measure import Rejected, Run, WithTarget, measure
 from partitioner._placement import changed_parameters, normalize
 from partitioner._trees import describe, tensors, tree_map
@@ -34,6 +36,7 @@ __all__ = [
     "held_names",
     "profile_loss",
     "refuse_ambient_autocast",
+    "trust",
     "uses_cuda",
 ]
 
@@ -136,3 +139,13 @@ def generators_kept(cuda: bool) -> Iterator[None]:
         torch.set_rng_state(cpu)
         if gpus is not None:
             torch.cuda.set_rng_state_all(gpus)
+
+
+def trust(
+    layers: list[LayerProfile], loss: LayerProfile | None, repeat: int
+) -> tuple[list[LayerProfile], LayerProfile | None, list[int], dict[str, float]]:
+    """The layers and loss with their times blended toward the FLOP prior fitted on the layers,
+    the noisy ones' indices (-1: the loss), warned about, and the prior (``partitioner.noise``)."""
+    layers, extra, rates = noise.with_prior(layers, [] if loss is None else [loss])
+    loss = extra[0] if extra else None
+    return layers, loss, noise.warn_noisy([*layers, *extra], repeat), rates

@@ -54,6 +54,7 @@ from partitioner._profiling import (
     held_names,
     profile_loss,
     refuse_ambient_autocast,
+    trust,
     uses_cuda,
 )
 from partitioner._trees import describe, nbytes, tree_map
@@ -135,6 +136,7 @@ def profile(
             devices.append(str(here))
         if loss_fn is not None:
             loss = profile_loss(loss_fn, target, x, Run(device_of(x), autocast, warmup, repeat, live))
+    layers, loss, noisy, rates = trust(layers, loss, repeat)
     return Profile(
         layers,
         ",".join(dict.fromkeys(devices)),
@@ -144,6 +146,8 @@ def profile(
         autocast=None if autocast is None else str(autocast).removeprefix("torch."),
         peak_bytes=live.most(),
         seconds=time.perf_counter() - start,
+        noisy_layers=noisy,
+        seconds_per_flop=rates,
     )
 
 
