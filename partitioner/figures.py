@@ -23,7 +23,7 @@ class TimeEstimate:
     """One of a layer's times (seconds), from its samples; see ``partitioner.noise``.
 
     ``measured``: the samples' minimum; ``spread``: their interquartile range over their median;
-    ``error``: the floor gap, (lower quartile - minimum) / minimum, how far the minimum may still
+    ``error``: the floor gap, (median - minimum) / minimum, how far the minimum may still
     overstate the time; ``predicted``: seconds per flop (fitted on the profile's stable layers)
     times this time's flops, 0 when there is no prior; ``value``: what the profile uses, the
     measurement blended toward the prediction by their precisions (= ``measured`` when exact).
@@ -72,7 +72,7 @@ class LayerProfile:
 
     How far to trust the times (``partitioner.noise``): ``samples`` timed runs after warm-up;
     ``spread`` the interquartile range over the median of its per-run ``forward + backward``;
-    ``error`` that series' floor gap, (lower quartile - minimum) / minimum; ``noisy``: ``error``
+    ``error`` that series' floor gap, (median - minimum) / minimum; ``noisy``: ``error``
     is above ``noise.NOISE_LIMIT``, so the times lean on the FLOP prior; ``timing`` each time's
     estimate (measured, prior, value). ``input_flops`` and ``weight_flops``: the flops of the
     split backward's two parts (the FLOP prior of ``input_time`` and ``weight_time``).

@@ -66,7 +66,7 @@ def profile_graph(
     target: Any = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     warmup: int = 2,
-    repeat: int = 5,
+    repeat: int = 10,
 ) -> Profile:
     """Profile every layer of ``traced`` on ``sample`` (the one it was traced with); see the docstring.
 

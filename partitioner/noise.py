@@ -10,9 +10,9 @@ hitting one sample, most of them or all. The figures follow from that::
                   more than half, the mean none, to be; one sample in five 100x slower moves the
                   mean 20x and, one run in twenty with five samples, the median 100x)
     spread        (upper - lower quartile) / median: how disturbed the samples were (reported)
-    error         floor gap, (lower quartile - minimum) / minimum: when many samples sit near the
-                  minimum it is the time; when they do not, every sample may be disturbed and the
-                  minimum overstates t by an unknown amount of about this size
+    error         floor gap, (median - minimum) / minimum: when most samples sit near the minimum
+                  it is the time; when they do not, every sample may be disturbed and the minimum
+                  overstates t by an unknown amount of about this size
     stable        the minimum of the first half of the samples is the minimum of all, within
                   SETTLE_SHARE of the layer's time (timing more is not finding a lower floor),
                   and the floor gap is at most NOISE_LIMIT (the floor is found)
@@ -100,9 +100,10 @@ def spread(values: Sequence[float]) -> float:
 
 
 def floor_gap(values: Sequence[float]) -> float:
-    """(lower quartile - minimum) / minimum: how far the minimum may overstate the time."""
+    """(median - minimum) / minimum: how far the minimum may overstate the time; 0 for fewer
+    than 3 samples (nothing to judge by)."""
     low = min(values)
-    return (_quartiles(values)[0] - low) / low if len(values) >= 3 and low > 0 else 0.0
+    return (statistics.median(values) - low) / low if len(values) >= 3 and low > 0 else 0.0
 
 
 def estimate(values: Sequence[float]) -> TimeEstimate:
@@ -194,7 +195,7 @@ def warn_noisy(layers: Sequence[LayerProfile], repeat: int) -> list[int]:
         )
         warnings.warn(
             f"profile: the times of {len(noisy)} of {len(layers)} layers are too noisy to trust (their "
-            f"samples find no clear floor: the lower quartile is over {NOISE_LIMIT:.0%} above the minimum): "
+            f"samples find no clear floor: their median is over {NOISE_LIMIT:.0%} above their minimum): "
             f"{named}. Their times lean on what their flops predict (Profile.seconds_per_flop), so the "
             f"balance may be off. Profile on a quieter machine (nothing else on these cores), take more "
             f"samples with profile(..., repeat=N) (now {repeat}) and pass it as partition(..., "
