@@ -201,6 +201,6 @@ def warn_noisy(layers: Sequence[LayerProfile], repeat: int) -> list[int]:
             f"samples with profile(..., repeat=N) (now {repeat}) and pass it as partition(..., "
             "profile=...), or balance by flops with partition(..., cost='flops').",
             NoisyProfileWarning,
-            stacklevel=3,
+            stacklevel=4,  # profile()'s caller
         )
     return [lp.index for lp in noisy]

@@ -10,10 +10,13 @@ in every sample. Each run draws from its own seed; every run must plan what the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import math
 import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 from partitioner import _measure, noise
+from partitioner.figures import LayerProfile, LayerTiming, TimeEstimate
 from partitioner.partition import partition
 from partitioner.profile import Profile, profile
 
@@ -41,12 +45,14 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int, dict[
     x ``disturbed[l](rng)`` for each of its times; the layer is not run at all. Sampling stops when
     the times settle or at the cap on samples, not on the (real) time budget."""
     monkeypatch.setattr(noise, "BUDGET_FLOOR_S", 60.0)
+    _FAKES.clear()
 
     def use(seed: int, disturbed: dict[int, Disturb]) -> None:
         rng = random.Random(seed)
 
         def sample(fn: Any, x: Any, params: Any, first: bool, sync: Any) -> _measure.Sample:
-            index, base = fn.fake
+            # the working copy shares the layer's parameters' storage: that names the layer
+            index, base = next(_FAKES[p.data_ptr()] for p in fn.parameters() if p.data_ptr() in _FAKES)
             times = [t * (1.0 + 0.01 * rng.random()) for t in base]
             if index in disturbed:
                 times = [t * disturbed[index](rng) for t in times]
@@ -63,9 +69,12 @@ def _model(widths: list[int]) -> tuple[nn.Sequential, torch.Tensor]:
     return model, torch.randn(8, widths[0])
 
 
-def _set_times(model: nn.Sequential, base: list[tuple[float, float, float, float]]) -> None:
-    for index, (layer, times) in enumerate(zip(model, base, strict=True)):
-        layer.fake = (index, times)  # copied into the working copy the profile times
+_FAKES: dict[int, tuple[int, tuple[float, float, float, float]]] = {}  # weight's storage -> layer, times
+
+
+def _set_times(layers: Iterable[nn.Module], base: Sequence[tuple[float, float, float, float]]) -> None:
+    for index, (layer, times) in enumerate(zip(layers, base, strict=True)):
+        _FAKES[next(layer.parameters()).data_ptr()] = (index, times)
 
 
 def _balance(model: nn.Sequential, sample: torch.Tensor, prof: Profile) -> list[int]:
@@ -157,3 +166,113 @@ def test_a_layer_disturbed_in_every_sample_leans_on_its_flops(fake_clock: Any) -
         (message,) = warned
         assert "layer 5 (5: Linear)" in message and "repeat=N) (now 10)" in message
         assert "cost='flops'" in message and "quieter machine" in message
+
+
+def test_the_statistic_the_spread_and_the_floor_gap() -> None:
+    samples = [1.3, 1.0, 100.0, 1.2, 1.1]  # one outlier, 100x
+    est = noise.estimate(samples)
+    assert est.measured == est.value == 1.0  # the least-disturbed sample; the mean would be 20.9
+    assert est.spread == pytest.approx((1.3 - 1.1) / 1.2)  # quartiles 1.1 and 1.3, median 1.2
+    assert est.error == pytest.approx((1.2 - 1.0) / 1.0)  # the median's distance above the floor
+    assert noise.floor_gap([2.0, 2.0, 2.0, 9.0]) == 0.0  # most samples on the floor
+    assert noise.floor_gap([2.0, 4.0, 5.0, 9.0]) == pytest.approx(1.25)  # no floor: every sample slowed
+    assert noise.spread([1.0, 5.0]) == 0.0 and noise.floor_gap([1.0, 5.0]) == 0.0  # too few to judge
+    assert noise.estimate([0.0, 0.0, 0.0]) == TimeEstimate()  # a part that does not exist (no parameters)
+
+
+def test_repeats_adapt_until_the_floor_is_found() -> None:
+    floor = [1.0, 1.01, 1.02, 1.0, 1.01]
+    assert not noise.settled(floor[:4], repeat=5, spent=0.0, first=1.0)  # fewer than asked for
+    assert noise.settled(floor, repeat=5, spent=0.0, first=1.0)
+    assert not noise.settled([1.5, 1.5, 1.5, 1.0, 1.0, 1.0], repeat=5, spent=0.0, first=1.0)  # still dropping
+    assert not noise.settled([1.0, 3.0, 2.0, 4.0, 2.5], repeat=5, spent=0.0, first=1.0)  # no floor yet
+    wild = [1.0, 3.0, 2.0, 4.0, 2.5] * 10
+    assert noise.settled(wild, repeat=5, spent=0.0, first=1.0)  # the cap: MAX_REPEAT_FACTOR x repeat
+    assert len(wild) == noise.MAX_REPEAT_FACTOR * 5 and not noise.settled(wild[:-1], 5, 0.0, 1.0)
+    # the budget: as long again as the first samples took, at least BUDGET_FLOOR_S
+    assert noise.settled(wild[:6], repeat=5, spent=2.0, first=1.0)
+    assert not noise.settled(wild[:6], repeat=5, spent=1.9, first=1.0)
+    assert noise.settled(wild[:6], repeat=5, spent=0.001 + noise.BUDGET_FLOOR_S, first=0.001)
+    assert noise.settled([1.0, 9.0], repeat=2, spent=0.0, first=1.0)  # repeat=2: nothing to judge by
+
+
+def _layer(index: int, kind: str, flops: int, measured: float, error: float) -> LayerProfile:
+    est = TimeEstimate(measured=measured, error=error, value=measured)
+    return LayerProfile(
+        index, str(index), kind, measured, 0.0, flops, 0, 0, 0, (1,), "float32",
+        error=error, noisy=error > noise.NOISE_LIMIT, timing=LayerTiming(forward=est),
+    )  # fmt: skip
+
+
+def test_the_flop_prior_moves_noisy_times_by_their_precision() -> None:
+    # three stable Linear layers at 1, 1.1 and 0.9 ns per flop; a Conv at 5 ns; two noisy layers
+    stable = [_layer(0, "Linear", 1000, 1e-6, 0.0), _layer(1, "Linear", 2000, 2.2e-6, 0.05)]
+    stable += [_layer(2, "Linear", 1000, 0.9e-6, 0.02), _layer(3, "Conv", 1000, 5e-6, 0.01)]
+    noisy = [_layer(4, "Linear", 3000, 9e-6, 0.5), _layer(5, "Norm", 1000, 9e-6, 0.5)]
+    layers, _, rates = noise.with_prior([*stable, *noisy])
+    logs = sorted(math.log(t) for t in (1e-9, 1.1e-9, 0.9e-9, 5e-9))
+    assert rates["forward"] == pytest.approx(math.exp((logs[1] + logs[2]) / 2))  # all layers' median
+    assert "backward" not in rates  # no layer has backward flops: no prior
+    assert layers[0].forward_time == 1e-6  # error 0: exactly as measured
+    for lp, group in ((layers[4], [1e-9, 1.1e-9, 0.9e-9]), (layers[5], [1e-9, 1.1e-9, 0.9e-9, 5e-9])):
+        # layer 4: its kind's prior (three Linear layers); layer 5, alone of its kind: all layers'
+        centre = statistics_median([math.log(r) for r in group])
+        sd = max(noise.PRIOR_FLOOR, 1.4826 * statistics_median([abs(math.log(r) - centre) for r in group]))
+        predicted = math.exp(centre) * lp.flops
+        w_m, w_p = 1 / 0.5**2, 1 / sd**2
+        want = math.exp((w_m * math.log(9e-6) + w_p * math.log(predicted)) / (w_m + w_p))
+        assert lp.timing is not None and lp.timing.forward.predicted == pytest.approx(predicted)
+        assert lp.forward_time == pytest.approx(want) and lp.timing.forward.measured == 9e-6
+    assert layers[4].forward_time < 4e-6  # 3 ns per flop measured, about 1 predicted: near the prior
+    # fewer than MIN_STABLE stable layers: no prior at all
+    alone, _, none = noise.with_prior([stable[3], *noisy])
+    assert none == {} and [lp.forward_time for lp in alone] == [5e-6, 9e-6, 9e-6]
+
+
+def statistics_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def test_the_warning_names_the_noisy_layers_and_the_fixes() -> None:
+    layers = [
+        _layer(0, "Linear", 10, 1e-6, 0.01),
+        _layer(3, "GELU", 10, 1e-6, 0.4),
+        _layer(-1, "loss", 10, 1e-6, 0.3),
+    ]
+    with pytest.warns(noise.NoisyProfileWarning) as caught:
+        assert noise.warn_noisy(layers, repeat=7) == [3, -1]
+    (message,) = [str(w.message) for w in caught]
+    assert "2 of 3 layers are too noisy to trust" in message
+    assert "layer 3 (3: GELU) (floor gap 40%" in message and "the loss (floor gap 30%" in message
+    assert "repeat=N) (now 7)" in message and "cost='flops'" in message and "quieter machine" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert noise.warn_noisy(layers[:1], repeat=7) == []
+
+
+def test_a_traced_model_is_trusted_the_same_way_and_the_figures_serialise(fake_clock: Any) -> None:
+    class Net(nn.Module):  # not an nn.Sequential: traced, one layer per submodule
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net, sample = Net(), torch.randn(4, 16)
+    _set_times(net.blocks, [(1e-4, 2e-4, 1e-4, 1e-4)] * 5)  # alike: each the others' prior
+    fake_clock(3, {2: _always})
+    with pytest.warns(noise.NoisyProfileWarning, match=r"layer 2 \(blocks\.2: Linear\)"):
+        prof = profile(net, sample)
+    assert prof.traced is not None and prof.noisy_layers == [2] and not prof.trusted
+    assert prof.layers[2].forward_time == pytest.approx(1e-4, rel=0.03)  # its four siblings' time
+    record = json.loads(json.dumps([dataclasses.asdict(lp) for lp in prof.layers]))
+    assert record[2]["noisy"] and record[2]["timing"]["forward"]["measured"] >= 1.5e-4
+    assert (
+        record[0]["samples"] >= 10
+        and record[0]["timing"]["backward"]["value"] == prof.layers[0].backward_time
+    )
