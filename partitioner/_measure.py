@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner import noise
 from partitioner._trees import nbytes, sendable, tensors, tree_map
 from partitioner.figures import LayerProfile, LayerTiming
 from partitioner.flops import FlopCount
 from partitioner.live import LiveBytes
+from partitioner.noise import NOISE_LIMIT, estimate, floor_gap, settled, spread
 
 __all__ = ["Rejected", "Run", "WithTarget", "measure", "one_sample"]
 
@@ -100,7 +100,7 @@ def measure(
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run)
-    timing = LayerTiming(*(noise.estimate([s[j] for s in samples]) for j in range(4)))
+    timing = LayerTiming(*(estimate([s[j] for s in samples]) for j in range(4)))
     totals = [s[0] + s[1] for s in samples]
     found = tensors(out)
     head = found[0] if found else None
@@ -126,9 +126,9 @@ def measure(
         input_flops=input_flops,
         weight_flops=weight_flops,
         samples=len(samples),
-        spread=noise.spread(totals),
-        error=noise.floor_gap(totals),
-        noisy=noise.floor_gap(totals) > noise.NOISE_LIMIT,
+        spread=spread(totals),
+        error=floor_gap(totals),
+        noisy=floor_gap(totals) > NOISE_LIMIT,
         timing=timing,
     )
     return figures, out
@@ -278,5 +278,5 @@ def _timed(
         spent = time.perf_counter() - start
         if len(samples) == run.repeat:
             first_s = spent
-        if noise.settled([s[0] + s[1] for s in samples], run.repeat, spent, first_s):
+        if settled([s[0] + s[1] for s in samples], run.repeat, spent, first_s):
             return samples

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner import noise
 from partitioner._measure import Rejected, Run, WithTarget, measure
 from partitioner._placement import changed_parameters, normalize
 from partitioner._trees import describe, tensors, tree_map
 from partitioner.figures import LayerProfile
+from partitioner.noise import warn_noisy, with_prior
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -146,6 +146,6 @@ def trust(
 ) -> tuple[list[LayerProfile], LayerProfile | None, list[int], dict[str, float]]:
     """The layers and loss with their times blended toward the FLOP prior fitted on the layers,
     the noisy ones' indices (-1: the loss), warned about, and the prior (``partitioner.noise``)."""
-    layers, extra, rates = noise.with_prior(layers, [] if loss is None else [loss])
+    layers, extra, rates = with_prior(layers, [] if loss is None else [loss])
     loss = extra[0] if extra else None
-    return layers, loss, noise.warn_noisy([*layers, *extra], repeat), rates
+    return layers, loss, warn_noisy([*layers, *extra], repeat), rates
