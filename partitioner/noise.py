@@ -8,7 +8,7 @@ hitting one sample, most of them or all. The figures follow from that::
 
     estimate      the samples' minimum: right when ONE sample ran undisturbed (the median needs
                   more than half, the mean none, to be; one sample in five 100x slower moves the
-                  mean 20x and, one run in twenty with five samples, the median 100x)
+                  mean 20x and, about one run in twenty with five samples, the median 100x)
     spread        (upper - lower quartile) / median: how disturbed the samples were (reported)
     error         floor gap, (median - minimum) / minimum: when most samples sit near the minimum
                   it is the time; when they do not, every sample may be disturbed and the minimum
@@ -20,6 +20,8 @@ hitting one sample, most of them or all. The figures follow from that::
 Repeats adapt (``settled``): at least ``repeat`` samples, then more until stable, at most
 ``MAX_REPEAT_FACTOR * repeat`` and within a time budget (as long again as the first ``repeat``
 took, at least ``BUDGET_FLOOR_S``), so a small model still profiles in well under a second.
+``profile``'s ``repeat`` defaults to 10: with one sample in five disturbed, all ten are one time
+in ten million (0.2 ** 10), where five would be one in three thousand.
 
 A layer is ``noisy`` when the floor gap of its ``forward + backward`` (the cost a balance splits)
 is above ``NOISE_LIMIT``; ``profile`` warns, naming those layers, and flags the profile.
@@ -38,7 +40,9 @@ between layers of one kind (a stack of identical blocks)::
 a precision-weighted mean in log space (a Gaussian prior and measurement on the log time). A
 sharp floor (error near 0) keeps the measurement as it is; a layer disturbed in every sample
 (error large) moves toward what its flops predict, by as much as its group says flops predict
-time (s). ``Profile.seconds_per_flop`` is the all-layers exp(c) per time.
+time (s). ``Profile.seconds_per_flop`` is the all-layers exp(c) per time. The loss, when
+profiled, is blended with the all-layers prior and can be noisy like a layer (index -1).
+
 A layer slowed by the same factor in every sample has no floor gap and cannot be told from a
 slow layer: the warning's advice (a quieter machine) is the only cure for that.
 """
