@@ -3,7 +3,7 @@
     # l: layer, q: one of a layer's times (forward, backward, input, weight)
 
 The clock is faked: ``_measure.one_sample`` (one timed run of a layer) is replaced by one that
-returns each layer's set time (``layer.base``) times a small jitter, and for the disturbed layers
+returns each layer's set times (``_set_times``) times a small jitter, and for the disturbed layers
 the disturbance a shared machine adds: outliers (one sample in five 100x slower) or a slowdown
 in every sample. Each run draws from its own seed; every run must plan what the noise-free one does.
 """
