@@ -296,7 +296,7 @@ def _restore(
     try:
         if config is not None:
             saved = chosen.manifest.config if chosen.manifest is not None else None
-            changes = runs.check(saved, config, list(allow_changes), repr(str(path)))
+            changes = runs.check(saved, config, allow_changes, repr(str(path)))
         model = state.model_of(pipe)
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
         want = state.targets(meta, model, optimizer, lr_scheduler, grad_scaler, ranks.rank(), repr(str(path)))
