@@ -9,11 +9,11 @@ never touches another run's; two ranks choose the same checkpoint when one rank 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipeline import checkpointing
 from pipeline.checkpoint import folder as folder_module
@@ -34,7 +35,6 @@ from tests.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process dcp
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"seed": 0, "lr": 0.1, "steps": 10, "plan": {"balance": [2, 2], "dp": 1}, "data": "train.txt"}
 
 
@@ -84,14 +84,27 @@ def _edit_manifest(path: Path) -> None:
     path.write_text(text.replace('"step": 2', '"step": 3'))  # valid JSON, wrong digest
 
 
+_TRUNCATED = r"truncated \(\d+ bytes, the manifest records \d+\)"
 DAMAGE: dict[str, tuple[Callable[[Path], None], Callable[[Path], Path], str]] = {
-    "truncated .metadata": (_truncate, lambda s: s / ".metadata", r"\.metadata: truncated \(\d+ bytes, the manifest records \d+\)"),
-    "truncated shard": (_truncate, _shard, r"__0_0\.distcp: truncated \(\d+ bytes, the manifest records \d+\)"),
-    "garbage in a shard": (_garbage, _shard, r"__0_0\.distcp: corrupt \(crc32 0x[0-9a-f]{8}, the manifest records 0x"),
+    "truncated .metadata": (_truncate, lambda s: s / ".metadata", rf"\.metadata: {_TRUNCATED}"),
+    "truncated shard": (_truncate, _shard, rf"__0_0\.distcp: {_TRUNCATED}"),
+    "garbage in a shard": (
+        _garbage,
+        _shard,
+        r"__0_0\.distcp: corrupt \(crc32 0x[0-9a-f]{8}, the manifest records 0x",
+    ),
     "missing shard": (Path.unlink, _shard, r"__0_0\.distcp: missing"),
-    "damaged manifest": (_edit_manifest, lambda s: s / manifest.NAME, r"manifest\.json' is damaged \(ValueError: its digest"),
-    "lost manifest": (Path.unlink, lambda s: s / manifest.NAME, r"manifest\.json: missing \(the checkpoint was written with one\)"),
-}  # fmt: skip
+    "damaged manifest": (
+        _edit_manifest,
+        lambda s: s / manifest.NAME,
+        r"json' is damaged \(ValueError: its digest",
+    ),
+    "lost manifest": (
+        Path.unlink,
+        lambda s: s / manifest.NAME,
+        r"manifest\.json: missing \(.* written with one\)",
+    ),
+}
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -102,8 +115,11 @@ def test_a_damaged_file_is_named_and_the_previous_checkpoint_loads(tmp_path: Pat
     spoil(target(step_two))
 
     fresh = _model(seed=5)
-    with pytest.warns(CheckpointFallbackWarning, match=rf"checkpoint rejected: '{step_two}' \(.*{reason}.*loading "
-                      rf"'{tmp_path / 'step-00000001'}' \(step 1\), the newest complete checkpoint before it"):  # fmt: skip
+    step_one = tmp_path / "step-00000001"
+    fell_back = rf"'{step_one}' \(step 1\), the newest complete checkpoint before it"
+    with pytest.warns(
+        CheckpointFallbackWarning, match=rf"checkpoint rejected: '{step_two}' \(.*{reason}.*{fell_back}"
+    ):
         assert checkpointing.load(tmp_path, pipe=fresh) == {"step": 1}
     for name, t in _params(fresh).items():
         assert torch.equal(t, at_one[name]), name
@@ -117,8 +133,8 @@ def test_a_damaged_file_is_named_and_the_previous_checkpoint_loads(tmp_path: Pat
     assert [p for p, _ in resumed.rejected] == [step_two] and "rejected" in str(resumed)
 
     _garbage(_shard(tmp_path / "step-00000001"))  # nothing sound left: every checkpoint named
-    with pytest.raises(CorruptCheckpoint, match=rf"no checkpoint in '{tmp_path}' can be loaded:\n  '{step_two}': "
-                       rf".*\n  '{tmp_path / 'step-00000001'}': __0_0\.distcp: corrupt"):  # fmt: skip
+    both = rf"\n  '{step_two}': .*\n  '{step_one}': __0_0\.distcp: corrupt"
+    with pytest.raises(CorruptCheckpoint, match=rf"no checkpoint in '{tmp_path}' can be loaded:{both}"):
         checkpointing.load(tmp_path, pipe=fresh)
 
 
@@ -128,80 +144,76 @@ def test_a_checkpoint_from_before_manifests_loads_with_a_warning(tmp_path: Path)
     writer = filesystem.FileSystemWriter(
         tmp_path / "step-00000003"
     )  # dcp alone: no manifest, no integrity entry
-    checkpointing._dcp_save(state, storage_writer=writer)
+    dcp_save(state, storage_writer=writer)
     assert checkpointing.latest(tmp_path) == tmp_path / "step-00000003"
     opt = torch.optim.AdamW(fresh.parameters())
-    with pytest.warns(UserWarning, match=r"has no manifest.json .* cannot be verified"):
-        with pytest.warns(FutureWarning):
-            assert checkpointing.load(tmp_path, fresh.named_parameters(), opt, ["step"]) == {"step": 3}
+    with (
+        pytest.warns(UserWarning, match=r"has no manifest.json .* cannot be verified"),
+        pytest.warns(FutureWarning),
+    ):
+        assert checkpointing.load(tmp_path, fresh.named_parameters(), opt, ["step"]) == {"step": 3}
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
 
 
 # ---- a process killed during a save
 
 
-_CHILD = """
-import sys, time
-from pathlib import Path
-import torch
-from torch import nn
-from torch.distributed.checkpoint import filesystem
-from pipeline import checkpointing
-from pipeline.checkpoint import folder, manifest
+def _save_then_hang(root: Path, phase: str) -> None:
+    """In a forked child: save step 1, then step 2 until ``phase``, where it waits to be SIGKILLed."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    checkpointing.save(root, 1, pipe=model, optimizer=opt, extra={"step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
 
-root, phase = Path(sys.argv[1]), sys.argv[2]
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
-opt = torch.optim.AdamW(model.parameters())
-checkpointing.save(root, 1, pipe=model, optimizer=opt, extra={"step": 1})
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(1.0)
+    def hang(*args: Any, **kwargs: Any) -> None:
+        (root.parent / f"{phase}.ready").write_text(phase)
+        time.sleep(300)
 
-def hang():
-    (root.parent / (root.name + ".ready")).write_text(phase)
-    time.sleep(300)  # SIGKILLed here
+    def then_hang(real: Callable[..., Any]) -> Callable[..., Any]:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)
+            hang()
+            return out
 
-def wrap(real):
-    def patched(*args, **kwargs):
-        out = real(*args, **kwargs)
-        hang()
-        return out
-    return patched
+        return patched
 
-if phase == "data":  # one tensor written, the rest and dcp's .metadata not
-    filesystem._write_item = wrap(filesystem._write_item)
-elif phase == "manifest":  # the manifest complete in the temporary folder, not yet renamed
-    manifest.write = wrap(manifest.write)
-else:  # the new folder in place, latest not yet pointing at it
-    folder._point_latest = lambda root, final: hang()
-checkpointing.save(root, 2, pipe=model, optimizer=opt, extra={"step": 2})
-"""
+    if phase == "data":  # one tensor written, the others and dcp's .metadata not
+        filesystem._write_item = then_hang(filesystem._write_item)
+    elif phase == "manifest":  # the manifest complete in the temporary folder, not yet renamed
+        manifest.write = then_hang(manifest.write)  # type: ignore[assignment]
+    else:  # the new folder in place, ``latest`` not yet pointing at it
+        folder_module._point_latest = hang  # type: ignore[assignment]
+    checkpointing.save(root, 2, pipe=model, optimizer=opt, extra={"step": 2})
 
 
 def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     phases = ("data", "manifest", "pointer")
-    children = {
-        ph: subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / ph), ph], env=env, stderr=subprocess.PIPE)
-        for ph in phases
-    }  # fmt: skip
+    children: dict[str, int] = {}
     try:
-        deadline = time.monotonic() + 180
-        for ph, child in children.items():
+        for ph in phases:
+            pid = os.fork()  # torch is imported already: the children start at once
+            if pid == 0:
+                try:
+                    _save_then_hang(tmp_path / ph, ph)
+                finally:
+                    os._exit(1)  # never back into pytest
+            children[ph] = pid
+        deadline = time.monotonic() + 120
+        for ph, pid in children.items():
             while not (tmp_path / f"{ph}.ready").exists():
-                assert child.poll() is None, (
-                    f"{ph}: child exited early: {child.stderr.read().decode()[-2000:]}"
-                )  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, f"{ph}: child never reached the moment to kill"
-                time.sleep(0.05)
-            child.send_signal(signal.SIGKILL)
+                assert os.waitpid(pid, os.WNOHANG) == (0, 0), (
+                    f"{ph}: the child exited before the moment to kill"
+                )
+                assert time.monotonic() < deadline, f"{ph}: the child never reached the moment to kill"
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
     finally:
-        for child in children.values():
-            if child.poll() is None:
-                child.kill()
-            child.wait(timeout=30)
-            child.stderr.close()  # type: ignore[union-attr]
+        for pid in children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     assert (tmp_path / "data" / ".tmp-step-00000002").is_dir()
     assert (tmp_path / "manifest" / ".tmp-step-00000002" / manifest.NAME).is_file()
     assert (tmp_path / "pointer" / "step-00000002" / manifest.NAME).is_file()
@@ -235,19 +247,19 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous(
     def full(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(filesystem, "_write_item", full) if where == "data" else monkeypatch.setattr(
-        manifest, "write", full
+    if where == "data":  # inside dcp's write of the tensors
+        monkeypatch.setattr(filesystem, "_write_item", full)
+    else:
+        monkeypatch.setattr(manifest, "write", full)
+    message = (
+        rf"checkpoint step 2 was not saved: No space left on device \(ENOSPC\) writing '{tmp_path}/.tmp-step-"
+        rf"00000002' on rank 0; the previous checkpoint '{tmp_path}/step-00000001' is intact; free space"
     )
-    with pytest.raises(OSError, match=rf"checkpoint step 2 was not saved: No space left on device \(ENOSPC\) "
-                       rf"writing '{tmp_path}/.tmp-step-00000002' on rank 0; the previous checkpoint "
-                       rf"'{tmp_path}/step-00000001' is intact") as caught:  # fmt: skip
+    with pytest.raises(OSError, match=message) as caught:
         checkpointing.save(tmp_path, 2, pipe=model, optimizer=opt, extra={"step": 2})
     assert caught.value.errno == errno.ENOSPC
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latest",
-        "step-00000001",
-    ]  # the partial one is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]  # the partial one: gone
     assert checkpointing.load(tmp_path, pipe=_model(seed=1)) == {"step": 1}
 
 
@@ -259,14 +271,16 @@ def test_a_real_full_disk_on_a_small_tmpfs(tmp_path: Path) -> None:
     _step(model, opt)
     probe = checkpointing.save(tmp_path / "probe", 1, pipe=model, optimizer=opt)
     size = sum(p.stat().st_size for p in probe.iterdir())
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(disk)],
-                             capture_output=True)  # fmt: skip
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(disk)]
+    mounted = subprocess.run(mount, capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (not root?): {mounted.stderr.decode().strip()}")
     try:
         checkpointing.save(disk, 1, pipe=model, optimizer=opt, extra={"step": 1})  # fits once, not twice
-        with pytest.raises(OSError, match=r"checkpoint step 2 was not saved: No space left on device \(ENOSPC\) .*"
-                           rf"the previous checkpoint '{disk}/step-00000001' is intact") as caught:  # fmt: skip
+        full = r"checkpoint step 2 was not saved: No space left on device \(ENOSPC\) .*"
+        with pytest.raises(
+            OSError, match=rf"{full}the previous checkpoint '{disk}/step-00000001' is intact"
+        ) as caught:
             checkpointing.save(disk, 2, pipe=model, optimizer=opt, extra={"step": 2})
         assert caught.value.errno == errno.ENOSPC
         assert sorted(p.name for p in disk.iterdir()) == ["latest", "step-00000001"]
@@ -331,8 +345,8 @@ def test_pruning_keeps_the_checkpoint_just_written_and_never_another_runs(tmp_pa
         assert step in _steps(tmp_path)
     assert _steps(tmp_path) == [2, 3, 10, 20, 30]
     assert checkpointing.latest(tmp_path) == tmp_path / "step-00000003"
-    with pytest.raises(ValueError, match=r"step-00000010' is a checkpoint of another run \(older\); this save "
-                       r"belongs to run newer: save into another folder, or resume that run"):  # fmt: skip
+    refused = r"step-00000010' is a checkpoint of another run \(older\); this save belongs to run newer: "
+    with pytest.raises(ValueError, match=rf"{refused}save into another folder, or resume that run"):
         checkpointing.save(tmp_path, 10, pipe=model, optimizer=opt, keep=2, run_id="newer")
     assert _steps(tmp_path) == [2, 3, 10, 20, 30]
     # the order is the order of writing: the newer run, resumed from step 2, writes step 3 again, then 4
