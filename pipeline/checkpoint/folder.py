@@ -99,7 +99,8 @@ def write(
                 _point_latest(root, final)
                 _prune(root, final, run_id, keep)
             except OSError as exc:  # the checkpoint is in place; ``latest`` may still name the one before
-                error = _failed(exc, step, root, 0)
+                error = OSError(exc.errno, f"checkpoint {str(final)!r} is saved, but updating {LATEST!r} or "
+                                f"removing older checkpoints failed: {exc}")  # fmt: skip
     ranks.together(error, None)
     return final
 
