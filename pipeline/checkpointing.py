@@ -127,7 +127,6 @@ def save(
         not isinstance(run_id, str) or not run_id or not all(c.isalnum() or c in "-_" for c in run_id)
     ):
         raise ValueError(f"run_id ({run_id!r}) must be a non-empty str of letters, digits, - and _, or None")
-    config_text = runs.config_text(config)  # the same check on every rank: raised everywhere at once
     if legacy_state is not None:
         warnings.warn(
             "checkpointing.save(folder, step, training_state(...)) is deprecated and will be removed; call "
@@ -136,15 +135,17 @@ def save(
             FutureWarning,
             stacklevel=2,
         )
+        runs.config_text(config)
         return _write(Path(folder), step, legacy_state, keep, config, run_id)
     if pipe is None or not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"save() needs pipe= (a Pipeline or nn.Module) and optimizer= (a torch.optim.Optimizer), got "
             f"pipe={type(pipe).__name__}, optimizer={type(optimizer).__name__}"
         )
-    text, flat, error = "", {}, None
+    text, config_text, flat, error = "", "", {}, None
     try:
         text = state.extra_text(extra)
+        config_text = runs.config_text(config)
         model = state.model_of(pipe)
         flat = state.collect(
             model, optimizer, lr_scheduler, grad_scaler, text, step, ranks.rank(), ranks.world()
@@ -229,7 +230,6 @@ def resume(
         raise TypeError(
             "resume() needs config= (the run's settings, a dict) to compare with the checkpoint's"
         )
-    runs.config_text(config)
     chosen = choose(root)
     if chosen is None:
         return None
@@ -267,7 +267,6 @@ def load(
         return _load_legacy(_chosen(path).path, legacy_args, {**legacy_kwargs, **given})
     if pipe is None:
         raise TypeError("load() needs pipe= (the Pipeline, or nn.Module, to load into)")
-    runs.config_text(config)
     extra, _ = _restore(_chosen(path), pipe, optimizer, lr_scheduler, grad_scaler, config, allow_changes)
     return extra
 
@@ -294,7 +293,8 @@ def _restore(
     """Load ``chosen`` into the objects, after comparing ``config``; its extra and the allowed changes."""
     path, model, meta, want, changes, error = chosen.path, nn.Module(), {}, {}, [], None
     try:
-        if config is not None:
+        if config is not None:  # checked here: a bad config on one rank is raised on every rank
+            runs.config_text(config)
             saved = chosen.manifest.config if chosen.manifest is not None else None
             changes = runs.check(saved, config, allow_changes, repr(str(path)))
         model = state.model_of(pipe)

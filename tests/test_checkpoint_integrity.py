@@ -391,3 +391,24 @@ def test_every_rank_loads_the_same_checkpoint_when_one_rank_sees_a_file_damaged(
     (warned,) = results[0]["warned"]  # rank 0 says it, for all
     assert "step-00000002' (" in warned and ": corrupt (crc32 0x" in warned and "(step 1)" in warned
     assert results[1]["warned"] == []
+
+
+def test_bad_config_run_id_and_resume_arguments_are_clear_errors(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"config must be a dict with str keys .* got str"):
+        checkpointing.save(tmp_path, 1, pipe=model, optimizer=opt, config="lr=0.1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"would load as \{'balance': \[2, 2\]\}; use lists"):
+        checkpointing.save(tmp_path, 1, pipe=model, optimizer=opt, config={"balance": (2, 2)})
+    with pytest.raises(ValueError, match=r"run_id \('a b'\) must be a non-empty str of letters, digits"):
+        checkpointing.save(tmp_path, 1, pipe=model, optimizer=opt, run_id="a b")
+    assert not tmp_path.joinpath("latest").exists()  # refused before anything is written
+    path = checkpointing.save(tmp_path, 1, pipe=model, optimizer=opt)
+    with pytest.raises(TypeError, match=r"resume\(\) needs config="):
+        checkpointing.resume(tmp_path, pipe=model, optimizer=opt, config=None)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=rf"resume\(\) takes the folder of checkpoints, .* pass '{tmp_path}'"
+    ):
+        checkpointing.resume(path, pipe=model, optimizer=opt, config=CONFIG)
+    with pytest.raises(ConfigMismatch, match=r"it records no config: it was saved without config="):
+        checkpointing.resume(tmp_path, pipe=model, optimizer=opt, config=CONFIG)
