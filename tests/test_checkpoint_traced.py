@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -182,3 +183,31 @@ def test_traced_checkpoints_reshard_across_stage_counts_and_resume_exactly(tmp_p
             "model/tok.weight"
         ]
         assert not any("head" in k for k in keys), folder
+
+
+def test_a_ranks_stages_merge_under_their_names_each_tensor_once() -> None:
+    """Two local stages with their own containers at one path (``blocks``), a root parameter both
+    read (one object), their own root parameters and a non-persistent buffer: one tree, every name."""
+    from pipeline.checkpoint.state import _merge
+
+    shared, lin0, lin2 = nn.Parameter(torch.ones(3)), nn.Linear(2, 2), nn.Linear(2, 2)
+    stages = [nn.Module(), nn.Module()]
+    for s, (stage, lin) in enumerate(zip(stages, (lin0, lin2), strict=True)):
+        stage.register_parameter("scale", shared)
+        stage.register_parameter(f"own{s}", nn.Parameter(torch.full((2,), float(s))))
+        stage.blocks = nn.Module()
+        stage.blocks.add_module(str(2 * s), lin)
+        stage.blocks.register_buffer(f"mask{s}", torch.ones(1), persistent=False)
+    union = _merge(stages)
+    params = dict(union.named_parameters())
+    assert sorted(params) == sorted(
+        ["scale", "own0", "own1", "blocks.0.weight", "blocks.0.bias", "blocks.2.weight", "blocks.2.bias"]
+    )
+    assert params["scale"] is shared and params["blocks.2.weight"] is lin2.weight  # the live tensors
+    assert union.blocks.get_submodule("0") is lin0  # a module only one stage holds is kept whole
+    assert sorted(n for n, _ in union.named_buffers()) == ["blocks.mask0", "blocks.mask1"]
+    assert not any("mask" in k for k in union.state_dict())  # not persistent: not saved
+
+    stages[1].register_parameter("scale", nn.Parameter(torch.ones(3)))  # another tensor, the same name
+    with pytest.raises(RuntimeError, match="different parameters named scale"):
+        _merge(stages)

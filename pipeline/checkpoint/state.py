@@ -15,11 +15,16 @@ Each rank contributes what it holds, every key once in the whole checkpoint:
     rng/<r>/cpu, rng/<r>/cuda   each rank's torch generators (CUDA's when CUDA is initialised)
     extra                    the caller's JSON text (the same on every rank)
 
-The names come from ``get_model_state_dict`` of one module whose children are
-the layers this rank's stages hold, under their keys in the ``nn.Sequential``
-(a Pipeline of v = 2 holds two stages: their ModuleList would prefix "0.", "1.").
-Loading at another stage count, each rank asks for the names it now holds and
-their optimizer entries. Per-rank entries go back to the same rank; a rank the
+The names come from ``get_model_state_dict`` of one module holding this rank's
+stages merged (``model_of``): the model's own names (``blocks.3.fc.weight``),
+whether the stages are slices of an ``nn.Sequential`` or traced graph stages,
+and however many stages a rank holds (v = 2: stages 0 and 2 on rank 0). A
+tensor held under several names (a head tied to the token embedding) is one
+entry, under its first name in ``named_parameters`` (``tok.weight``), which is
+also the name a traced stage gives it; every rank holding a copy writes the
+same entry (dcp keeps one) and loads it, and one process loads it into all of
+its names. Loading at another stage count, each rank asks for the names it now
+holds and their optimizer entries. Per-rank entries go back to the same rank; a rank the
 checkpoint did not have takes rank 0's scheduler and scaler state (the same on
 every rank up to the per-group lists) and keeps its generators: with more
 ranks than were saved, the random streams (dropout masks) cannot continue
@@ -92,7 +97,7 @@ def _merge(stages: list[nn.Module]) -> nn.Module:
             same = at.setdefault(path, [])
             if not any(m is module for m in same):
                 same.append(module)
-    union, whole = nn.Module(), []
+    union, whole = nn.Module(), list[str]()
     for path in sorted(at, key=lambda p: (p.count(".") if p else -1, p)):  # parents first
         parent, _, name = path.rpartition(".")
         if not path:
@@ -120,8 +125,8 @@ def _copy_direct(module: nn.Module, into: nn.Module, path: str) -> None:
         if param is not None:
             into.register_parameter(name, param)
     for name, buf in module._buffers.items():
-        have = into._buffers.get(name)
-        if have is not None and have is not buf:
+        held = into._buffers.get(name)
+        if held is not None and held is not buf:
             raise RuntimeError(f"two local stages hold different buffers named {path}{name}")
         if buf is not None:
             into.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
