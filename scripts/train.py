@@ -164,10 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--lr", type=_at_least(0.0, float), default=d.lr, help="peak learning rate (warmup, cosine to 10%%)")
     add("--layers", type=count, default=d.layers, help="transformer blocks")
     add("--width", type=count, default=d.width, help=f"model width, a multiple of {_N_HEADS} (heads)")
-    add(
-        "--balance",
-        help="layer counts per stage, e.g. 3,4 (default: the partitioner's; gpt-tied: of its graph)",
-    )
+    add("--balance", help="layer counts per stage, e.g. 3,4 (default: the partitioner's)")
     add("--cost", choices=COSTS, default=d.cost, help="what the partitioner balances")
     add("--recompute", choices=RECOMPUTE_MODES, default=d.recompute, help="activation recomputation")
     add("--device", choices=("cpu", "cuda"), default=d.device)

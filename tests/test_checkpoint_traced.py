@@ -78,9 +78,11 @@ def _layouts(root: str, plan_a: str, plan_b: str) -> dict[str, Any]:
     """Every 2-rank layout of the module docstring, in order; what the test compares."""
     x, y = _batch()
     out: dict[str, Any] = {}
+    model = _model(0)  # one model object, traced once: each layout sets its values afresh
 
     def run(plan: str, seed: int, load: str | None = None, save: str | None = None) -> tuple[Any, ...]:
-        pipe = Pipeline(_model(seed), Plan.from_json(plan), loss_fn=gpt_loss, timeout=60.0)
+        model.load_state_dict(_model(seed).state_dict())
+        pipe = Pipeline(model, Plan.from_json(plan), loss_fn=gpt_loss, timeout=60.0)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         start = 0
         if load is not None:
