@@ -15,8 +15,9 @@ Two ways in, one way out::
 ``Options`` is what comes out: the plan (None for a ``Schedule`` object, whose
 actions no plan describes), the balance, the schedule to run and the
 recomputation mode: one for every stage, or one per stage (``recompute=("always",
-"never")``), which ``recompute_of(s)`` reads for stage s. The checks against the process group (``check_group``) and
-the model (``check_model``) come after, in ``Pipeline``, where both are known.
+"never")``), which ``recompute_of(s)`` reads for stage s. The checks against the
+process group (``check_group``) and the model (``check_model``) come after, in
+``Pipeline``, where both are known.
 """
 
 from __future__ import annotations
