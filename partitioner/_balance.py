@@ -123,9 +123,11 @@ class Modes:
         base = [1.0] * p if per_rank is None else list(per_rank)
         return [[x * base[s % p] / self.v - off[s] for s in range(self.k)] for off in self.offset]
 
-    def fits(self) -> bool:
+    def fits(self, allowed: Sequence[Sequence[int]] | None = None) -> bool:
+        """Whether some balance fits the limits, each stage on one of its options (or of ``allowed``)."""
         assert self.net.memory_limit is not None
-        return fits_joint(self.memory, self.limits(1.0, self.net.memory_limit), self.allowed, self.k)
+        limits = self.limits(1.0, self.net.memory_limit)
+        return fits_joint(self.memory, limits, self.allowed if allowed is None else allowed, self.k)
 
     def smallest(self) -> float:
         """The least x such that every rank's limit x fits (scalar limit), or the least factor on the

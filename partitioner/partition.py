@@ -31,16 +31,18 @@ from torch import nn
 from partitioner._balance import balance_of
 from partitioner._options import Options
 from partitioner._planning import predicted
+from partitioner.auto import check_search, search
 from partitioner.costs import COSTS, cut_groups, layer_costs
 from partitioner.figures import Profile
 from partitioner.graph_profile import profile_graph
 from partitioner.profile import LossFn, check_autocast, check_model
 from partitioner.profile import profile as run_profile
+from partitioner.scaling import batch_rows
 from partitioner.shared import shared_across_ranks
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import Recompute
 from pipeline.runtime.tracing import Traced, trace
-from pipeline.schedules.schedule import schedule_options
+from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
 __all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
 
@@ -52,12 +54,13 @@ def partition(
     sample: Any,
     *,
     schedule: str = "1f1b",
-    n_microbatches: int | None = None,
+    n_microbatches: int | str | None = None,
     n_virtual: int | None = None,
     recompute: Recompute = "never",
     dp: int = 1,
     cost: str = "time",
     memory_limit: float | Sequence[float] | None = None,
+    batch_size: int | None = None,
     speeds: Sequence[float] | None = None,
     bandwidth: float | Sequence[float] | None = None,
     latency: float | Sequence[float] | None = None,
@@ -89,7 +92,27 @@ def partition(
     the first begins with) and the trace (``graph``), which ``Pipeline`` checks against the
     model. Parameters that layers of several stages hold (tied weights) are in ``extra["ties"]``
     (name -> stages).
+
+    ``schedule="auto"`` and/or ``n_microbatches="auto"`` search the schedule (all, or the one
+    named), m (the divisors of ``batch_size``, the rows of one step; default: the sample's rows),
+    v (interleaved-1f1b: every v the layers allow, unless ``n_virtual`` is given) and recomputation
+    per stage, with the exact balance of each, and return the fastest predicted plan whose every
+    rank fits ``memory_limit`` (``recompute`` is then searched, not given). ``sample`` may then
+    have any rows: the profile is scaled to each micro-batch (``partitioner.scaling``). The plan's
+    ``candidates()`` lists the runners-up; see ``partitioner.auto``.
     """
+    if schedule == "auto" or n_microbatches == "auto":
+        return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
+                     memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor,
+                     dict(autocast=autocast, loss_fn=loss_fn, target=target, device=device, init_fn=init_fn),
+                     profile)  # fmt: skip
+    if batch_size is not None:
+        raise ValueError(
+            "batch_size is for the auto search (schedule='auto' or n_microbatches='auto'); without it, "
+            "sample is one micro-batch: omit batch_size"
+        )
+    if isinstance(n_microbatches, str):
+        raise ValueError(f"n_microbatches ({n_microbatches!r}) must be an integer >= 1, or 'auto'")
     v, m = schedule_options(schedule, n_ranks, n_microbatches, n_virtual)
     k = n_ranks * v
     check_autocast(autocast)
@@ -98,30 +121,7 @@ def partition(
     )
     net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
     check_model(model)
-    traced = None
-    if isinstance(model, nn.Sequential):
-        n = len(model)
-    elif profile is not None:
-        n = len(profile)
-    else:
-        traced = trace(model, sample)
-        n = len(traced.layers)
-    if k > n:
-        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
-        what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
-        raise ValueError(
-            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} {what}, "
-            f"and every stage needs at least one; {fix}"
-        )
-    if profile is None:
-        options: dict[str, Any] = {"device": device, "autocast": autocast, "loss_fn": loss_fn}
-        options.update(target=target, init_fn=init_fn)
-        if traced is None:
-            profile = run_profile(model, sample, **options)
-        else:
-            profile = profile_graph(traced, sample, **options)
-    else:
-        _check_given_profile(profile, n, autocast, loss_fn)
+    profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
     sched = shape.build_schedule()
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
@@ -162,6 +162,108 @@ def plan_for(
             "the layer counts must add up to the model's layers"
         )
     return predicted(profile, shape, shape.build_schedule(), net)
+
+
+def _profiled(
+    model: nn.Module,
+    n_ranks: int,
+    v: int,
+    sample: Any,
+    profile: Profile | None,
+    autocast: torch.dtype | None,
+    loss_fn: LossFn | None,
+    target: Any,
+    device: torch.device | str | None,
+    init_fn: Callable[[nn.Module], None] | None,
+) -> Profile:
+    """The model's profile (``profile`` checked against it, when given), once k = p * v stages are
+    known to fit its layers."""
+    k = n_ranks * v
+    traced = None
+    if isinstance(model, nn.Sequential):
+        n = len(model)
+    elif profile is not None:
+        n = len(profile)
+    else:
+        traced = trace(model, sample)
+        n = len(traced.layers)
+    if k > n:
+        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
+        what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
+        raise ValueError(
+            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} {what}, "
+            f"and every stage needs at least one; {fix}"
+        )
+    if profile is None:
+        options: dict[str, Any] = {"device": device, "autocast": autocast, "loss_fn": loss_fn}
+        options.update(target=target, init_fn=init_fn)
+        if traced is None:
+            return run_profile(model, sample, **options)
+        return profile_graph(traced, sample, **options)
+    _check_given_profile(profile, n, autocast, loss_fn)
+    return profile
+
+
+def _auto(
+    model: nn.Module,
+    n_ranks: int,
+    sample: Any,
+    schedule: str,
+    n_microbatches: int | str | None,
+    n_virtual: int | None,
+    recompute: Recompute,
+    dp: int,
+    cost: str,
+    memory_limit: float | Sequence[float] | None,
+    batch_size: int | None,
+    speeds: Sequence[float] | None,
+    bandwidth: float | Sequence[float] | None,
+    latency: float | Sequence[float] | None,
+    optimizer_state_factor: float,
+    profiling: dict[str, Any],
+    profile: Profile | None,
+) -> Plan:
+    """``partition`` with schedule and/or m searched (``partitioner.auto``), arguments checked first."""
+    if schedule != "auto":
+        schedule_options(schedule, n_ranks, None, n_virtual)  # the name and v, checked
+    if recompute != "never":
+        raise ValueError(
+            f"recompute ({recompute!r}) is searched per stage with schedule='auto' or n_microbatches='auto'; "
+            "omit recompute"
+        )
+    m = None if n_microbatches == "auto" else n_microbatches
+    if isinstance(m, str):
+        raise ValueError(f"n_microbatches ({m!r}) must be an integer >= 1, or 'auto'")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp ({dp!r}) must be an integer >= 1: the number of pipeline replicas")
+    check_autocast(profiling["autocast"])
+    rows = batch_rows(sample) if profile is None or batch_size is None else 0
+    if profile is not None and batch_size is None:
+        raise ValueError(
+            "batch_size is required when a profile is given to the auto search: the rows of one step"
+        )
+    batch = rows if batch_size is None else batch_size
+    check_search(batch, memory_limit)
+    Options.make(cost, n_ranks, 1, speeds, None, None, memory_limit, optimizer_state_factor)  # checked now
+    check_model(model)
+    prof = _profiled(model, n_ranks, 1, sample, profile, **profiling)
+    sample_rows = rows if profile is None else _profile_rows(prof, sample)
+    return search(
+        prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit,
+        schedules=SCHEDULES if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
+        dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
+        optimizer_state_factor=optimizer_state_factor,
+    )  # fmt: skip
+
+
+def _profile_rows(profile: Profile, sample: Any) -> int:
+    """The rows a given profile was taken at: the sample's, or else its first layer's output's."""
+    if sample is not None:
+        return batch_rows(sample)
+    shape = profile.layers[0].output_shape
+    if not shape:
+        raise ValueError("the given profile's rows are unknown: pass the sample it was taken with")
+    return int(shape[0])
 
 
 def _check_given_profile(profile: Profile, n: int, autocast: torch.dtype | None, loss_fn: Any) -> None:
