@@ -3,8 +3,9 @@ cut splits, and a plan's predictions (stage times, memory, simulated step).
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer
 
-``memory_rows`` is the only caller of ``partitioner.memory`` (``in_flight``, ``held``,
-``layer_memory``): a change of the memory model's API is fixed here. ``recompute`` is one mode
+``memory_rows`` (and ``least_memory``, the auto search's bound) are the only callers of
+``partitioner.memory`` (``in_flight``, ``held``, ``layer_memory``): a change of the memory
+model's API is fixed here. ``recompute`` is one mode
 for every stage or one per stage (``Plan.recompute``); each stage's rows and kept inputs follow its
 own mode, and so do its recomputed forward time (``predicted``).
 """
@@ -40,6 +41,7 @@ __all__ = [
     "grouped",
     "grouped_cut",
     "largest_input",
+    "least_memory",
     "memory_rows",
     "predicted",
     "ties_of",
@@ -173,6 +175,20 @@ def memory_rows(
         cache_bytes=[lp.cache_bytes for lp in layers],
     )
     return rows, inputs
+
+
+def least_memory(profile: Profile, optimizer_state_factor: float) -> list[float]:
+    """Per layer, the least bytes it costs on any stage under any schedule and mode: its static
+    share and one activation set (every stage holds at least one micro-batch at its peak)."""
+    layers = with_loss(profile)
+    return layer_memory(
+        [lp.param_bytes for lp in layers],
+        [lp.saved_bytes for lp in layers],
+        [1],
+        optimizer_state_factor,
+        buffer_bytes=[lp.buffer_bytes for lp in layers],
+        cache_bytes=[lp.cache_bytes for lp in layers],
+    )[0]
 
 
 def ties_of(layers: list[LayerProfile], balance: list[int]) -> dict[str, list[int]]:

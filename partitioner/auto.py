@@ -22,7 +22,9 @@ Pruning, with bounds that never cut off a config that could be faster than the b
                    no recomputation and no memory limit: <= every config of the group. Groups go
                    likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
                    a group whose bound reaches the best step found is skipped unsimulated
-    fit            a config no balance fits (an O(k n) numpy pass) is skipped before solving
+    fit            a group where no balance fits even one activation set per stage is skipped
+                   before its schedule is built; a config no balance fits (an O(k n) numpy pass)
+                   is skipped before solving
     balance bound  m * (busiest rank's work under the solved balance), plus for v = 1 the fill
                    and drain in front of and behind each rank (``_balance_bound``): a config at or
                    above the best step found is not simulated
@@ -42,15 +44,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner._balance import Modes, balance_of
+from partitioner._fit import fits
+from partitioner._inputs import _prefix
 from partitioner._options import Options
-from partitioner._planning import grouped, grouped_cut, predicted
+from partitioner._planning import grouped, grouped_cut, least_memory, predicted
 from partitioner.costs import cut_groups, cut_rows, layer_costs, with_loss
 from partitioner.figures import Profile
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES, Recompute
-from pipeline.schedules.schedule import SCHEDULES, schedule_options
+from pipeline.schedules import generators
+from pipeline.schedules.schedule import SCHEDULES, Schedule, schedule_options
 
 __all__ = ["PER_STAGE", "check_search", "rank_peaks", "search"]
 
@@ -115,6 +120,7 @@ def search(
     groups: list[_Group] = []
     bounds: dict[tuple[int, bool, int], float] = {}
     skipped: list[str] = []
+    unfit: list[_Group] = []  # groups that no balance fits, whatever the schedule's order
     for name in schedules:
         for v in _virtual_range(name, p, len(sizes), n_virtual):
             if p * v > len(sizes):
@@ -140,9 +146,13 @@ def search(
                 key = (m, split, p * v)
                 if key not in bounds:
                     bounds[key] = m * _least_work(scaled[m], nets[v], p * v, m, split, sizes)
+                if memory_limit is not None and not _may_fit(scaled[m], nets[v], p * v, sizes):
+                    skipped.append(f"{name} v={v} m={m}: even one activation set per stage does not fit")
+                    unfit.append(_Group(name, v, m, math.inf, math.inf))
+                    continue
                 guess = bounds[key] * (1.0 + (p - 1) / (m * v))  # ~ (m v + p - 1) / (m v): the bubble
                 groups.append(_Group(name, v, m, bounds[key], guess))
-    if not groups:
+    if not groups and not unfit:
         raise ValueError(
             f"no schedule runs batch_size={batch_size} on {p} ranks: {'; '.join(skipped[:4])}; choose a "
             "batch size with a divisor that the schedule accepts (e.g. a multiple of the number of ranks)"
@@ -152,6 +162,9 @@ def search(
     found: list[Plan] = []
     best = [math.inf]  # the best step found so far (a box: _evaluate updates it)
     slack = 1.0 + within if prune else math.inf
+    for group in unfit:
+        stats.grid += 4 if group.m >= 2 else 3
+        stats.pruned_fit += 4 if group.m >= 2 else 3
     for group in groups:
         n_configs = 4 if group.m >= 2 else 3
         stats.grid += n_configs
@@ -160,9 +173,10 @@ def search(
             continue
         found += _evaluate(group, scaled[group.m], nets[group.v], p, dp, sizes, best, slack, stats)
     if not found:
-        raise ValueError(_nothing_fits(groups, scaled, nets, p, dp, sizes, memory_limit))
+        raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, dp, sizes, memory_limit))
     found.sort(key=lambda plan: plan.step_time)
     winner = found[0]
+    winner.build_schedule()  # validated (the search ran the generators' schedules unchecked)
     extra = dict(winner.extra)
     kept = [plan for plan in found if plan.step_time <= winner.step_time * (1.0 + within)][:keep]
     extra["candidates"] = [_candidate(plan) for plan in kept]
@@ -186,7 +200,7 @@ def _evaluate(
     (``best[0]``, updated here)."""
     shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
                  n_virtual=group.v, dp=dp)  # fmt: skip
-    sched = shape.build_schedule()
+    sched = _unchecked(group.schedule, p, group.m, group.v)
     k = shape.n_stages
     per_stage = Modes.build(profile, sched, net, sizes, [list(RECOMPUTE_MODES)] * k)
     uniform = [mode for mode in RECOMPUTE_MODES if group.m >= 2 or mode != "except_last"]
@@ -221,6 +235,19 @@ def _evaluate(
         out.append(plan)
         best[0] = min(best[0], plan.step_time)
     return out
+
+
+def _unchecked(name: str, p: int, m: int, v: int) -> Schedule:
+    """The named schedule straight from its generator: ``schedule()`` validates every one it builds
+    (seconds for k = 96 stages and m = 64), the search builds dozens and reads only their order of
+    actions, and the generators are validated for every shape in their own tests."""
+    if name == "gpipe":
+        return Schedule(name, p, p, m, False, generators.gpipe(p, m))
+    if name == "1f1b":
+        return Schedule(name, p, p, m, False, generators.one_f_one_b(p, m))
+    if name == "interleaved-1f1b":
+        return Schedule(name, p * v, p, m, False, generators.interleaved_1f1b(p, v, m))
+    return Schedule(name, p, p, m, True, generators.zb_h1(p, m))
 
 
 def rank_peaks(plan: Plan) -> list[float]:
@@ -260,6 +287,15 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
         path = per_stage(False, forward_only=split)
         ranks = [ranks[r] + math.fsum(path[:r]) for r in range(p)]
     return max(ranks)
+
+
+def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
+    """False when no balance fits even with one activation set per stage and no inputs kept: then
+    no schedule, m or mode can fit (each stage holds at least that), and no schedule is built."""
+    assert net.memory_limit is not None
+    row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
+    v, p = k // net.n_ranks, net.n_ranks
+    return fits([row], [net.memory_limit[s % p] / v for s in range(k)], k)
 
 
 def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, sizes: list[int]) -> float:
@@ -303,8 +339,10 @@ def _nothing_fits(
     for group in groups:
         shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
                      n_virtual=group.v, dp=dp)  # fmt: skip
-        modes = Modes.build(scaled[group.m], shape.build_schedule(), nets[group.v], sizes,
-                            [list(RECOMPUTE_MODES)] * shape.n_stages)  # fmt: skip
+        sched = _unchecked(group.schedule, p, group.m, group.v)
+        modes = Modes.build(
+            scaled[group.m], sched, nets[group.v], sizes, [list(RECOMPUTE_MODES)] * shape.n_stages
+        )
         x = modes.smallest()
         if x < least:
             least, where = x, f"schedule={group.schedule!r}, n_microbatches={group.m}, n_virtual={group.v}"
