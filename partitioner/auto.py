@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner._balance import Modes, balance_of
-from partitioner._fit import fits
+from partitioner._fit import fits, smallest
 from partitioner._inputs import _prefix
 from partitioner._options import Options
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
@@ -111,8 +111,8 @@ def search(
     start = time.perf_counter()
     p = n_ranks
     check_search(batch_size, memory_limit, schedules, keep)
-    if not within >= 0 or math.isinf(within):
-        raise ValueError(f"within ({within!r}) must be a finite fraction >= 0 (0.1: candidates within 10 %)")
+    if isinstance(within, bool) or not within >= 0:
+        raise ValueError(f"within ({within!r}) must be a fraction >= 0 (0.1: candidates within 10 %)")
     sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
@@ -298,6 +298,15 @@ def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
     return fits([row], [net.memory_limit[s % p] / v for s in range(k)], k)
 
 
+def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
+    """A lower bound on the smallest limit (or factor) that fits k stages: ``_may_fit``'s rows."""
+    row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
+    v, p = k // net.n_ranks, net.n_ranks
+    base = [1.0] * p if net.scalar_limit or net.memory_limit is None else net.memory_limit
+    scale = [base[s % p] / v for s in range(k)]
+    return smallest([row], k, lambda x: [x * c for c in scale], scale, [0.0] * k)
+
+
 def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, sizes: list[int]) -> float:
     """Per micro-batch, the least work of the busiest rank over every balance into k stages, with no
     recomputation and no memory limit: at least the least bottleneck of a stage, and the whole
@@ -334,14 +343,19 @@ def _nothing_fits(
     sizes: list[int],
     memory_limit: float | Sequence[float] | None,
 ) -> str:
-    """The error when no config fits: the smallest limit (or factor) that would, and for which config."""
+    """The error when no config fits: the smallest limit (or factor) that would, and for which config.
+
+    Groups go in order of a schedule-free lower bound (one activation set per stage, no inputs
+    kept), and one whose bound reaches the least limit found is not built."""
     least, where = math.inf, ""
-    for group in groups:
-        shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
-                     n_virtual=group.v, dp=dp)  # fmt: skip
+    floors = [(_least_floor(scaled[g.m], nets[g.v], p * g.v, sizes), i) for i, g in enumerate(groups)]
+    for floor, i in sorted(floors):
+        group = groups[i]
+        if floor >= least:
+            break
         sched = _unchecked(group.schedule, p, group.m, group.v)
         modes = Modes.build(
-            scaled[group.m], sched, nets[group.v], sizes, [list(RECOMPUTE_MODES)] * shape.n_stages
+            scaled[group.m], sched, nets[group.v], sizes, [list(RECOMPUTE_MODES)] * (p * group.v)
         )
         x = modes.smallest()
         if x < least:

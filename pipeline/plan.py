@@ -217,10 +217,39 @@ class Plan:
             )
         else:
             lines.append(f"balance {self.balance}  {self.summary()} (no predictions)")
+        if self.extra.get("cuts"):  # a traced model: the layer each stage after the first begins with
+            lines.append("cuts before " + ", ".join(str(c) for c in self.extra["cuts"]))
+        if self.extra.get("ties"):
+            ties = "; ".join(f"{name}: stages {stages}" for name, stages in self.extra["ties"].items())
+            lines.append(f"tied weights {ties}")
+        if self.extra.get("candidates"):
+            lines.append("candidates (auto search, fastest first):")
+            lines.append(self.candidates_table())
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.table()
+    def candidates(self) -> list[dict[str, Any]]:
+        """The configurations the auto search (``partition(..., schedule="auto")``) ranked, fastest
+        first: each a dict of schedule, n_microbatches, n_virtual, recompute (one mode or one per
+        stage), balance, step_time (s), bubble and peak_bytes (per rank); [] for any other plan."""
+        return [dict(c) for c in self.extra.get("candidates", [])]
+
+    def candidates_table(self) -> str:
+        """``candidates()`` as a printable table, one configuration per line."""
+        rows = self.candidates()
+        if not rows:
+            return "no candidates (the plan was not made by the auto search)"
+        lines = [
+            f"{'#':>2}  {'schedule':<16} {'m':>4} {'v':>3}  {'step ms':>9} {'bubble':>7} "
+            f"{'peak MB (max)':>13}  recompute / balance"
+        ]
+        for at, c in enumerate(rows):
+            mode = c["recompute"] if isinstance(c["recompute"], str) else ",".join(c["recompute"])
+            lines.append(
+                f"{at:>2}  {c['schedule']:<16} {c['n_microbatches']:>4} {c['n_virtual']:>3}  "
+                f"{c['step_time'] * 1e3:>9.2f} {c['bubble']:>7.3f} {max(c['peak_bytes']) / 1e6:>13.2f}  "
+                f"{mode} / {c['balance']}"
+            )
+        return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=64)
