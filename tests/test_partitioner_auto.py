@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import partition
+from partitioner import partition, plan_for
 from partitioner._balance import Modes
 from partitioner._options import Options
 from partitioner._planning import predicted
-from partitioner.auto import rank_peaks, search
+from partitioner.auto import _balance_bound, _least_work, rank_peaks, search
 from partitioner.costs import cut_groups, recomputed_share
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
@@ -316,3 +316,25 @@ def test_plan_with_modes_per_stage_prices_each_stage_by_its_mode() -> None:
     }
     assert per.stages[0] == plans["always"].stages[0] and per.stages[1] == plans["never"].stages[1]
     assert recomputed_share("always", 4) == 1.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
+    """Both bounds, checked on every config of the whole grid (a bound above a step would prune it)."""
+    prof = synthetic(8, seed=seed, heavy=seed)
+    links = dict(bandwidth=1e8, latency=1e-4)
+    grid = search(prof, 2, batch_size=8, sample_rows=4, memory_limit=None, prune=False, keep=10_000,
+                  within=math.inf, **links)  # type: ignore[arg-type]  # fmt: skip
+    assert len(grid.candidates()) > 20
+    for c in grid.candidates():
+        m, v = c["n_microbatches"], c["n_virtual"]
+        scaled = scale_profile(prof, 4, 8 // m)
+        mode = c["recompute"] if isinstance(c["recompute"], str) else tuple(c["recompute"])
+        plan = plan_for(scaled, c["balance"], schedule=c["schedule"], n_microbatches=m, n_virtual=v,
+                        recompute=mode, **links)  # type: ignore[arg-type]  # fmt: skip
+        assert plan.step_time == c["step_time"]
+        net = Options.make("time", 2, v, None, links["bandwidth"], links["latency"], None, 2.0)
+        split = c["schedule"] == "zb-h1"
+        assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
+        sizes, _ = cut_groups(scaled.layers)
+        assert m * _least_work(scaled, net, 2 * v, m, split, sizes) <= plan.step_time * (1 + 1e-12), c
