@@ -129,7 +129,14 @@ def search(
             if v not in nets:
                 try:
                     nets[v] = Options.make(
-                        cost, p, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor
+                        cost,
+                        p,
+                        v,
+                        speeds,
+                        _links(bandwidth, p, v),
+                        _links(latency, p, v),
+                        memory_limit,
+                        optimizer_state_factor,
                     )
                 except ValueError as err:  # e.g. p - 1 links given: no interleaving
                     skipped.append(f"{name} v={v}: {err}")
@@ -397,6 +404,13 @@ def check_search(
         raise ValueError(f"schedules {list(schedules)!r} must be some of {', '.join(SCHEDULES)}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep ({keep!r}) must be an integer >= 1: how many candidates to keep")
+
+
+def _links(value: float | Sequence[float] | None, p: int, v: int) -> float | Sequence[float] | None:
+    """p figures (every link, p - 1 -> 0 included) serve v = 1 too: its p - 1 links are the first."""
+    if v == 1 and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == p:
+        return list(value)[: p - 1]
+    return value
 
 
 def _microbatch_counts(batch_size: int, n_microbatches: int | None) -> list[int]:
