@@ -7,7 +7,8 @@ at r = B / m rows for each candidate m. The model, per layer and figure::
 
     time(r)  = c + s * r        c >= 0: a fixed per-call overhead (kernel launches, Python)
     bytes(r) = bytes(r0) * r / r0       (activations, saved tensors, cut and input bytes: per row)
-    flops(r) = flops(r0) * r / r0
+    flops(r) = flops(r0) * r / r0        (forward, backward and its input and weight parts)
+    timing estimates (spread, prior): kept as measured at r0, describing the measurement
     parameters, buffers and autocast's weight copies: unchanged
 
 With one profile, c = 0 (simply linear). Given a second profile of the same model at r1 != r0
@@ -31,7 +32,7 @@ from partitioner.figures import LayerProfile, Profile
 __all__ = ["batch_rows", "scale_profile"]
 
 _TIMES = ("forward_time", "backward_time", "input_time", "weight_time")
-_PER_ROW = ("activation_bytes", "saved_bytes", "flops", "backward_flops")
+_PER_ROW = ("activation_bytes", "saved_bytes", "flops", "backward_flops", "input_flops", "weight_flops")
 
 
 def batch_rows(sample: Any) -> int:
