@@ -76,8 +76,10 @@ def partition(
 
     ``n_microbatches`` (m) defaults to the number of ranks and ``n_virtual`` (v) to 2 for
     "interleaved-1f1b" and 1 otherwise (see ``schedule_options``). ``memory_limit``: bytes per
-    rank; ``speeds``: one per rank; ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one
-    per link (see ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
+    rank; ``recompute``: one mode, or a tuple of one per stage (k = p * v; the balance is then
+    solved with each stage priced and sized by its own mode); ``speeds``: one per rank;
+    ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one per link (see
+    ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
     ``autocast``, ``loss_fn`` / ``target``, ``device`` and ``init_fn`` go to ``profile`` (see
     there) unless a ``profile`` is given. ``dp``: pipeline replicas, recorded in the plan (the
     split is one pipeline's: every replica runs the same, on its own share of the batch, so

@@ -237,3 +237,11 @@ def test_recompute_per_stage_round_trips_and_reads_per_stage() -> None:
 def test_recompute_per_stage_is_checked(recompute: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         Plan(balance=[1, 1], recompute=recompute)  # type: ignore[arg-type]
+
+
+def test_table_shows_a_traced_plans_cuts_and_ties() -> None:
+    plan = Plan(balance=[2, 2], extra={"cuts": ["blocks.2"], "ties": {"wte.weight": [0, 1]}})
+    text = plan.table()
+    assert "cuts before blocks.2" in text and "tied weights wte.weight: stages [0, 1]" in text
+    assert "cuts before" not in Plan(balance=[2, 2]).table()
+    assert "no candidates" in Plan(balance=[2, 2]).candidates_table()
