@@ -227,6 +227,9 @@ class Plan:
             lines.append(self.candidates_table())
         return "\n".join(lines)
 
+    def __str__(self) -> str:
+        return self.table()
+
     def candidates(self) -> list[dict[str, Any]]:
         """The configurations the auto search (``partition(..., schedule="auto")``) ranked, fastest
         first: each a dict of schedule, n_microbatches, n_virtual, recompute (one mode or one per
