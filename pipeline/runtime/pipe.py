@@ -250,7 +250,7 @@ class Pipeline:
                 n_stages=n_stages,
                 n_microbatches=self.n_microbatches,
                 split_backward=self.schedule.split_backward,
-                recompute=self.recompute,
+                recompute=options.recompute_of(s),
                 loss_fn=loss_fn,
                 device=self.device,
             )
