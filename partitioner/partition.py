@@ -31,6 +31,7 @@ from torch import nn
 from partitioner._balance import balance_of
 from partitioner._options import Options
 from partitioner._planning import predicted
+from partitioner._trees import tree_map
 from partitioner.auto import check_search, search
 from partitioner.costs import COSTS, cut_groups, layer_costs
 from partitioner.figures import Profile
@@ -250,12 +251,27 @@ def _auto(
     check_model(model)
     prof = _profiled(model, n_ranks, 1, sample, profile, **profiling)
     sample_rows = rows if profile is None else _profile_rows(prof, sample)
+    second = None
+    if profile is None:  # a second size gives each layer's per-call overhead (partitioner.scaling)
+        other = rows // 2 if rows >= 2 else 2
+        at_other = dict(profiling, target=_with_rows(profiling["target"], rows, other))
+        second = (_profiled(model, n_ranks, 1, _with_rows(sample, rows, other), None, **at_other), other)
     return search(
-        prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit,
+        prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit, second=second,
         schedules=SCHEDULES if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
         dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
         optimizer_state_factor=optimizer_state_factor,
     )  # fmt: skip
+
+
+def _with_rows(x: Any, rows: int, to_rows: int) -> Any:
+    """``x``'s tensors with ``to_rows`` rows: its first rows, or its rows repeated."""
+    if x is None:
+        return None
+    if to_rows <= rows:
+        return tree_map(x, lambda t: t[:to_rows])
+    times = -(-to_rows // rows)
+    return tree_map(x, lambda t: t.repeat_interleave(times, 0)[:to_rows])
 
 
 def _profile_rows(profile: Profile, sample: Any) -> int:

@@ -8,6 +8,7 @@ force over every balance and every mode vector. A 100-layer profile on 8 ranks s
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
@@ -254,6 +255,38 @@ def test_partition_auto_on_a_real_model_with_any_sample_rows() -> None:
     assert _fits(plan, 10e6) and plan.prediction == "simulator"
     fixed = partition(model, 2, sample, schedule="1f1b", n_microbatches="auto", batch_size=8)
     assert fixed.schedule == "1f1b" and {c["schedule"] for c in fixed.candidates()} == {"1f1b"}
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_partition_auto_profiles_a_second_size_for_the_per_call_overhead(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without it, times are linear in rows and the smallest micro-batches look free."""
+    part = importlib.import_module("partitioner.partition")  # the module (the package exports the function)
+    seen: dict[str, object] = {}
+
+    def spy(profile: Profile, n_ranks: int, **kwargs: object) -> Plan:
+        seen.update(kwargs, first=profile)
+        return search(profile, n_ranks, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(part, "search", spy)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    loss = nn.MSELoss()
+    partition(
+        model,
+        2,
+        torch.randn(rows, 8),
+        schedule="auto",
+        batch_size=8,
+        loss_fn=loss,
+        target=torch.randn(rows, 8),
+    )
+    second = seen["second"]
+    assert isinstance(second, tuple) and seen["sample_rows"] == rows
+    other, other_rows = second
+    assert other_rows == (2 if rows == 1 else rows // 2) and len(other) == len(model)
+    assert other.layers[0].output_shape[0] == other_rows  # profiled at those rows, target too
+    assert other.loss is not None
 
 
 @pytest.mark.parametrize(
