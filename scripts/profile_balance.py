@@ -80,7 +80,7 @@ def load_model(spec: str, parser: argparse.ArgumentParser) -> tuple[nn.Sequentia
 def print_profile(prof: Profile) -> None:
     precision = f"autocast {prof.autocast}" if prof.autocast else "fp32"
     print(
-        f"per-layer profile on {prof.device}, {precision} (one micro-batch; times are medians); "
+        f"per-layer profile on {prof.device}, {precision} (one micro-batch; minimum of adaptive repeats); "
         f"profiling took {prof.seconds:.2f} s, {prof.peak_bytes / 1e6:.2f} MB at its peak"
     )
     print(
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         help="profile in another precision than --dtype (to see what a mismatched profile predicts)",
     )
     parser.add_argument("--device", default=None, help="where to profile (default: where each layer lives)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per layer (medians)")
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer, at least")
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU intra-op threads (default 1, as each launched rank)"
     )
