@@ -571,6 +571,7 @@ class Pipeline:
                         "and balance on every rank: make the plan once and give every rank that Plan "
                         "(e.g. partition before pipeline.launch(fn, p, plan)), rather than on each rank"
                     )
+            self.comm.learn_peers()  # every rank has built its Comm: their processes, to name a dead one
         self._agreed = True
 
     def _loss(self, sizes: Sequence[int]) -> float:
