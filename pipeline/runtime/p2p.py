@@ -189,6 +189,8 @@ class Comm:
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
+        # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
+        self.call = (0, 0)
 
     def name(self, q: int) -> int:
         """How errors name group rank ``q``: its global rank in a mesh, else ``q``."""

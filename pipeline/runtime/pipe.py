@@ -147,6 +147,7 @@ from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.graph_stages import plan_stages
 from pipeline.runtime.microbatch import Batch, split
+from pipeline.runtime.metadata import begin_call
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
@@ -401,6 +402,7 @@ class Pipeline:
         measured timeline (see ``timeline`` and ``write_trace``).
         """
         _check_prefetch(prefetch)
+        begin_call(self.comm, "step")
         with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
@@ -458,6 +460,7 @@ class Pipeline:
     ) -> tuple[float | None, Batch | None]:
         """The forwards of one batch in eval mode: (the loss unless predicting, the outputs if asked)."""
         _check_prefetch(prefetch)
+        begin_call(self.comm, method)
         world = self.comm.world_size if self.comm is not None else 1
         dst = check_dst(dst, world) if outputs else None
         if self._eval_executor is None:

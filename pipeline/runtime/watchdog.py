@@ -16,7 +16,14 @@ raises ``PeerFailure`` naming the failed rank::
             -> the wait raises -> PeerFailure("rank 1 failed while rank 0 waited for 0RECV_B2 ...")
 
 The thread holds no reference to its ``Comm`` (so that the ``Comm`` can be
-collected) and stops when closed. On NCCL nothing blocks in the backend (the
+collected) and stops when closed, and at the latest when the interpreter
+exits: an ``atexit`` hook stops every watchdog and waits for its thread. A
+daemon thread still inside a torch call when the interpreter finalizes (a
+pair's closing ``Work.wait``, a store read) is ended by CPython with
+``pthread_exit`` as it retakes the GIL; the unwinding meets pybind11's
+``noexcept`` ``~gil_scoped_release`` and std::terminate aborts the process
+("terminate called without an active exception", status -6) after a rank
+raised ``PeerFailure``, when the main thread outran its watchdog. On NCCL nothing blocks in the backend (the
 host polls), so no thread is needed there.
 
 A rank that dies without a word (SIGKILL, the OOM killer, a native crash)
@@ -39,11 +46,13 @@ checks the host's process before each read, closes the pairs instead.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +61,7 @@ import torch
 __all__ = ["CHECK_STORE_S", "Liveness", "PeerFailure", "PipelineTimeout", "Watchdog", "close_pairs", "process_alive"]
 
 CHECK_STORE_S = 0.05  # how often a waiting rank reads the failure key
+_EXIT_JOIN_S = 10.0  # at exit, how long to wait for a watchdog inside a torch call
 _CLOSE_TAG = 2**30 - 7  # never used by a message: a receive on it only ever times out
 
 
@@ -181,9 +191,24 @@ class Watchdog:
             target=_watch, args=(self, *self._args), name="stagewise-p2p-watchdog", daemon=True
         )
         self.thread.start()
+        _running.add(self)
 
     def close(self) -> None:
         self._stop.set()
+
+
+_running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Before the interpreter finalizes: stop every watchdog and let it leave its torch call."""
+    dogs = list(_running)
+    for dog in dogs:
+        dog.close()
+    for dog in dogs:
+        if dog.thread is not None:
+            dog.thread.join(_EXIT_JOIN_S)
 
 
 def _watch(dog: Watchdog, store: Any, key: str, pairs: Pairs, liveness: Liveness | None) -> None:
