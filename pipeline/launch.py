@@ -57,8 +57,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,7 +186,9 @@ def init_distributed(backend: str | None = None, timeout: float = 300.0) -> Dist
     store = startup.join(rank, world_size, timeout)
     td = datetime.timedelta(seconds=timeout)
     with startup.bounded(rank, "every rank's connection to every other (init_process_group)", timeout):
-        dist.init_process_group(_group_backend(chosen), store=store, rank=rank, world_size=world_size, timeout=td)
+        dist.init_process_group(
+            _group_backend(chosen), store=store, rank=rank, world_size=world_size, timeout=td
+        )
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, chosen)
 
 

@@ -74,11 +74,11 @@ def join(rank: int, world_size: int, timeout: float) -> Any:
     server = "torchrun's agent" if agent else "rank 0"
     td = datetime.timedelta(seconds=timeout)
     with bounded(rank, f"the store at {host}:{port} (served by {server})", timeout):
-        base = dist.TCPStore(
+        base = dist.TCPStore(  # type: ignore[attr-defined]
             host, port, world_size, is_master=rank == 0 and not agent, timeout=td,
             wait_for_workers=False, multi_tenant=True,
         )  # fmt: skip
-    store = dist.PrefixStore(f"stagewise/attempt{attempt()}", base)
+    store = dist.PrefixStore(f"stagewise/attempt{attempt()}", base)  # type: ignore[attr-defined]
     with bounded(rank, f"the store at {host}:{port} (served by {server})", timeout):
         store.set(f"joined/{rank}", str(os.getpid()))
         deadline = time.monotonic() + timeout

@@ -8,7 +8,9 @@ the TCPStore, as without torchrun's agent) on a port the OS picked.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -65,10 +67,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -80,10 +80,19 @@ def _ranks_by_hand(tmp_path: Path, world_size: int, kill: str) -> list[tuple[int
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
-            env=_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port, KILL=kill),  # fmt: skip
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )  # fmt: skip
+            env=_env(
+                RANK=str(r),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                KILL=kill,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         for r in range(world_size)
     ]
     try:
@@ -158,8 +167,11 @@ if __name__ == "__main__":
 def _ranks_of(proc: subprocess.Popen[str], n: int) -> list[int]:
     """The pids the ranks print once they run (their fn started)."""
     assert proc.stdout is not None
-    pids = []
+    pids: list[int] = []
+    deadline = time.monotonic() + 120
     while len(pids) < n:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"the ranks did not start within 120 s (started: {pids})"
         line = proc.stdout.readline()
         assert line, "the parent ended before its ranks started"
         if line.startswith("RANK "):

@@ -54,7 +54,6 @@ signatures and when they travel) is metadata.py's.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import time

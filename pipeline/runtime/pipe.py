@@ -146,8 +146,8 @@ from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.graph_stages import plan_stages
-from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.metadata import begin_call
+from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store

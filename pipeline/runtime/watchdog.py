@@ -58,7 +58,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHECK_STORE_S", "Liveness", "PeerFailure", "PipelineTimeout", "Watchdog", "close_pairs", "process_alive"]
+__all__ = [
+    "CHECK_STORE_S",
+    "Liveness",
+    "PeerFailure",
+    "PipelineTimeout",
+    "Watchdog",
+    "close_pairs",
+    "process_alive",
+]
 
 CHECK_STORE_S = 0.05  # how often a waiting rank reads the failure key
 _EXIT_JOIN_S = 10.0  # at exit, how long to wait for a watchdog inside a torch call
