@@ -207,9 +207,11 @@ def test_the_ranks_end_with_launchs_parent(tmp_path: Path, how: str) -> None:
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, getattr(signal, how))
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
         assert _gone_within(ranks, 5.0) == [], f"ranks left behind after {how} of the parent"
         if how != "SIGKILL":
+            assert proc.stderr is not None
+            err = proc.stderr.read()  # EOF: nobody holds the pipe any more
             assert proc.returncode == 128 + getattr(signal, how), err
             assert err.strip() == f"pipeline.launch: {how}: stopping the ranks", err  # no traceback, no leak
     finally:
