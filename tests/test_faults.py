@@ -241,3 +241,40 @@ def test_a_torchrun_restart_after_sigkill_comes_back_quickly(tmp_path: Path) -> 
     assert proc.returncode == 0, out
     assert "DONE rank 0 attempt 1" in out and "DONE rank 1 attempt 1" in out, out
     assert time.monotonic() - start < 90, out
+
+
+# a watchdog thread inside a torch call (GIL released) when the interpreter finalizes: CPython ends
+# it with pthread_exit as it retakes the GIL, the unwinding meets pybind11's noexcept destructor,
+# and std::terminate aborts the process; the __del__ keeps finalization busy while the call returns
+_EXIT_WHILE_WATCHING = """
+import datetime, sys, time
+import torch.distributed as dist
+from pipeline.runtime.watchdog import Watchdog
+
+files = dist.FileStore(sys.argv[1], 1)
+
+class InTorch:
+    def check(self, keys):
+        files.wait(["never set"], datetime.timedelta(seconds=1))  # C++, the GIL released
+
+class SlowTeardown:
+    def __del__(self):
+        time.sleep(2)
+
+dog = Watchdog(InTorch(), "failed", [])
+dog.blocked = 1
+dog.start()
+time.sleep(0.3)  # the thread is inside the wait
+keep = SlowTeardown()
+raise SystemExit(3)
+"""
+
+
+def test_exit_while_the_watchdog_is_inside_a_torch_call_is_a_normal_exit(tmp_path: Path) -> None:
+    script = _script(tmp_path, _EXIT_WHILE_WATCHING)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], env=_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr  # not -6 (SIGABRT)
+    assert "terminate called" not in proc.stderr, proc.stderr
