@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -164,19 +165,18 @@ if __name__ == "__main__":
 """
 
 
-def _ranks_of(proc: subprocess.Popen[str], n: int) -> list[int]:
-    """The pids the ranks print once they run (their fn started)."""
+def _ranks_of(proc: subprocess.Popen[bytes], n: int) -> list[int]:
+    """The pids the ranks print once they run (their fn started), read from the unbuffered pipe."""
     assert proc.stdout is not None
-    pids: list[int] = []
+    fd, text = proc.stdout.fileno(), b""
     deadline = time.monotonic() + 120
-    while len(pids) < n:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        assert ready, f"the ranks did not start within 120 s (started: {pids})"
-        line = proc.stdout.readline()
-        assert line, "the parent ended before its ranks started"
-        if line.startswith("RANK "):
-            pids.append(int(line.split()[1]))
-    return pids
+    while text.count(b"RANK ") < n or not text.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"the ranks did not start within 120 s (printed: {text!r})"
+        chunk = os.read(fd, 4096)
+        assert chunk, f"the parent ended before its ranks started (printed: {text!r})"
+        text += chunk
+    return [int(line.split()[1]) for line in text.decode().splitlines() if line.startswith("RANK ")]
 
 
 def _alive(pid: int) -> bool:
@@ -197,7 +197,7 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
 def test_the_ranks_end_with_launchs_parent(tmp_path: Path, how: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, str(_script(tmp_path, _PARENT))], env=_env(), cwd=tmp_path, text=True,
+        [sys.executable, str(_script(tmp_path, _PARENT))], env=_env(), cwd=tmp_path, bufsize=0,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     ranks: list[int] = []
@@ -211,7 +211,7 @@ def test_the_ranks_end_with_launchs_parent(tmp_path: Path, how: str) -> None:
         assert _gone_within(ranks, 5.0) == [], f"ranks left behind after {how} of the parent"
         if how != "SIGKILL":
             assert proc.stderr is not None
-            err = proc.stderr.read()  # EOF: nobody holds the pipe any more
+            err = proc.stderr.read().decode()  # EOF: nobody holds the pipe any more
             assert proc.returncode == 128 + getattr(signal, how), err
             assert err.strip() == f"pipeline.launch: {how}: stopping the ranks", err  # no traceback, no leak
     finally:
