@@ -114,7 +114,12 @@ mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
-the failed rank and the action they were waiting for (see p2p.py).
+the failed rank and the action they were waiting for (see p2p.py). A rank
+killed without a word (SIGKILL, the OOM killer) is named by the peer that
+notices, from its process being gone (watchdog.py). Every rank must call
+``step`` / ``evaluate`` / ``predict`` in the same order: the step header
+carries each call's kind and number, so a rank in another call fails at once,
+naming both (metadata.py).
 
 Devices. The stages live on the communication device unless ``device`` says
 otherwise: this rank's CUDA device on NCCL, the CPU on gloo (a CPU run on a
