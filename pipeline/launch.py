@@ -231,16 +231,17 @@ def _run_rank(
             torch.set_num_threads(threads or 1)
         _local_device(backend, rank)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-        dist.init_process_group(
-            _group_backend(backend),
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        # every rank has finished connecting before any may return and close its sockets: gloo's
-        # full-mesh connect of a slow peer fails if a fast rank finishes fn and exits first
-        dist.barrier()
+        with startup.bounded(rank, f"the other ranks to connect (init_process_group, {store_path})", timeout):
+            dist.init_process_group(
+                _group_backend(backend),
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            # every rank has finished connecting before any may return and close its sockets: gloo's
+            # full-mesh connect of a slow peer fails if a fast rank finishes fn and exits first
+            dist.barrier()
         value = fn(*args)
         # Plain pickle copies tensors into the message, so the result outlives this process.
         results.put((rank, True, pickle.dumps(value)))
