@@ -157,7 +157,7 @@ import os, sys, time
 import pipeline
 
 def work():
-    os.write(1, f"RANK {os.getpid()}\n".encode())  # one write: the ranks share the pipe
+    os.write(1, f"RANK {os.getpid()}\\n".encode())  # one write: the ranks share the pipe
     time.sleep(300)
 
 if __name__ == "__main__":
