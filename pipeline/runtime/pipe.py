@@ -114,7 +114,12 @@ mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
-the failed rank and the action they were waiting for (see p2p.py).
+the failed rank and the action they were waiting for (see p2p.py). A rank
+killed without a word (SIGKILL, the OOM killer) is named by the peer that
+notices, from its process being gone (watchdog.py). Every rank must call
+``step`` / ``evaluate`` / ``predict`` in the same order: the step header
+carries each call's kind and number, so a rank in another call fails at once,
+naming both (metadata.py).
 
 Devices. The stages live on the communication device unless ``device`` says
 otherwise: this rank's CUDA device on NCCL, the CPU on gloo (a CPU run on a
@@ -146,6 +151,7 @@ from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.graph_stages import plan_stages
+from pipeline.runtime.metadata import begin_call
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
@@ -401,6 +407,7 @@ class Pipeline:
         measured timeline (see ``timeline`` and ``write_trace``).
         """
         _check_prefetch(prefetch)
+        begin_call(self.comm, "step")
         with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
@@ -458,6 +465,7 @@ class Pipeline:
     ) -> tuple[float | None, Batch | None]:
         """The forwards of one batch in eval mode: (the loss unless predicting, the outputs if asked)."""
         _check_prefetch(prefetch)
+        begin_call(self.comm, method)
         world = self.comm.world_size if self.comm is not None else 1
         dst = check_dst(dst, world) if outputs else None
         if self._eval_executor is None:
@@ -571,6 +579,7 @@ class Pipeline:
                         "and balance on every rank: make the plan once and give every rank that Plan "
                         "(e.g. partition before pipeline.launch(fn, p, plan)), rather than on each rank"
                     )
+            self.comm.learn_peers()  # every rank has built its Comm: their processes, to name a dead one
         self._agreed = True
 
     def _loss(self, sizes: Sequence[int]) -> float:
