@@ -133,10 +133,10 @@ def stage_bytes(
         stop, last = start + size, s == k - 1
         lps = layers[start:stop]
         saved = float(sum(lp.saved_bytes for lp in lps)) - io[start][0]
-        for l in range(start + 1, stop):  # a storage layer l - 1 saves as output and l as input
-            saved -= min(io[l - 1][1], io[l][0])
-        chain = float(sum(lp.activation_bytes for l, lp in enumerate(lps[:-1], start)
-                          if io[l][1] == 0 and io[l + 1][0] == 0))  # fmt: skip
+        for j in range(start + 1, stop):  # a storage layer j - 1 saves as output and j as input
+            saved -= min(io[j - 1][1], io[j][0])
+        chain = float(sum(lp.activation_bytes for j, lp in enumerate(lps[:-1], start)
+                          if io[j][1] == 0 and io[j + 1][0] == 0))  # fmt: skip
         grads = float(sum(lp.activation_bytes for lp in lps[:-1]))
         output = 0.0 if last else float(lps[-1].activation_bytes)
         if not last:
@@ -151,9 +151,7 @@ def stage_bytes(
     return out
 
 
-def rank_peaks(
-    sched: Schedule, stages: Sequence[StageBytes], recompute: str | Sequence[str]
-) -> list[float]:
+def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | Sequence[str]) -> list[float]:
     """Per rank: its predicted peak bytes in a step (static bytes + the most activation bytes held).
 
     Walks each rank's lowered actions as the executor runs them, holding per micro-batch::
@@ -181,9 +179,11 @@ def rank_peaks(
     ]
 
 
-def _walk(
-    sched: Schedule, lowered: tuple[tuple[Action, ...], ...], r: int, stages: Sequence[StageBytes], modes: list[str]
-) -> float:
+Lowered = tuple[tuple[Action, ...], ...]
+
+
+def _walk(sched: Schedule, lowered: Lowered, r: int, stages: Sequence[StageBytes], modes: list[str]) -> float:
+    """Rank r's most activation bytes held at once (see ``rank_peaks``)."""
     mine = lowered[r]
     refs: dict[tuple[str, int, int], int] = {}
     now, peak = 0.0, 0.0
@@ -264,7 +264,7 @@ def _walk(
     return peak
 
 
-def _reaps(sched: Schedule, lowered: tuple[tuple[Action, ...], ...], r: int) -> dict[Action, list[Action]]:
+def _reaps(sched: Schedule, lowered: Lowered, r: int) -> dict[Action, list[Action]]:
     """Per receive on rank r: the sends it proves delivered (the rule of ``pipeline.runtime.program``)."""
     out: dict[Action, list[Action]] = {}
     mine = set(lowered[r])
@@ -310,7 +310,7 @@ def saved_io(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn(x) if y is None else fn(x, y)
         ins, outs = ptrs(x), ptrs(out) if y is None else ptrs(y)
-        found.append((sum(n for k, n in ins.items() if k in seen), sum(n for k, n in outs.items() if k in seen)))
+        found.append(tuple(sum(n for key, n in d.items() if key in seen) for d in (ins, outs)))  # type: ignore[arg-type]
         return out
 
     with torch.enable_grad():

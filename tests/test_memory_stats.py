@@ -193,7 +193,7 @@ def test_memory_stats_before_a_step_and_bad_optimizer(tmp_path: Path) -> None:
     pipe = Pipeline(model, [2], schedule="gpipe", n_microbatches=2, loss_fn=nn.functional.mse_loss)
     stats = pipe.memory_stats()
     assert stats["peak"] is None and stats["activations"] is None  # no step yet
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
         pipe.memory_stats(optimizer=[1])  # type: ignore[arg-type]
     pipe.executor.meter.enabled = False
     pipe.step(x, torch.randn(4, 8))

@@ -293,7 +293,8 @@ class Executor:
             st.losses = []
             st.reset_peak()
         if self.training:  # parameters, buffers and the step's data are not activations
-            owned = [t for st in self.stages.values() for t in (*st.module.parameters(), *st.module.buffers())]
+            modules = [st.module for st in self.stages.values()]
+            owned = [t for mod in modules for t in (*mod.parameters(), *mod.buffers())]
             owned += [t for batch in (*inputs, *targets) for t in _tensors(batch)]
             self.meter.begin_step(owned)
         try:
