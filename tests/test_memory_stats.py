@@ -138,6 +138,7 @@ def test_a_tensor_saved_twice_counts_once() -> None:
     x = torch.randn(100, requires_grad=True)
     with meter.saving():
         y = (x * x).sum()  # mul saves both operands: the same tensor twice
+        y = y + (x.view(10, 10) * x.view(10, 10)).sum()  # and twice more, as two other tensors
     assert meter.now == meter.peak == x.nbytes
     y.backward()
     assert meter.now == 0 and meter.peak == x.nbytes
@@ -148,7 +149,7 @@ def test_views_of_one_storage_count_once() -> None:
     base = torch.randn(2, 50, requires_grad=True)
     with meter.saving():
         a, b = base * 1.0, base * 2.0  # two storages ...
-        y = (a[0] * a[1]).sum() + (b[0] * b[0]).sum()  # ... each saved through views
+        y = (a * a[0]).sum() + (b[0] * b[1]).sum()  # ... each saved whole and as a row, or as rows
     assert meter.now == a.nbytes + b.nbytes == 2 * base.nbytes
     del a, b
     assert meter.now == 2 * base.nbytes  # autograd still holds them
