@@ -1,8 +1,14 @@
-"""Per-stage memory under a schedule: weights, gradients, optimizer state and held activations.
+"""Memory under a schedule: weights, gradients, optimizer state and held activations.
 
-    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer, r: rank
 
-A stage holds, at its peak::
+Two models. The per-layer rows (``in_flight``, ``held``, ``layer_memory``) are what ``solve``
+splits: additive per layer, so a balance can be searched, and upper bounds. The per-rank walk
+(``stage_bytes`` then ``rank_peaks``) is the prediction of one plan's peak: it follows the
+runtime's holders one by one, so it equals what ``pipe.memory_stats()`` measures
+(``pipeline.runtime.memory``), each storage once.
+
+Per-layer rows. A stage holds, at its peak::
 
     params * (1 + 1 + optimizer_state_factor)        weights, their gradients, optimizer state
     + buffers + cache                                buffers; autocast's low-precision weight
@@ -24,6 +30,18 @@ the timing. ``held`` turns that peak N into what a stage keeps under a recomputa
 
 ``except_last`` with m = 1 recomputes nothing and counts as ``never``. Both recomputing rows
 are upper bounds: they charge every held micro-batch its input besides the activation sets.
+What the rows miss: a storage two adjacent layers both save (a ReLU's output is the next
+Linear's input) counts twice; a rank's stages (interleaved) rarely peak together; transfer
+buffers, zb-h1's output gradients kept from B to W, and a recomputing stage's sent output.
+
+Per-rank walk. ``stage_bytes`` turns the profile into per-micro-batch figures of each stage
+(``StageBytes``: its graph beyond input and output, input, output, a split chain's unsaved
+outputs and output gradients, static bytes), counting a storage adjacent layers share once when
+given ``saved_io`` (what each layer saves of its input and output). ``rank_peaks`` then runs each
+rank's lowered actions (compute and comm blocks, receives posted one block ahead, sends kept
+until a receive proves them delivered, as ``pipeline.runtime.program`` does) and returns, per
+rank, static bytes plus the most activation bytes held at once. Recomputation is per stage.
+The step's data (stage 0's input, the last stage's targets) is not counted: the caller holds it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ A compute's busy time starts once its input is there (clock.py: host times on
 CPU, CUDA events on a GPU). A receive also reaps the sends it proves done (see
 program.py); the rest are ordered at the step's end. A failed step drops its
 tensors and works, so that the next step starts clean.
+
+Memory: the rank's ``ActivationMeter`` (memory.py), shared with its stages, also counts each
+receive buffer from its posting to the end of the compute that takes it, and each sent tensor
+until its reap; a training step resets its peak at the start and keeps it at the end
+(``meter.last_peak``), the step's inputs, targets, parameters and buffers excepted.
 """
 
 from __future__ import annotations

@@ -22,10 +22,13 @@ count follows the program, not the garbage collector)::
     pack(t) --> key = storage data_ptr --> refs[key] += 1 (first: now += nbytes, peak = max(...))
     token dies (graph freed, micro-batch freed, buffer consumed) --> refs[key] -= 1 (last: now -= nbytes)
 
-It is on by default: one Python call per saved tensor and a few per action (a few per cent of a
-step of a tiny CPU model, nothing next to GPU kernels; see tests/test_memory_stats.py).
-``pipe.executor.meter.enabled = False`` turns it off (``memory_stats`` then reports no
-activations). ``memory_stats(pipe, optimizer)`` adds the rank's static bytes (parameters,
+Parameters, buffers and the step's data (inputs, targets: the caller holds them anyway) are
+skipped. It is on by default: one Python call per saved tensor (about a microsecond) and a few
+per action. Measured as CPU time of a step on one thread, on and off alternately, 30 steps each:
++6 % for a 4-block GPT of width 128 (8 x 64 tokens, m = 4), +8 % for an 8-layer MLP of width
+256 (64 rows), both so small that Python dominates; on a GPU the host runs ahead of the kernels
+and the cost hides. ``pipe.executor.meter.enabled = False`` turns it off (``memory_stats`` then
+reports no activations and no peak). ``memory_stats(pipe, optimizer)`` adds the rank's static bytes (parameters,
 buffers, gradients, the optimizer's state for this rank's parameters when given) to the last
 step's peak activations; on CUDA it also reports the allocator's own peak.
 """

@@ -31,6 +31,10 @@ its outputs (``keep_outputs``, for ``predict``) and skip the loss (``want_loss``
 Recomputed micro-batches (see recompute.py) run F under ``no_grad`` keeping
 only the input and the RNG state, and rebuild the graphs at the start of B with
 that state restored, so dropout draws the same masks as in F.
+
+What a micro-batch keeps is counted by the rank's ``ActivationMeter`` (memory.py): autograd's
+saved tensors while its forward or replay runs, and the input, outputs (or layer chain) and
+kept output gradients as tokens in its ``_Saved``, released with it.
 """
 
 from __future__ import annotations
