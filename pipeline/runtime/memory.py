@@ -28,9 +28,11 @@ per action. Measured as CPU time of a step on one thread, on and off alternately
 +6 % for a 4-block GPT of width 128 (8 x 64 tokens, m = 4), +8 % for an 8-layer MLP of width
 256 (64 rows), both so small that Python dominates; on a GPU the host runs ahead of the kernels
 and the cost hides. ``pipe.executor.meter.enabled = False`` turns it off (``memory_stats`` then
-reports no activations and no peak). ``memory_stats(pipe, optimizer)`` adds the rank's static bytes (parameters,
-buffers, gradients, the optimizer's state for this rank's parameters when given) to the last
-step's peak activations; on CUDA it also reports the allocator's own peak.
+reports no activations and no peak).
+
+``memory_stats(pipe, optimizer)`` adds the rank's static bytes (parameters, buffers, gradients
+as they are after the step, the optimizer's state of this rank's parameters when given) to the
+last step's peak activations; on CUDA it also reports the allocator's own peak.
 """
 
 from __future__ import annotations
