@@ -138,10 +138,12 @@ def stage_bytes(
     ``saved_io[l]``: bytes of layer l's input and of its output that layer l saves (the loss's
     entry, after the layers': its input and its target); with them a storage two adjacent layers
     save (a ReLU's output, the next Linear's input) counts once, and the step's data not at all.
-    Without them (None) every layer's saved bytes are taken as its own: an upper bound.
+    Without them (None) they are read from the profile when it records them (``LayerProfile``
+    fields ``saved_input_bytes`` and ``saved_output_bytes``; the loss's ``saved_input_bytes`` and
+    ``saved_target_bytes``), else every layer's saved bytes are taken as its own: an upper bound.
     """
     layers = list(profile.layers)
-    io = list(saved_io) if saved_io is not None else [(0, 0)] * (len(layers) + 1)
+    io = list(saved_io) if saved_io is not None else _recorded_io(profile)
     if len(io) == len(layers):
         io.append((0, 0))
     loss = profile.loss
@@ -167,6 +169,15 @@ def stage_bytes(
         out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static))
         start = stop
     return out
+
+
+def _recorded_io(profile: Profile) -> list[tuple[int, int]]:
+    """``saved_io`` as the profile records it, or zeros (nothing known to be shared)."""
+    layers = profile.layers
+    io = [(getattr(lp, "saved_input_bytes", 0), getattr(lp, "saved_output_bytes", 0)) for lp in layers]
+    loss = profile.loss
+    io.append((getattr(loss, "saved_input_bytes", 0), getattr(loss, "saved_target_bytes", 0)))
+    return io
 
 
 def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | Sequence[str]) -> list[float]:
@@ -264,10 +275,9 @@ def _walk(sched: Schedule, lowered: Lowered, r: int, stages: Sequence[StageBytes
             if sent in posted:
                 posted.discard(sent)
                 drop(buffer(sent))
-        if a.kind is Kind.F:
-            take(("in", s, i)) if replays else take(("in", s, i), ("set", s, i), ("out", s, i))
-            if not replays and sched.split_backward:
-                take(("chain", s, i))
+        if a.kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
+            kept = [] if replays else [("set", s, i), ("out", s, i)]
+            take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
         elif a.kind is Kind.B:
             if replays:
                 take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
