@@ -137,7 +137,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import resource
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -146,7 +145,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads, replicas
+from pipeline.runtime import emulation, grads, memory, replicas
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
@@ -613,26 +612,16 @@ class Pipeline:
         on a GPU (a device synchronisation), host time on CPU."""
         return self.executor.busy
 
-    def memory_stats(self) -> dict[str, Any]:
-        """This rank's memory: bytes from the CUDA allocator on a GPU, the process's on CPU.
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """This rank's measured memory in the last ``step`` (bytes; see ``pipeline.runtime.memory``).
 
-        ``peak``: the most allocated during the last ``step`` (GPU; ``step`` resets the
-        allocator's peak counter) or the process's peak resident size (CPU, since it
-        started); ``allocated`` now (GPU; None on CPU); ``held``: per local stage, the
-        most micro-batches whose activations it held at once in the last step.
+        ``peak``: parameters + buffers + gradients + optimizer state (0 unless ``optimizer`` is
+        given) + ``activations``, the most bytes held for backward at once (saved tensors, kept
+        stage inputs and outputs, transfer buffers; each storage once); ``allocator_peak`` and
+        ``allocated``: the CUDA allocator's (None on CPU); ``held``: per local stage, the most
+        micro-batches whose activations it held at once.
         """
-        held = self.peak_activations()
-        if self.device.type == "cuda":
-            return {
-                "device": str(self.device),
-                "source": "CUDA allocator",
-                "peak": torch.cuda.max_memory_allocated(self.device),
-                "allocated": torch.cuda.memory_allocated(self.device),
-                "held": held,
-            }
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return {"device": str(self.device), "source": "process peak RSS", "peak": rss, "allocated": None,
-                "held": held}  # fmt: skip
+        return memory.memory_stats(self, optimizer)
 
     def peak_activations(self) -> dict[int, int]:
         """Per local stage: the most micro-batches whose activations it held at once in the last step."""
