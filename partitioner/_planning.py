@@ -29,7 +29,8 @@ from partitioner.costs import (
 )
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
-from partitioner.memory import held, in_flight, layer_memory
+from partitioner.memory import held, in_flight, layer_memory, stage_bytes
+from partitioner.memory import rank_peaks as walked_peaks
 from partitioner.solve import stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
@@ -142,6 +143,10 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     ties = ties_of(profile.layers, balance)
     if ties:
         extra["ties"] = ties
+    # per rank: the schedule walked action by action, each storage once (what memory_stats measures);
+    # the stages' memory_bytes above are the solver's per-stage rows, summed at each stage's own peak
+    bytes_ = stage_bytes(profile, balance, net.optimizer_state_factor)
+    extra["rank_peaks"] = walked_peaks(sched, bytes_, shape.recompute)
     return shape.replace(
         stages=stages,
         bottleneck=max(per_stage),

@@ -32,7 +32,10 @@ from partitioner.figures import LayerProfile, Profile
 __all__ = ["batch_rows", "scale_profile"]
 
 _TIMES = ("forward_time", "backward_time", "input_time", "weight_time")
-_PER_ROW = ("activation_bytes", "saved_bytes", "flops", "backward_flops", "input_flops", "weight_flops")
+_PER_ROW = (
+    "activation_bytes", "saved_bytes", "saved_input_bytes", "saved_output_bytes", "saved_target_bytes",
+    "flops", "backward_flops", "input_flops", "weight_flops",
+)  # fmt: skip
 
 
 def batch_rows(sample: Any) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import LayerProfile, profile
+from partitioner import profile
 from partitioner.memory import StageBytes, held, in_flight, layer_memory, rank_peaks, saved_io, stage_bytes
 from pipeline.reference.models import mlp
 from pipeline.schedules.schedule import schedule
@@ -173,25 +173,14 @@ def test_stage_bytes_counts_a_storage_two_layers_save_once() -> None:
     assert (first.saved, first.input, first.output) == (u, 0.0, u)
     assert (last.saved, last.input, last.output) == (2 * u, u, 0.0)
     assert first.static == 2 * sum(lp.param_bytes for lp in prof.layers[:2])
-    # once the profile records what each layer saves of its input and output, it is read there
-    recorded = dataclasses.replace(
+    # the profile records what each layer saves of its input and output: the same figures
+    assert [(lp.saved_input_bytes, lp.saved_output_bytes) for lp in prof.layers] == io[:-1]
+    assert prof.loss is not None and (prof.loss.saved_input_bytes, prof.loss.saved_target_bytes) == io[-1]
+    assert stage_bytes(prof, [2, 2], 0.0) == [first, last]
+    unknown = dataclasses.replace(
         prof,
-        layers=[_Recorded(**vars(lp), saved_input_bytes=i, saved_output_bytes=o)
-                for lp, (i, o) in zip(prof.layers, io, strict=False)],
-        loss=_RecordedLoss(**vars(prof.loss), saved_input_bytes=io[-1][0], saved_target_bytes=io[-1][1]),
-    )  # fmt: skip
-    assert stage_bytes(recorded, [2, 2], 0.0) == [first, last]
-    upper = stage_bytes(prof, [2, 2], 0.0)  # without saved_io: every layer's own saved bytes
+        layers=[dataclasses.replace(lp, saved_input_bytes=0, saved_output_bytes=0) for lp in prof.layers],
+        loss=dataclasses.replace(prof.loss, saved_input_bytes=0, saved_target_bytes=0),
+    )
+    upper = stage_bytes(unknown, [2, 2], 0.0)  # nothing known to be shared: every layer's own bytes
     assert upper[0].saved == 4 * u  # all four, the output again beside them: an upper bound
-
-
-@dataclasses.dataclass(frozen=True)
-class _Recorded(LayerProfile):
-    saved_input_bytes: int = 0
-    saved_output_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _RecordedLoss(LayerProfile):
-    saved_input_bytes: int = 0
-    saved_target_bytes: int = 0
