@@ -1,0 +1,674 @@
+"""Auto-plan benchmark: the plan ``partition(schedule="auto")`` picks, measured against every configuration.
+
+    python scripts/bench_autoplan.py                   # 3 models x 2 memory limits, a few minutes
+    python scripts/bench_autoplan.py --models gpt --steps 8 --json runs/autoplan.json --detail
+    python scripts/bench_autoplan.py --quick           # tiny models, 2 steps (the smoke test)
+
+    # p: ranks (2 here), v: stages per rank, k = p * v stages, m: micro-batches, B: batch rows
+
+For each model (``_autoplan_models``: the reference GPT, a ResNet-like CNN, an MLP with one very
+heavy layer) and two per-rank memory limits (bytes as ``partitioner.memory`` predicts a rank's
+peak: weights, gradients, Adam state, held activations):
+
+    grid    gpipe, 1f1b, interleaved-1f1b (v = 2), zb-h1  x  m dividing B  x  recompute modes,
+            each with the exact balance ``partition`` finds under the limit (configurations that
+            cannot fit are left out); profiled once per micro-batch size, every plan from it
+    auto    partition(model, p, x, schedule="auto", memory_limit=..., batch_size=B,
+            n_microbatches="auto"), timed (the search time)
+    default what a user would pick: 1f1b, m = p, no recomputation, equal layer counts
+
+    loose limit   2 x the largest predicted peak of any configuration's unconstrained plan
+    tight limit   30 % of the way from the smallest such peak to the default's: the default
+                  does not fit, so the search must choose something else
+
+Every plan of a model (both limits' grids, the auto plans, the default; each distinct plan once)
+then runs in the SAME two processes (``pipeline.launch``, gloo, one thread per rank), round-robin:
+each round steps every plan once, in a fresh random order (the same on both ranks), so a load
+spike hits all of them alike. A step is timed from the barrier before it to the last rank's end
+(the optimizer step, Adam, comes after and is not timed); the peak is ``memory_stats(optimizer)``'s
+per-rank measured peak. The table gives, per model and limit, the median step of the auto plan
+against the best measured configuration that fits (goal: within 5 %) and against the default,
+the auto plan's measured peak against the limit (never above), and the search time.
+
+Until ``partition(schedule="auto")`` exists, the auto plan is the grid's plan with the lowest
+predicted step time (the search's definition, by brute force; the table says "brute force").
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _autoplan_models beside this file
+from _autoplan_models import MODELS, Workload, build
+
+from partitioner import Profile, equal_balance, partition, plan_for, profile
+from pipeline.launch import launch
+from pipeline.plan import Plan
+from pipeline.runtime.recompute import RECOMPUTE_MODES
+
+__all__ = ["Config", "Measured", "grid", "main", "microbatch_counts", "rank_peaks", "recompute_choices"]
+
+P = 2  # ranks
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "i1f1b", "zb-h1": "zbh1"}
+_MODE = {"never": "n", "except_last": "l", "always": "a"}
+Recompute = str | tuple[str, ...]
+
+
+# ---- the grid
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the grid: schedule, m, v and the recomputation (one mode, or one per stage)."""
+
+    schedule: str
+    m: int
+    v: int
+    recompute: Recompute
+
+    def label(self) -> str:
+        """``1f1b m4 rc:n``: schedule, m, v when > 1, recomputation (n never, l except_last,
+        a always; one letter per stage when stages differ)."""
+        modes = (self.recompute,) if isinstance(self.recompute, str) else self.recompute
+        v = f" v{self.v}" if self.v > 1 else ""
+        return (
+            f"{_SHORT.get(self.schedule, self.schedule)} m{self.m}{v} rc:{''.join(_MODE[r] for r in modes)}"
+        )
+
+
+def microbatch_counts(batch: int) -> list[int]:
+    """Every m that divides the batch's B rows."""
+    return [m for m in range(1, batch + 1) if batch % m == 0]
+
+
+def recompute_choices(k: int, m: int, per_stage: bool) -> list[Recompute]:
+    """The recomputation settings of a k-stage plan with m micro-batches, without duplicates:
+    "except_last" at m = 1 recomputes nothing (it is "never") and is left out; with
+    ``per_stage``, every tuple of one mode per stage whose modes differ is added."""
+    modes = [r for r in RECOMPUTE_MODES if not (r == "except_last" and m < 2)]
+    out: list[Recompute] = list(modes)
+    if per_stage:
+        out += [combo for combo in itertools.product(modes, repeat=k) if len(set(combo)) > 1]
+    return out
+
+
+def grid(n_ranks: int, batch: int, n_layers: int, per_stage: bool = False) -> list[Config]:
+    """Every configuration the search considers: schedule x m dividing B x recomputation, v = 2 for
+    interleaved-1f1b (which needs m a multiple of p), and k = p * v stages at most the n layers."""
+    out = []
+    for name in SCHEDULES:
+        v = 2 if name == "interleaved-1f1b" else 1
+        if n_ranks * v > n_layers:
+            continue
+        for m in microbatch_counts(batch):
+            if v > 1 and m % n_ranks != 0:
+                continue
+            out += [Config(name, m, v, rc) for rc in recompute_choices(n_ranks * v, m, per_stage)]
+    return out
+
+
+# ---- plans
+
+
+def rank_peaks(plan: Plan) -> list[float]:
+    """Predicted peak bytes per rank: the sum of its stages' (each stage's limit is the rank's / v)."""
+    return [sum(st.memory_bytes for st in plan.stages[r :: plan.n_ranks]) for r in range(plan.n_ranks)]
+
+
+def _key(plan: Plan) -> str:
+    """What makes two plans run the same: the plan without its predictions."""
+    rc = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
+    return json.dumps([plan.schedule, plan.n_microbatches, plan.n_virtual, rc, plan.balance])
+
+
+def _config_of(plan: Plan) -> Config:
+    rc: Recompute = plan.recompute if isinstance(plan.recompute, str) else tuple(plan.recompute)
+    return Config(plan.schedule, plan.n_microbatches, plan.n_virtual, rc)
+
+
+def _plan(work: Workload, prof: Profile, config: Config, limit: float | None) -> Plan | None:
+    """The exact balance of ``config`` under ``limit`` (None: no plan of it fits)."""
+    try:
+        return partition(
+            work.model,
+            P,
+            work.x,
+            schedule=config.schedule,
+            n_microbatches=config.m,
+            n_virtual=config.v,
+            recompute=config.recompute,  # type: ignore[arg-type]  # one per stage: once Plan takes it
+            memory_limit=limit,
+            profile=prof,
+        )
+    except ValueError as exc:
+        if limit is not None and "too small" in str(exc):
+            return None
+        raise
+
+
+def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> dict[int, Profile]:
+    """One profile per micro-batch size B / m (with the loss), so each configuration is planned for
+    the micro-batches it runs."""
+    rows = work.x.shape[0]
+    warmup, repeat = (1, 2) if quick else (2, 7)
+    return {
+        m: profile(
+            work.model,
+            work.x[: rows // m],
+            loss_fn=work.loss_fn,
+            target=work.y[: rows // m],
+            warmup=warmup,
+            repeat=repeat,
+        )
+        for m in ms
+    }
+
+
+def _searches() -> bool:
+    """True once ``partition`` has the auto search (``batch_size``)."""
+    return "batch_size" in inspect.signature(partition).parameters
+
+
+def _auto(work: Workload, limit: float, fitting: list[Plan]) -> tuple[Plan, float, str]:
+    """The auto plan, the seconds its choice took, and how it was chosen."""
+    start = time.perf_counter()
+    if _searches():
+        search: Any = partition  # the auto search's options are not in partition's signature before it lands
+        plan = search(
+            work.model,
+            P,
+            work.x,
+            schedule="auto",
+            memory_limit=limit,
+            batch_size=work.x.shape[0],
+            n_microbatches="auto",
+            loss_fn=work.loss_fn,
+            target=work.y,
+        )
+        return plan, time.perf_counter() - start, "search"
+    # FALLBACK until partition(schedule="auto") lands on main: the search's definition by brute
+    # force, the fitting grid plan with the lowest predicted step time (planning time not included)
+    best = min(fitting, key=lambda plan: plan.step_time)
+    return best, math.nan, "brute force"
+
+
+# ---- measurement (in the ranks)
+
+
+@dataclass
+class Measured:
+    """One plan's measurements on one rank: its steps' (start, end) and its peak memory."""
+
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    peak: float | None = None  # the most memory_stats' "peak" gave over the measured steps
+    split: dict[str, Any] = field(default_factory=dict)  # the last step's memory_stats, by kind
+    source: str = ""
+
+
+def _stats(pipe: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``memory_stats``, given the optimizer where it takes one (so its state is counted)."""
+    if "optimizer" in inspect.signature(pipe.memory_stats).parameters:
+        return dict(pipe.memory_stats(optimizer))
+    return dict(pipe.memory_stats())
+
+
+@dataclass
+class Job:
+    """What the ranks measure for one model."""
+
+    model: str
+    plans: list[str]  # Plan.to_json of every distinct plan
+    groups: list[list[int]]  # per limit: the plans of the grid that fit it (indices into plans)
+    always: list[int]  # finalists whatever the screening says: the auto plans and the default
+
+
+def finalists(
+    medians: Sequence[float], groups: Sequence[Sequence[int]], always: Sequence[int], top: int
+) -> list[int]:
+    """The plans measured again: ``always`` and each group's ``top`` fastest by screening median."""
+    chosen = set(always)
+    for group in groups:
+        chosen.update(sorted(group, key=lambda j: (medians[j], j))[:top])
+    return sorted(chosen)
+
+
+def step_times(spans: Sequence[Sequence[tuple[float, float]]]) -> list[float]:
+    """A plan's step times from every rank's (start, end) per step: earliest start to last end."""
+    return [max(r[i][1] for r in spans) - min(r[i][0] for r in spans) for i in range(len(spans[0]))]
+
+
+_Run = tuple[Any, list[torch.nn.Parameter], "torch.optim.Optimizer | None"]
+
+
+def _rounds(
+    runs: list[_Run],
+    chosen: Sequence[int],
+    rounds: int,
+    warmup: int,
+    work: Workload,
+    order: random.Random,
+    out: list[Measured],
+) -> None:
+    """``warmup + rounds`` rounds, each stepping every chosen plan once in a fresh random order (the
+    same on every rank: the same seed); the measured ones go to ``out``."""
+    for k in range(warmup + rounds):
+        turn = list(chosen)
+        order.shuffle(turn)
+        for j in turn:
+            pipe, params, optimizer = runs[j]
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(work.x, work.y)
+            end = time.perf_counter()
+            stats = _stats(pipe, optimizer)
+            if optimizer is not None:
+                optimizer.step()
+            for param in params:
+                param.grad = None
+            if k < warmup:
+                continue
+            result = out[j]
+            result.spans.append((start, end))
+            if stats.get("peak") is not None:
+                result.peak = max(result.peak or 0.0, float(stats["peak"]))
+            result.split = {key: v for key, v in stats.items() if isinstance(v, int | float) or v is None}
+            result.source = str(stats.get("source", ""))
+
+
+def _rank_measure(
+    job: Job, quick: bool, batch: int, rounds: tuple[int, int, int], top: int, seed: int
+) -> tuple[list[Measured], list[Measured]]:
+    """On each rank: every plan's pipeline; ``rounds`` = (warm-up, screening, final): all plans are
+    screened round-robin, then the finalists run again. This rank's measurements of both phases."""
+    from pipeline.runtime.pipe import Pipeline
+
+    runs: list[_Run] = []
+    for text in job.plans:
+        work = build(job.model, quick, batch)  # fresh weights per plan: pipelines must not share layers
+        pipe = Pipeline(work.model, Plan.from_json(text), loss_fn=work.loss_fn)
+        params = list(pipe.parameters())
+        runs.append((pipe, params, torch.optim.Adam(params, lr=1e-4) if params else None))
+    work = build(job.model, quick, batch)
+    order = random.Random(seed)
+    warmup, screening, final = rounds
+    screen = [Measured() for _ in runs]
+    _rounds(runs, range(len(runs)), screening, warmup, work, order, screen)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [m.spans for m in screen])  # every rank picks the same finalists
+    medians = [statistics.median(step_times([r[j] for r in every])) for j in range(len(runs))]
+    again = [Measured() for _ in runs]
+    _rounds(runs, finalists(medians, job.groups, job.always, top), final, 0, work, order, again)
+    for pipe, _, _ in runs:
+        pipe.close()
+    dist.barrier()
+    return screen, again
+
+
+def _rank_main(
+    jobs: list[Job], quick: bool, batch: int, rounds: tuple[int, int, int], top: int
+) -> list[tuple[list[Measured], list[Measured]]]:
+    """Every model's plans in turn, in these processes: per model, this rank's two phases."""
+    return [_rank_measure(job, quick, batch, rounds, top, seed) for seed, job in enumerate(jobs)]
+
+
+# ---- the report
+
+
+def smallest_fit(fits: Callable[[float], bool], high: float, rel: float = 0.005) -> float:
+    """The smallest limit in (0, high] that ``fits`` (monotone: what fits a limit fits any larger),
+    within ``rel``, by bisection; ``high`` must fit."""
+    if not fits(high):
+        raise ValueError(f"nothing fits the upper bound {high:g}; give a larger one")
+    low = 0.0
+    while high - low > rel * high:
+        mid = (low + high) / 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def choose_limits(
+    free_peaks: Sequence[Sequence[float]], default_peaks: Sequence[float], least: float
+) -> tuple[float, float]:
+    """(loose, tight) per-rank limits: loose is 2 x the largest predicted peak of the unconstrained
+    plans (``free_peaks``, per rank), so all of them fit; tight is 30 % of the way from ``least``,
+    the smallest limit any configuration fits, to the default's peak, which then does not fit."""
+    highs = [max(peaks) for peaks in free_peaks]
+    default = max(default_peaks)
+    return 2.0 * max([*highs, default]), least + 0.3 * max(0.0, default - least)
+
+
+@dataclass
+class Case:
+    """One model under one limit, as planned: its fitting grid plans, the auto plan and the default."""
+
+    model: str
+    limit_name: str  # "loose" or "tight"
+    limit: float  # bytes per rank
+    grid_size: int
+    fitting: list[Plan]
+    auto: Plan
+    how: str  # "search" or "brute force"
+    search_s: float
+    default: Plan
+
+
+@dataclass
+class Result:
+    """One plan's measurements over both ranks: step times of both phases, per-rank measured peaks."""
+
+    screen: list[float]  # seconds, screening rounds
+    final: list[float]  # seconds, final rounds (empty: not a finalist)
+    peaks: list[float | None]  # bytes per rank (None: not measured)
+
+    @property
+    def median(self) -> float:
+        """The final rounds' median step for a finalist, else the screening's."""
+        return statistics.median(self.final or self.screen)
+
+    @property
+    def peak(self) -> float | None:
+        return None if any(p is None for p in self.peaks) else max(p for p in self.peaks if p is not None)
+
+
+@dataclass
+class Row:
+    """One line of the table (times in ms, memory in MB)."""
+
+    model: str
+    limit: str
+    limit_mb: float
+    fit: int  # configurations of the grid that fit the limit
+    grid: int
+    auto: str
+    how: str
+    auto_ms: float
+    best: str
+    best_ms: float
+    auto_over_best: float
+    default: str
+    default_ms: float
+    default_fits: bool
+    default_over_auto: float
+    auto_pred_ms: float
+    auto_pred_mb: float
+    auto_peak_mb: float | None
+    peak_over_limit: float | None
+    search_s: float | None  # None: no search ran (the brute-force fallback)
+
+
+def _name(plan: Plan) -> str:
+    return f"{_config_of(plan).label()} {plan.balance}".replace(" ", " ").replace(", ", ",")
+
+
+def build_row(case: Case, results: dict[str, Result]) -> Row:
+    """The table's line for ``case``. The best is the fitting grid plan with the lowest final median
+    (each limit's fastest plans by screening are the finalists, so the best is among them)."""
+    finalists = [plan for plan in case.fitting if results[_key(plan)].final] or case.fitting
+    best = min(finalists, key=lambda plan: results[_key(plan)].median)
+    auto, default = results[_key(case.auto)], results[_key(case.default)]
+    best_ms = results[_key(best)].median
+    peak = auto.peak
+    return Row(
+        model=case.model,
+        limit=case.limit_name,
+        limit_mb=case.limit / 1e6,
+        fit=len(case.fitting),
+        grid=case.grid_size,
+        auto=_name(case.auto),
+        how=case.how,
+        auto_ms=auto.median * 1e3,
+        best=_name(best),
+        best_ms=best_ms * 1e3,
+        auto_over_best=auto.median / best_ms,
+        default=_name(case.default),
+        default_ms=default.median * 1e3,
+        default_fits=max(rank_peaks(case.default)) <= case.limit,
+        default_over_auto=default.median / auto.median,
+        auto_pred_ms=case.auto.step_time * 1e3,
+        auto_pred_mb=max(rank_peaks(case.auto)) / 1e6,
+        auto_peak_mb=None if peak is None else peak / 1e6,
+        peak_over_limit=None if peak is None else peak / case.limit,
+        search_s=None if math.isnan(case.search_s) else case.search_s,
+    )
+
+
+COLUMNS = (  # header, Row attribute, format
+    ("model", "model", "<"),
+    ("limit", "limit", "<"),
+    ("limit MB", "limit_mb", ".2f"),
+    ("fit/grid", "", ""),
+    ("auto plan", "auto", "<"),
+    ("auto ms", "auto_ms", ".2f"),
+    ("best measured", "best", "<"),
+    ("best ms", "best_ms", ".2f"),
+    ("auto/best", "auto_over_best", ".3f"),
+    ("default ms", "default_ms", ".2f"),
+    ("default/auto", "default_over_auto", ".3f"),
+    ("peak MB", "auto_peak_mb", ".2f"),
+    ("peak/limit", "peak_over_limit", ".3f"),
+    ("search s", "search_s", ".3f"),
+)
+
+
+def _cell(row: Row, attr: str, fmt: str) -> str:
+    if not attr:
+        return f"{row.fit}/{row.grid}"
+    value = getattr(row, attr)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if attr == "default_ms" and not row.default_fits:
+        return f"{value:.2f}*"  # the default does not fit this limit
+    return str(value) if fmt == "<" else format(value, fmt)
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The rows under their headers, each column as wide as its widest cell; "-" where unknown."""
+    cells = [[_cell(row, attr, fmt) for _, attr, fmt in COLUMNS] for row in rows]
+    heads = [head for head, _, _ in COLUMNS]
+    widths = [max(len(c) for c in col) for col in zip(heads, *cells, strict=True)]
+    left = [fmt == "<" for _, _, fmt in COLUMNS]
+    lines = []
+    for line in [heads, *cells]:
+        lines.append(
+            "  ".join(c.ljust(w) if lft else c.rjust(w) for c, w, lft in zip(line, widths, left, strict=True))
+        )
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _detail(model: str, plans: list[Plan], results: dict[str, Result], cases: list[Case]) -> str:
+    """Every plan measured for ``model``, fastest first (finalists first, by their final median):
+    predicted against measured time and peak, and which limits it fits."""
+    limits = [c for c in cases if c.model == model]
+    names = " ".join(f"{c.limit_name:>5}" for c in limits)
+    lines = [
+        f"{model}: {'plan':<30} {'pred ms':>8} {'screen':>8} {'final':>8} {'ms/pred':>7} {'pred MB':>8} "
+        f"{'MB':>8} {'MB/pred':>7}  {names}"
+    ]
+    for plan in sorted(plans, key=lambda plan: (not results[_key(plan)].final, results[_key(plan)].median)):
+        got = results[_key(plan)]
+        pred_mb = max(rank_peaks(plan)) / 1e6
+        mb = "-" if got.peak is None else f"{got.peak / 1e6:.2f}"
+        ratio = "-" if got.peak is None else f"{got.peak / 1e6 / pred_mb:.3f}"
+        final = f"{statistics.median(got.final) * 1e3:.2f}" if got.final else "-"
+        fits = " ".join(
+            f"{'yes' if any(_key(p) == _key(plan) for p in c.fitting) else '-':>5}" for c in limits
+        )
+        lines.append(
+            f"{'':<{len(model) + 2}}{_name(plan):<30} {plan.step_time * 1e3:>8.2f} "
+            f"{statistics.median(got.screen) * 1e3:>8.2f} {final:>8} {got.median / plan.step_time:>7.3f} "
+            f"{pred_mb:>8.2f} {mb:>8} {ratio:>7}  {fits}"
+        )
+    return "\n".join(lines)
+
+
+# ---- the command line
+
+
+def plan_model(name: str, quick: bool, batch: int, per_stage: bool) -> tuple[list[Case], list[Plan]]:
+    """A model's two cases (loose and tight limit) and every distinct plan they need measured."""
+    work = build(name, quick, batch)
+    configs = grid(P, batch, len(work.model), per_stage)
+    profiles = _profiles(work, sorted({c.m for c in configs} | {P}), quick)
+    free = [plan for c in configs if (plan := _plan(work, profiles[c.m], c, None)) is not None]
+    default = plan_for(profiles[P], equal_balance(len(work.model), P), schedule="1f1b", n_microbatches=P)
+    high = max(max(rank_peaks(plan)) for plan in free)
+    least = smallest_fit(lambda limit: any(_plan(work, profiles[c.m], c, limit) for c in configs), high)
+    loose, tight = choose_limits([rank_peaks(plan) for plan in free], rank_peaks(default), least)
+    cases, plans = [], {_key(default): default}
+    for label, limit in (("loose", loose), ("tight", tight)):
+        fitting = [plan for c in configs if (plan := _plan(work, profiles[c.m], c, limit)) is not None]
+        auto, seconds, how = _auto(work, limit, fitting)
+        plans.update({_key(plan): plan for plan in (*fitting, auto)})
+        cases.append(Case(name, label, limit, len(configs), fitting, auto, how, seconds, default))
+    return cases, list(plans.values())
+
+
+def _job(name: str, plans: list[Plan], cases: list[Case]) -> Job:
+    index = {_key(plan): j for j, plan in enumerate(plans)}
+    mine = [c for c in cases if c.model == name]
+    groups = [[index[_key(plan)] for plan in c.fitting] for c in mine]
+    always = sorted({index[_key(plan)] for c in mine for plan in (c.auto, c.default)})
+    return Job(name, [plan.to_json() for plan in plans], groups, always)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny models, batch 2, 2 + 2 rounds (smoke test)"
+    )
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--batch", type=int, help="rows per step, B (default 8, quick 2)")
+    parser.add_argument("--warmup", type=int, help="unmeasured rounds first (default 2, quick 1)")
+    parser.add_argument("--steps", type=int, help="screening rounds, every plan (default 5, quick 2)")
+    parser.add_argument("--final", type=int, help="final rounds, the finalists (default 10, quick 2)")
+    parser.add_argument("--top", type=int, help="finalists per limit besides auto and default (default 3)")
+    parser.add_argument(
+        "--per-stage",
+        action="store_true",
+        help="also every per-stage recomputation (one mode per stage; a much larger grid)",
+    )
+    parser.add_argument("--detail", action="store_true", help="also list every plan measured, per model")
+    parser.add_argument("--json", default=None, help="write the rows and every measurement to this path")
+    args = parser.parse_args(argv)
+    batch = args.batch if args.batch is not None else (2 if args.quick else 8)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 5)
+    final = args.final if args.final is not None else (2 if args.quick else 10)
+    top = args.top if args.top is not None else 3
+    names = [n for n in args.models.split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown or not names:
+        parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    if min(batch, steps, final, top) < 1 or warmup < 0:
+        parser.error(
+            f"--batch ({batch}), --steps ({steps}), --final ({final}) and --top ({top}) must be >= 1, "
+            f"--warmup ({warmup}) >= 0"
+        )
+
+    began = time.perf_counter()
+    cases: list[Case] = []
+    jobs: dict[str, list[Plan]] = {}
+    for name in names:
+        mine, jobs[name] = plan_model(name, args.quick, batch, args.per_stage)
+        cases += mine
+    planned = time.perf_counter() - began
+    work = [_job(name, plans, cases) for name, plans in jobs.items()]
+    per_rank = launch(_rank_main, P, work, args.quick, batch, (warmup, steps, final), top, backend="gloo")
+    results: dict[str, Result] = {}
+    for j, plans in enumerate(jobs.values()):
+        for i, plan in enumerate(plans):
+            screen = [per_rank[r][j][0][i] for r in range(P)]
+            again = [per_rank[r][j][1][i] for r in range(P)]
+            peaks = [
+                max((m.peak for m in (a, b) if m.peak is not None), default=None)
+                for a, b in zip(screen, again, strict=True)
+            ]
+            finals = step_times([m.spans for m in again]) if again[0].spans else []
+            results[_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks)
+    rows = [build_row(case, results) for case in cases]
+    source = per_rank[0][0][0][0].source
+    _print(rows, (batch, warmup, steps, final, top), source, planned, {c.how for c in cases})
+    if args.detail:
+        for name, plans in jobs.items():
+            print()
+            print(_detail(name, plans, results, cases))
+    print(f"\n# total {time.perf_counter() - began:.0f} s")
+    report = {
+        "rows": [asdict(row) for row in rows],
+        "plans": {
+            name: [_plan_record(plan, results[_key(plan)], cases) for plan in plans]
+            for name, plans in jobs.items()
+        },
+        "batch": batch,
+        "warmup": warmup,
+        "steps": steps,
+        "final": final,
+        "top": top,
+        "memory_source": source,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return report
+
+
+def _plan_record(plan: Plan, got: Result, cases: list[Case]) -> dict[str, Any]:
+    return {
+        "plan": _name(plan),
+        "predicted_ms": plan.step_time * 1e3,
+        "screen_ms": [t * 1e3 for t in got.screen],
+        "final_ms": [t * 1e3 for t in got.final],
+        "predicted_peaks": rank_peaks(plan),
+        "peaks": got.peaks,
+        "fits": [f"{c.model} {c.limit_name}" for c in cases if any(_key(p) == _key(plan) for p in c.fitting)],
+    }
+
+
+def _print(
+    rows: list[Row], counts: tuple[int, int, int, int, int], source: str, planned: float, how: set[str]
+) -> None:
+    batch, warmup, steps, final, top = counts
+    print(
+        f"# torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, {P} ranks "
+        f"(gloo, 1 thread each), batch {batch}; every plan: {warmup} warm-up + {steps} screening rounds, "
+        f"then auto, default and each limit's {top} fastest: {final} final rounds (median step)"
+    )
+    print(
+        f"# memory measured: {source or 'no'}; limits: per-rank predicted peak (weights, gradients, "
+        "Adam state, buffers, held activations)"
+    )
+    print(
+        f"# planning (profiles, every grid plan under both limits, the searches) {planned:.1f} s; "
+        f"auto plan by {', '.join(sorted(how))}\n"
+    )
+    print(table(rows))
+    print(
+        "\n* the default does not fit the limit (measured anyway); auto/best < 1: the auto plan beat every "
+        "grid plan; default/auto > 1: the auto plan is faster than the default"
+    )
+
+
+if __name__ == "__main__":
+    main()
