@@ -2,41 +2,50 @@
 
     python scripts/bench_autoplan.py                   # 3 models x 2 memory limits, a few minutes
     python scripts/bench_autoplan.py --models gpt --steps 8 --json runs/autoplan.json --detail
-    python scripts/bench_autoplan.py --quick           # tiny models, 2 steps (the smoke test)
+    python scripts/bench_autoplan.py --quick           # tiny models, batch 2 (the smoke test)
 
     # p: ranks (2 here), v: stages per rank, k = p * v stages, m: micro-batches, B: batch rows
 
 For each model (``_autoplan_models``: the reference GPT, a ResNet-like CNN, an MLP with one very
-heavy layer) and two per-rank memory limits (bytes as ``partitioner.memory`` predicts a rank's
-peak: weights, gradients, Adam state, held activations):
+heavy layer) and two per-rank memory limits (bytes of a rank's peak as ``partitioner.memory``
+predicts it: weights, gradients, Adam state, buffers, held activations):
 
-    grid    gpipe, 1f1b, interleaved-1f1b (v = 2), zb-h1  x  m dividing B  x  recompute modes,
-            each with the exact balance ``partition`` finds under the limit (configurations that
-            cannot fit are left out); profiled once per micro-batch size, every plan from it
-    auto    partition(model, p, x, schedule="auto", memory_limit=..., batch_size=B,
-            n_microbatches="auto"), timed (the search time)
-    default what a user would pick: 1f1b, m = p, no recomputation, equal layer counts
+    grid     gpipe, 1f1b, zb-h1, interleaved-1f1b (v = 2 .. n / p)  x  m dividing B  x  one
+             recompute mode for every stage, plus the search's per-stage choice of each
+             (schedule, v, m); each with the exact balance ``partition`` finds under the limit
+             (what cannot fit is left out), all from ONE profile of B rows priced at B / m rows
+             the way the search does it (``partitioner.scaling``)
+    auto     partition(model, p, x, schedule="auto", n_microbatches="auto", memory_limit=...,
+             batch_size=B, profile=<the same profile>); its time is the search time
+    default  what a user would pick: 1f1b, m = p, no recomputation, equal layer counts
 
     loose limit   2 x the largest predicted peak of any configuration's unconstrained plan
-    tight limit   30 % of the way from the smallest such peak to the default's: the default
-                  does not fit, so the search must choose something else
+    tight limit   30 % of the way from the smallest limit any configuration fits to the
+                  default's peak: the default does not fit, the search must choose otherwise
 
 Every plan of a model (both limits' grids, the auto plans, the default; each distinct plan once)
 then runs in the SAME two processes (``pipeline.launch``, gloo, one thread per rank), round-robin:
 each round steps every plan once, in a fresh random order (the same on both ranks), so a load
 spike hits all of them alike. A step is timed from the barrier before it to the last rank's end
-(the optimizer step, Adam, comes after and is not timed); the peak is ``memory_stats(optimizer)``'s
-per-rank measured peak. The table gives, per model and limit, the median step of the auto plan
-against the best measured configuration that fits (goal: within 5 %) and against the default,
-the auto plan's measured peak against the limit (never above), and the search time.
+(Adam's step follows, untimed); the peak is ``memory_stats(optimizer)["peak"]`` per rank::
 
-Until ``partition(schedule="auto")`` exists, the auto plan is the grid's plan with the lowest
-predicted step time (the search's definition, by brute force; the table says "brute force").
+    warm-up rounds | screening rounds: every plan | final rounds: auto, default, each limit's
+                                                    fastest few by screening (--top)
+
+The best measured configuration is the fastest finalist by the final rounds' median: picking the
+minimum of many noisy screenings would favour whichever plan got lucky. The table gives, per
+model and limit, the auto plan's median step against the best (goal: within 5 %) and against the
+default, its measured peak against the limit (never above), and the search time.
+
+Until the search lands on main, the auto plan is the grid plan with the lowest predicted step
+(the search's definition by brute force; "brute force" in the header), each m is profiled
+separately, and the per-stage choices are left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import itertools
 import json
@@ -109,18 +118,25 @@ def recompute_choices(k: int, m: int, per_stage: bool) -> list[Recompute]:
     return out
 
 
-def grid(n_ranks: int, batch: int, n_layers: int, per_stage: bool = False) -> list[Config]:
-    """Every configuration the search considers: schedule x m dividing B x recomputation, v = 2 for
-    interleaved-1f1b (which needs m a multiple of p), and k = p * v stages at most the n layers."""
+def virtual_counts(name: str, n_ranks: int, n_layers: int, max_virtual: int | None = None) -> list[int]:
+    """The v the search tries: 1, or for interleaved-1f1b 2 up to n // p (at most ``max_virtual``)."""
+    if name != "interleaved-1f1b":
+        return [1]
+    return list(range(2, min(n_layers // n_ranks, max_virtual or n_layers) + 1))
+
+
+def grid(
+    n_ranks: int, batch: int, n_layers: int, per_stage: bool = False, max_virtual: int | None = None
+) -> list[Config]:
+    """Every configuration the search considers: schedule x v x m dividing B x recomputation
+    (interleaved-1f1b: every v from 2 to n // p, ``max_virtual`` at most, and m a multiple of p)."""
     out = []
     for name in SCHEDULES:
-        v = 2 if name == "interleaved-1f1b" else 1
-        if n_ranks * v > n_layers:
-            continue
-        for m in microbatch_counts(batch):
-            if v > 1 and m % n_ranks != 0:
-                continue
-            out += [Config(name, m, v, rc) for rc in recompute_choices(n_ranks * v, m, per_stage)]
+        for v in virtual_counts(name, n_ranks, n_layers, max_virtual):
+            for m in microbatch_counts(batch):
+                if v > 1 and m % n_ranks != 0:
+                    continue
+                out += [Config(name, m, v, rc) for rc in recompute_choices(n_ranks * v, m, per_stage)]
     return out
 
 
@@ -163,50 +179,80 @@ def _plan(work: Workload, prof: Profile, config: Config, limit: float | None) ->
         raise
 
 
-def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> dict[int, Profile]:
-    """One profile per micro-batch size B / m (with the loss), so each configuration is planned for
-    the micro-batches it runs."""
+def _landed(module: str) -> Any:
+    """A partitioner module that comes with the auto search, or None before it lands on main."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+@dataclass
+class Profiled:
+    """The profile of one step's B rows (what the search is given) and, per m, the one at B / m
+    rows that every grid plan of that m is made from."""
+
+    whole: Profile
+    per_m: dict[int, Profile]
+    how: str  # "scaled" (the search's own scaling of ``whole``) or "profiled" (each size profiled)
+
+
+def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> Profiled:
+    """Profile the model (with the loss) on the whole batch, and price each m at B / m rows as the
+    search does (``partitioner.scaling``); until that lands, profile each micro-batch size."""
     rows = work.x.shape[0]
     warmup, repeat = (1, 2) if quick else (2, 7)
-    return {
-        m: profile(
-            work.model,
-            work.x[: rows // m],
-            loss_fn=work.loss_fn,
-            target=work.y[: rows // m],
-            warmup=warmup,
-            repeat=repeat,
+
+    def of(n: int) -> Profile:
+        return profile(
+            work.model, work.x[:n], loss_fn=work.loss_fn, target=work.y[:n], warmup=warmup, repeat=repeat
         )
-        for m in ms
-    }
+
+    whole = of(rows)
+    scaling = _landed("partitioner.scaling")
+    if scaling is not None:
+        return Profiled(whole, {m: scaling.scale_profile(whole, rows, rows // m) for m in ms}, "scaled")
+    # FALLBACK until partitioner.scaling lands on main: each micro-batch size profiled
+    return Profiled(whole, {m: whole if m == 1 else of(rows // m) for m in ms}, "profiled")
 
 
-def _searches() -> bool:
-    """True once ``partition`` has the auto search (``batch_size``)."""
-    return "batch_size" in inspect.signature(partition).parameters
-
-
-def _auto(work: Workload, limit: float, fitting: list[Plan]) -> tuple[Plan, float, str]:
-    """The auto plan, the seconds its choice took, and how it was chosen."""
-    start = time.perf_counter()
-    if _searches():
-        search: Any = partition  # the auto search's options are not in partition's signature before it lands
+def _auto(work: Workload, limit: float, profiled: Profiled, fitting: list[Plan]) -> tuple[Plan, float, str]:
+    """The auto plan, the seconds the search took (given the profile), and how it was chosen."""
+    if _landed("partitioner.auto") is not None:
+        search: Any = partition  # the search's options are not in partition's signature before it lands
+        start = time.perf_counter()
         plan = search(
-            work.model,
-            P,
-            work.x,
-            schedule="auto",
-            memory_limit=limit,
-            batch_size=work.x.shape[0],
-            n_microbatches="auto",
-            loss_fn=work.loss_fn,
-            target=work.y,
-        )
+            work.model, P, work.x, schedule="auto", n_microbatches="auto", memory_limit=limit,
+            batch_size=work.x.shape[0], profile=profiled.whole,
+        )  # fmt: skip
         return plan, time.perf_counter() - start, "search"
     # FALLBACK until partition(schedule="auto") lands on main: the search's definition by brute
     # force, the fitting grid plan with the lowest predicted step time (planning time not included)
     best = min(fitting, key=lambda plan: plan.step_time)
     return best, math.nan, "brute force"
+
+
+def _per_stage(work: Workload, limit: float, profiled: Profiled, configs: list[Config]) -> list[Plan]:
+    """Per (schedule, v, m) of the grid, the search's best plan of that group alone when its
+    recomputation differs between stages (the search's joint choice of balance and modes per
+    stage, which the grid of one mode for every stage lacks); none before the search lands."""
+    auto = _landed("partitioner.auto")
+    if auto is None:
+        return []
+    rows, out = work.x.shape[0], []
+    for name, v, m in sorted({(c.schedule, c.v, c.m) for c in configs}):
+        try:
+            plan = auto.search(
+                profiled.whole, P, batch_size=rows, sample_rows=rows, memory_limit=limit, schedules=[name],
+                n_microbatches=m, n_virtual=v,
+            )  # fmt: skip
+        except ValueError as exc:
+            if "too small" in str(exc):
+                continue  # nothing of this group fits
+            raise
+        if not isinstance(plan.recompute, str):
+            out.append(plan.replace(extra={}))
+    return out
 
 
 # ---- measurement (in the ranks)
@@ -370,6 +416,7 @@ class Case:
     how: str  # "search" or "brute force"
     search_s: float
     default: Plan
+    profile: str  # how each m's profile was made: "scaled" (as the search does) or "profiled"
 
 
 @dataclass
@@ -410,6 +457,7 @@ class Row:
     default_fits: bool
     default_over_auto: float
     auto_pred_ms: float
+    pred_over_grid: float  # the auto plan's predicted step over the fastest predicted fitting grid plan
     auto_pred_mb: float
     auto_peak_mb: float | None
     peak_over_limit: float | None
@@ -445,6 +493,7 @@ def build_row(case: Case, results: dict[str, Result]) -> Row:
         default_fits=max(rank_peaks(case.default)) <= case.limit,
         default_over_auto=default.median / auto.median,
         auto_pred_ms=case.auto.step_time * 1e3,
+        pred_over_grid=case.auto.step_time / min(plan.step_time for plan in case.fitting),
         auto_pred_mb=max(rank_peaks(case.auto)) / 1e6,
         auto_peak_mb=None if peak is None else peak / 1e6,
         peak_over_limit=None if peak is None else peak / case.limit,
@@ -467,6 +516,7 @@ COLUMNS = (  # header, Row attribute, format
     ("peak MB", "auto_peak_mb", ".2f"),
     ("peak/limit", "peak_over_limit", ".3f"),
     ("search s", "search_s", ".3f"),
+    ("pred/grid", "pred_over_grid", ".3f"),
 )
 
 
@@ -525,22 +575,32 @@ def _detail(model: str, plans: list[Plan], results: dict[str, Result], cases: li
 # ---- the command line
 
 
-def plan_model(name: str, quick: bool, batch: int, per_stage: bool) -> tuple[list[Case], list[Plan]]:
+def plan_model(
+    name: str, quick: bool, batch: int, per_stage: bool, max_virtual: int | None
+) -> tuple[list[Case], list[Plan]]:
     """A model's two cases (loose and tight limit) and every distinct plan they need measured."""
     work = build(name, quick, batch)
-    configs = grid(P, batch, len(work.model), per_stage)
-    profiles = _profiles(work, sorted({c.m for c in configs} | {P}), quick)
-    free = [plan for c in configs if (plan := _plan(work, profiles[c.m], c, None)) is not None]
-    default = plan_for(profiles[P], equal_balance(len(work.model), P), schedule="1f1b", n_microbatches=P)
+    configs = grid(P, batch, len(work.model), per_stage, max_virtual)
+    profiled = _profiles(work, sorted({c.m for c in configs} | {P}), quick)
+    per_m = profiled.per_m
+    free = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, None)) is not None]
+    default = plan_for(per_m[P], equal_balance(len(work.model), P), schedule="1f1b", n_microbatches=P)
     high = max(max(rank_peaks(plan)) for plan in free)
-    least = smallest_fit(lambda limit: any(_plan(work, profiles[c.m], c, limit) for c in configs), high)
+    least = smallest_fit(lambda limit: any(_plan(work, per_m[c.m], c, limit) for c in configs), high)
     loose, tight = choose_limits([rank_peaks(plan) for plan in free], rank_peaks(default), least)
+    groups = len({(c.schedule, c.v, c.m) for c in configs})
+    size = len(configs) + (groups if _landed("partitioner.auto") is not None and not per_stage else 0)
     cases, plans = [], {_key(default): default}
     for label, limit in (("loose", loose), ("tight", tight)):
-        fitting = [plan for c in configs if (plan := _plan(work, profiles[c.m], c, limit)) is not None]
-        auto, seconds, how = _auto(work, limit, fitting)
+        fitting = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, limit)) is not None]
+        if not per_stage:  # the search's per-stage choice of each group, when it differs from the grid's
+            known = {_key(plan) for plan in fitting}
+            fitting += [
+                plan for plan in _per_stage(work, limit, profiled, configs) if _key(plan) not in known
+            ]
+        auto, seconds, how = _auto(work, limit, profiled, fitting)
         plans.update({_key(plan): plan for plan in (*fitting, auto)})
-        cases.append(Case(name, label, limit, len(configs), fitting, auto, how, seconds, default))
+        cases.append(Case(name, label, limit, size, fitting, auto, how, seconds, default, profiled.how))
     return cases, list(plans.values())
 
 
@@ -568,6 +628,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="also every per-stage recomputation (one mode per stage; a much larger grid)",
     )
+    parser.add_argument(
+        "--max-virtual", type=int, help="interleaved-1f1b: v at most this (default: all of 2 .. n / p)"
+    )
     parser.add_argument("--detail", action="store_true", help="also list every plan measured, per model")
     parser.add_argument("--json", default=None, help="write the rows and every measurement to this path")
     args = parser.parse_args(argv)
@@ -590,7 +653,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases: list[Case] = []
     jobs: dict[str, list[Plan]] = {}
     for name in names:
-        mine, jobs[name] = plan_model(name, args.quick, batch, args.per_stage)
+        mine, jobs[name] = plan_model(name, args.quick, batch, args.per_stage, args.max_virtual)
         cases += mine
     planned = time.perf_counter() - began
     work = [_job(name, plans, cases) for name, plans in jobs.items()]
@@ -608,7 +671,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks)
     rows = [build_row(case, results) for case in cases]
     source = per_rank[0][0][0][0].source
-    _print(rows, (batch, warmup, steps, final, top), source, planned, {c.how for c in cases})
+    _print(
+        rows,
+        (batch, warmup, steps, final, top),
+        source,
+        planned,
+        {f"{c.how} (each m priced by a {c.profile} profile)" for c in cases},
+    )
     if args.detail:
         for name, plans in jobs.items():
             print()
@@ -666,7 +735,8 @@ def _print(
     print(table(rows))
     print(
         "\n* the default does not fit the limit (measured anyway); auto/best < 1: the auto plan beat every "
-        "grid plan; default/auto > 1: the auto plan is faster than the default"
+        "grid plan;\n  default/auto > 1: the auto plan is faster than the default; pred/grid: the auto "
+        "plan's predicted step over the fastest predicted grid plan that fits (1: the search found it)"
     )
 
 
