@@ -62,6 +62,8 @@ def test_quick_run_measures_every_fitting_plan_and_reports_both_limits(tmp_path:
         for p in fitting:  # predicted to fit on every rank
             assert max(p["predicted_peaks"]) <= row["limit_mb"] * 1e6
         assert row["auto_pred_mb"] <= row["limit_mb"]
+        # the search (or its brute-force stand-in) predicts no slower than the fastest grid plan that fits
+        assert row["pred_over_grid"] <= 1.0 + 1e-9
         if row["how"] == "brute force":  # the fallback is the search's definition: the fastest predicted
             assert row["auto"] in {p["plan"] for p in fitting}
             assert plans[row["auto"]]["predicted_ms"] == min(p["predicted_ms"] for p in fitting)
@@ -86,17 +88,17 @@ def _median(values: list[float]) -> float:
 
 
 def test_grid_is_every_schedule_microbatch_count_and_recompute_mode_that_can_run() -> None:
-    configs = grid(2, 8, 7)
+    configs = grid(2, 8, 7)  # p = 2, B = 8, n = 7: interleaving with v = 2 or 3 (6 of the 7 layers)
     expected = set()
-    for name, m, mode in itertools.product(("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"), range(1, 9),
-                                           RECOMPUTE_MODES):  # fmt: skip
-        v = 2 if name == "interleaved-1f1b" else 1
-        if 8 % m or (v == 2 and m % 2) or (mode == "except_last" and m == 1):
+    schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+    for (name, v), m, mode in itertools.product(schedules, range(1, 9), RECOMPUTE_MODES):
+        if 8 % m or (v > 1 and m % 2) or (mode == "except_last" and m == 1):
             continue
         expected.add(Config(name, m, v, mode))
     assert set(configs) == expected and len(configs) == len(expected)
     for c in configs:  # each one is a valid plan shape
         Plan(balance=[1] * (2 * c.v), schedule=c.schedule, n_microbatches=c.m, n_virtual=c.v)
+    assert {c.v for c in grid(2, 8, 7, max_virtual=2)} == {1, 2}
     # a model with fewer layers than interleaving's stages: no interleaved configurations
     assert {c.schedule for c in grid(2, 8, 3)} == {"gpipe", "1f1b", "zb-h1"}
     assert microbatch_counts(12) == [1, 2, 3, 4, 6, 12]
@@ -151,7 +153,7 @@ def test_row_takes_the_best_among_finalists_and_its_ratios() -> None:
     best = _plan([3, 2], [4.0, 5.0], 0.012, n_microbatches=4)
     lucky = _plan([1, 4], [2.0, 5.0], 0.011, schedule="gpipe", n_microbatches=2)  # screened only
     default = _plan([3, 2], [6.0, 9.0], 0.020)
-    case = Case("m", "tight", 8.0, 10, [auto, best, lucky], auto, "search", 0.25, default)
+    case = Case("m", "tight", 8.0, 10, [auto, best, lucky], auto, "search", 0.25, default, "scaled")
     results = {
         _key(auto): Result([0.030], [0.012, 0.011, 0.013], [7e6, 6e6]),
         _key(best): Result([0.030], [0.010, 0.010, 0.011], [7.5e6, 5e6]),
@@ -166,6 +168,7 @@ def test_row_takes_the_best_among_finalists_and_its_ratios() -> None:
     assert not row.default_fits  # rank 1's predicted 9 bytes > the limit of 8
     assert row.auto_peak_mb == pytest.approx(7.0) and row.peak_over_limit == pytest.approx(7e6 / 8.0)
     assert row.auto_pred_mb == pytest.approx(4e-6) and row.fit == 3 and row.grid == 10
+    assert row.pred_over_grid == pytest.approx(1.0)  # auto is the fastest predicted of the three
     unmeasured = dict(results, **{_key(auto): Result([0.03], [0.012], [7e6, None])})
     assert build_row(case, unmeasured).peak_over_limit is None
     assert math.isclose(row.search_s or 0.0, 0.25)
