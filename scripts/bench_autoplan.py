@@ -426,6 +426,7 @@ class Result:
     screen: list[float]  # seconds, screening rounds
     final: list[float]  # seconds, final rounds (empty: not a finalist)
     peaks: list[float | None]  # bytes per rank (None: not measured)
+    splits: list[dict[str, Any]] = field(default_factory=list)  # per rank: the last memory_stats, by kind
 
     @property
     def median(self) -> float:
@@ -668,7 +669,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for a, b in zip(screen, again, strict=True)
             ]
             finals = step_times([m.spans for m in again]) if again[0].spans else []
-            results[_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks)
+            splits = [(b if b.spans else a).split for a, b in zip(screen, again, strict=True)]
+            results[_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks, splits)
     rows = [build_row(case, results) for case in cases]
     source = per_rank[0][0][0][0].source
     _print(
@@ -711,6 +713,7 @@ def _plan_record(plan: Plan, got: Result, cases: list[Case]) -> dict[str, Any]:
         "final_ms": [t * 1e3 for t in got.final],
         "predicted_peaks": rank_peaks(plan),
         "peaks": got.peaks,
+        "memory_stats": got.splits,
         "fits": [f"{c.model} {c.limit_name}" for c in cases if any(_key(p) == _key(plan) for p in c.fitting)],
     }
 
