@@ -71,7 +71,26 @@ from pipeline.launch import launch
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
 
-__all__ = ["Config", "Measured", "grid", "main", "microbatch_counts", "rank_peaks", "recompute_choices"]
+__all__ = [
+    "Case",
+    "Config",
+    "Measured",
+    "Result",
+    "Row",
+    "build_row",
+    "choose_limits",
+    "finalists",
+    "grid",
+    "main",
+    "microbatch_counts",
+    "plan_key",
+    "rank_peaks",
+    "recompute_choices",
+    "smallest_fit",
+    "step_times",
+    "table",
+    "virtual_counts",
+]
 
 P = 2  # ranks
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -148,7 +167,7 @@ def rank_peaks(plan: Plan) -> list[float]:
     return [sum(st.memory_bytes for st in plan.stages[r :: plan.n_ranks]) for r in range(plan.n_ranks)]
 
 
-def _key(plan: Plan) -> str:
+def plan_key(plan: Plan) -> str:
     """What makes two plans run the same: the plan without its predictions."""
     rc = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
     return json.dumps([plan.schedule, plan.n_microbatches, plan.n_virtual, rc, plan.balance])
@@ -472,10 +491,10 @@ def _name(plan: Plan) -> str:
 def build_row(case: Case, results: dict[str, Result]) -> Row:
     """The table's line for ``case``. The best is the fitting grid plan with the lowest final median
     (each limit's fastest plans by screening are the finalists, so the best is among them)."""
-    finalists = [plan for plan in case.fitting if results[_key(plan)].final] or case.fitting
-    best = min(finalists, key=lambda plan: results[_key(plan)].median)
-    auto, default = results[_key(case.auto)], results[_key(case.default)]
-    best_ms = results[_key(best)].median
+    finalists = [plan for plan in case.fitting if results[plan_key(plan)].final] or case.fitting
+    best = min(finalists, key=lambda plan: results[plan_key(plan)].median)
+    auto, default = results[plan_key(case.auto)], results[plan_key(case.default)]
+    best_ms = results[plan_key(best)].median
     peak = auto.peak
     return Row(
         model=case.model,
@@ -556,14 +575,16 @@ def _detail(model: str, plans: list[Plan], results: dict[str, Result], cases: li
         f"{model}: {'plan':<30} {'pred ms':>8} {'screen':>8} {'final':>8} {'ms/pred':>7} {'pred MB':>8} "
         f"{'MB':>8} {'MB/pred':>7}  {names}"
     ]
-    for plan in sorted(plans, key=lambda plan: (not results[_key(plan)].final, results[_key(plan)].median)):
-        got = results[_key(plan)]
+    for plan in sorted(
+        plans, key=lambda plan: (not results[plan_key(plan)].final, results[plan_key(plan)].median)
+    ):
+        got = results[plan_key(plan)]
         pred_mb = max(rank_peaks(plan)) / 1e6
         mb = "-" if got.peak is None else f"{got.peak / 1e6:.2f}"
         ratio = "-" if got.peak is None else f"{got.peak / 1e6 / pred_mb:.3f}"
         final = f"{statistics.median(got.final) * 1e3:.2f}" if got.final else "-"
         fits = " ".join(
-            f"{'yes' if any(_key(p) == _key(plan) for p in c.fitting) else '-':>5}" for c in limits
+            f"{'yes' if any(plan_key(p) == plan_key(plan) for p in c.fitting) else '-':>5}" for c in limits
         )
         lines.append(
             f"{'':<{len(model) + 2}}{_name(plan):<30} {plan.step_time * 1e3:>8.2f} "
@@ -591,25 +612,25 @@ def plan_model(
     loose, tight = choose_limits([rank_peaks(plan) for plan in free], rank_peaks(default), least)
     groups = len({(c.schedule, c.v, c.m) for c in configs})
     size = len(configs) + (groups if _landed("partitioner.auto") is not None and not per_stage else 0)
-    cases, plans = [], {_key(default): default}
+    cases, plans = [], {plan_key(default): default}
     for label, limit in (("loose", loose), ("tight", tight)):
         fitting = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, limit)) is not None]
         if not per_stage:  # the search's per-stage choice of each group, when it differs from the grid's
-            known = {_key(plan) for plan in fitting}
+            known = {plan_key(plan) for plan in fitting}
             fitting += [
-                plan for plan in _per_stage(work, limit, profiled, configs) if _key(plan) not in known
+                plan for plan in _per_stage(work, limit, profiled, configs) if plan_key(plan) not in known
             ]
         auto, seconds, how = _auto(work, limit, profiled, fitting)
-        plans.update({_key(plan): plan for plan in (*fitting, auto)})
+        plans.update({plan_key(plan): plan for plan in (*fitting, auto)})
         cases.append(Case(name, label, limit, size, fitting, auto, how, seconds, default, profiled.how))
     return cases, list(plans.values())
 
 
 def _job(name: str, plans: list[Plan], cases: list[Case]) -> Job:
-    index = {_key(plan): j for j, plan in enumerate(plans)}
+    index = {plan_key(plan): j for j, plan in enumerate(plans)}
     mine = [c for c in cases if c.model == name]
-    groups = [[index[_key(plan)] for plan in c.fitting] for c in mine]
-    always = sorted({index[_key(plan)] for c in mine for plan in (c.auto, c.default)})
+    groups = [[index[plan_key(plan)] for plan in c.fitting] for c in mine]
+    always = sorted({index[plan_key(plan)] for c in mine for plan in (c.auto, c.default)})
     return Job(name, [plan.to_json() for plan in plans], groups, always)
 
 
@@ -670,7 +691,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ]
             finals = step_times([m.spans for m in again]) if again[0].spans else []
             splits = [(b if b.spans else a).split for a, b in zip(screen, again, strict=True)]
-            results[_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks, splits)
+            results[plan_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks, splits)
     rows = [build_row(case, results) for case in cases]
     source = per_rank[0][0][0][0].source
     _print(
@@ -688,7 +709,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "rows": [asdict(row) for row in rows],
         "plans": {
-            name: [_plan_record(plan, results[_key(plan)], cases) for plan in plans]
+            name: [_plan_record(plan, results[plan_key(plan)], cases) for plan in plans]
             for name, plans in jobs.items()
         },
         "batch": batch,
@@ -714,7 +735,11 @@ def _plan_record(plan: Plan, got: Result, cases: list[Case]) -> dict[str, Any]:
         "predicted_peaks": rank_peaks(plan),
         "peaks": got.peaks,
         "memory_stats": got.splits,
-        "fits": [f"{c.model} {c.limit_name}" for c in cases if any(_key(p) == _key(plan) for p in c.fitting)],
+        "fits": [
+            f"{c.model} {c.limit_name}"
+            for c in cases
+            if any(plan_key(p) == plan_key(plan) for p in c.fitting)
+        ],
     }
 
 

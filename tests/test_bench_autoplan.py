@@ -24,12 +24,12 @@ from bench_autoplan import (  # noqa: E402
     Case,
     Config,
     Result,
-    _key,
     build_row,
     choose_limits,
     finalists,
     grid,
     microbatch_counts,
+    plan_key,
     rank_peaks,
     recompute_choices,
     smallest_fit,
@@ -155,10 +155,10 @@ def test_row_takes_the_best_among_finalists_and_its_ratios() -> None:
     default = _plan([3, 2], [6.0, 9.0], 0.020)
     case = Case("m", "tight", 8.0, 10, [auto, best, lucky], auto, "search", 0.25, default, "scaled")
     results = {
-        _key(auto): Result([0.030], [0.012, 0.011, 0.013], [7e6, 6e6]),
-        _key(best): Result([0.030], [0.010, 0.010, 0.011], [7.5e6, 5e6]),
-        _key(lucky): Result([0.001], [], [1e6, 1e6]),  # fastest screen, but not a finalist
-        _key(default): Result([0.030], [0.022, 0.020, 0.024], [9e6, 9e6]),
+        plan_key(auto): Result([0.030], [0.012, 0.011, 0.013], [7e6, 6e6]),
+        plan_key(best): Result([0.030], [0.010, 0.010, 0.011], [7.5e6, 5e6]),
+        plan_key(lucky): Result([0.001], [], [1e6, 1e6]),  # fastest screen, but not a finalist
+        plan_key(default): Result([0.030], [0.022, 0.020, 0.024], [9e6, 9e6]),
     }
     row = build_row(case, results)
     assert row.best == "1f1b m4 rc:n [3,2]" and row.best_ms == pytest.approx(10.0)
@@ -169,6 +169,6 @@ def test_row_takes_the_best_among_finalists_and_its_ratios() -> None:
     assert row.auto_peak_mb == pytest.approx(7.0) and row.peak_over_limit == pytest.approx(7e6 / 8.0)
     assert row.auto_pred_mb == pytest.approx(4e-6) and row.fit == 3 and row.grid == 10
     assert row.pred_over_grid == pytest.approx(1.0)  # auto is the fastest predicted of the three
-    unmeasured = dict(results, **{_key(auto): Result([0.03], [0.012], [7e6, None])})
+    unmeasured = dict(results, **{plan_key(auto): Result([0.03], [0.012], [7e6, None])})
     assert build_row(case, unmeasured).peak_over_limit is None
     assert math.isclose(row.search_s or 0.0, 0.25)
