@@ -43,7 +43,8 @@ from pipeline.runtime.recompute import RECOMPUTE_MODES  # noqa: E402
 def test_quick_run_measures_every_fitting_plan_and_reports_both_limits(tmp_path: Path) -> None:
     out = tmp_path / "autoplan.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--models", "heavy", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--models", "heavy", "--warmup", "0", "--steps", "1",
+         "--final", "2", "--top", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
