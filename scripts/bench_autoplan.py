@@ -79,6 +79,7 @@ __all__ = [
     "Row",
     "build_row",
     "choose_limits",
+    "collate",
     "finalists",
     "grid",
     "main",
@@ -680,19 +681,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     planned = time.perf_counter() - began
     work = [_job(name, plans, cases) for name, plans in jobs.items()]
     per_rank = launch(_rank_main, P, work, args.quick, batch, (warmup, steps, final), top, backend="gloo")
-    results: dict[str, Result] = {}
-    for j, plans in enumerate(jobs.values()):
-        for i, plan in enumerate(plans):
-            screen = [per_rank[r][j][0][i] for r in range(P)]
-            again = [per_rank[r][j][1][i] for r in range(P)]
-            peaks = [
-                max((m.peak for m in (a, b) if m.peak is not None), default=None)
-                for a, b in zip(screen, again, strict=True)
-            ]
-            finals = step_times([m.spans for m in again]) if again[0].spans else []
-            splits = [(b if b.spans else a).split for a, b in zip(screen, again, strict=True)]
-            results[plan_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks, splits)
-    rows = [build_row(case, results) for case in cases]
+    results = collate(jobs, per_rank)
+    rows = [build_row(case, results[case.model]) for case in cases]
     source = per_rank[0][0][0][0].source
     _print(
         rows,
@@ -704,12 +694,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.detail:
         for name, plans in jobs.items():
             print()
-            print(_detail(name, plans, results, cases))
+            print(_detail(name, plans, results[name], cases))
     print(f"\n# total {time.perf_counter() - began:.0f} s")
     report = {
         "rows": [asdict(row) for row in rows],
         "plans": {
-            name: [_plan_record(plan, results[plan_key(plan)], cases) for plan in plans]
+            name: [
+                _plan_record(plan, results[name][plan_key(plan)], [c for c in cases if c.model == name])
+                for plan in plans
+            ]
             for name, plans in jobs.items()
         },
         "batch": batch,
@@ -724,6 +717,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)
     return report
+
+
+def collate(
+    jobs: dict[str, list[Plan]], per_rank: Sequence[Sequence[tuple[list[Measured], list[Measured]]]]
+) -> dict[str, dict[str, Result]]:
+    """Per model, per plan (``plan_key``; the same plan may run for several models): both ranks'
+    measurements of it. ``per_rank[r][j]``: rank r's (screening, final) of the j-th model's plans."""
+    out: dict[str, dict[str, Result]] = {}
+    for j, (model, plans) in enumerate(jobs.items()):
+        mine = out.setdefault(model, {})
+        for i, plan in enumerate(plans):
+            screen = [ranks[j][0][i] for ranks in per_rank]
+            again = [ranks[j][1][i] for ranks in per_rank]
+            peaks = [
+                max((m.peak for m in (a, b) if m.peak is not None), default=None)
+                for a, b in zip(screen, again, strict=True)
+            ]
+            finals = step_times([m.spans for m in again]) if again[0].spans else []
+            splits = [(b if b.spans else a).split for a, b in zip(screen, again, strict=True)]
+            mine[plan_key(plan)] = Result(step_times([m.spans for m in screen]), finals, peaks, splits)
+    return out
 
 
 def _plan_record(plan: Plan, got: Result, cases: list[Case]) -> dict[str, Any]:

@@ -23,9 +23,11 @@ sys.path.insert(0, str(SCRIPTS))
 from bench_autoplan import (  # noqa: E402
     Case,
     Config,
+    Measured,
     Result,
     build_row,
     choose_limits,
+    collate,
     finalists,
     grid,
     microbatch_counts,
@@ -173,3 +175,21 @@ def test_row_takes_the_best_among_finalists_and_its_ratios() -> None:
     unmeasured = dict(results, **{plan_key(auto): Result([0.03], [0.012], [7e6, None])})
     assert build_row(case, unmeasured).peak_over_limit is None
     assert math.isclose(row.search_s or 0.0, 0.25)
+
+
+def test_collate_keeps_each_models_measurements_of_the_same_plan_apart() -> None:
+    same = Plan(balance=[2, 1])  # the default of two 3-layer models: one key, two measurements
+    other = Plan(balance=[1, 2], recompute="always")
+
+    def ranks(start: float, peak: float) -> tuple[list[Measured], list[Measured]]:
+        screen = [Measured([(start, start + 1.0)], peak), Measured([(start, start + 3.0)], peak)]
+        final = [Measured([(start, start + 2.0), (start, start + 4.0)], peak + 1), Measured()]
+        return screen, final
+
+    per_rank = [[ranks(0.0, 10.0), ranks(100.0, 50.0)], [ranks(0.5, 20.0), ranks(100.5, 60.0)]]
+    results = collate({"a": [same, other], "b": [same, other]}, per_rank)
+    assert results["a"][plan_key(same)].screen == [1.5] and results["b"][plan_key(same)].screen == [1.5]
+    assert results["a"][plan_key(same)].peaks == [11.0, 21.0]  # the larger of both phases, per rank
+    assert results["b"][plan_key(same)].peaks == [51.0, 61.0]
+    assert results["a"][plan_key(same)].final == [2.5, 4.5]
+    assert results["a"][plan_key(other)].screen == [3.5] and results["a"][plan_key(other)].final == []
