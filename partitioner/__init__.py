@@ -24,6 +24,7 @@ from partitioner.graph_profile import profile_graph
 from partitioner.links import Links, measure_links
 from partitioner.live import LiveBytes
 from partitioner.memory import held, in_flight, layer_memory
+from partitioner.noise import NoisyProfileWarning
 from partitioner.partition import partition, plan_for
 from partitioner.profile import Profile, profile
 from partitioner.solve import solve, stage_costs, stage_memory
@@ -36,6 +37,7 @@ __all__ = [
     "LayerProfile",
     "Links",
     "LiveBytes",
+    "NoisyProfileWarning",
     "Plan",
     "Profile",
     "StagePlan",

@@ -9,9 +9,12 @@ has one (as a pipeline step is: autocast's weight cache is then filled once and 
                                        saved by pass 2 and not by pass 1 -> saved_bytes (per i)
                                        saved by both (weight cache)      -> cache_bytes (once)
                                        pass 1's output -> layer l + 1's input
-    untimed, FlopCount               one forward, one whole backward -> flops, backward_flops
-    timed (warm-up, then medians)    F; whole backward (B of gpipe/1f1b);
-                                     F; input gradient alone (zb-h1's B); weight gradient (its W)
+    untimed, FlopCount               one forward, one whole backward -> flops, backward_flops;
+                                     one split backward -> input_flops, weight_flops
+    timed (``one_sample``, warm-up,  F; whole backward (B of gpipe/1f1b);
+    then adaptive repeats)           F; input gradient alone (zb-h1's B); weight gradient (its W)
+
+How many samples, and what is made of them (minimum, spread, floor gap), is ``partitioner.noise``'s.
 
 The split backward is the pipeline's own: ``autograd.grad(out, input, retain_graph=True)`` then
 ``autograd.backward(out, inputs=params)``. Layer 0 takes an input without a gradient, as stage 0
@@ -23,7 +26,6 @@ version counter) neither fails on autograd's leaf nor changes the next run's inp
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,11 +35,12 @@ import torch
 from torch import nn
 
 from partitioner._trees import nbytes, sendable, tensors, tree_map
-from partitioner.figures import LayerProfile
+from partitioner.figures import LayerProfile, LayerTiming
 from partitioner.flops import FlopCount
 from partitioner.live import LiveBytes
+from partitioner.noise import NOISE_LIMIT, estimate, floor_gap, settled, spread
 
-__all__ = ["Rejected", "Run", "WithTarget", "measure"]
+__all__ = ["Rejected", "Run", "WithTarget", "measure", "one_sample"]
 
 
 class Rejected(Exception):
@@ -55,7 +58,8 @@ class WithTarget:
 
 @dataclass(frozen=True)
 class Run:
-    """How to run one layer: where, under which autocast, how often; ``live`` counts the untimed parts."""
+    """How to run one layer: where, under which autocast, how often (``repeat``: the fewest timed
+    samples; ``partitioner.noise`` may take more); ``live`` counts the untimed parts."""
 
     device: torch.device
     autocast: torch.dtype | None
@@ -94,28 +98,38 @@ def measure(
         with run.live:
             out, saved, cache, inplace = _untimed(fn, x, owned, first)
         flops, backward_flops = _flops(fn, x, first)
-        times = _timed(fn, x, wanted, first, run)
+        input_flops, weight_flops = _split_flops(fn, x, wanted, first)
+        samples = _timed(fn, x, wanted, first, run)
+    timing = LayerTiming(*(estimate([s[j] for s in samples]) for j in range(4)))
+    totals = [s[0] + s[1] for s in samples]
     found = tensors(out)
     head = found[0] if found else None
     figures = LayerProfile(
         index=index,
         name=name,
         kind=kind,
-        forward_time=times["forward"],
-        backward_time=times["backward"],
+        forward_time=timing.forward.value,
+        backward_time=timing.backward.value,
         flops=flops,
         param_bytes=nbytes(params),
         activation_bytes=nbytes(out),
         saved_bytes=saved,
         output_shape=tuple(head.shape) if head is not None else (),
         output_dtype=str(head.dtype).removeprefix("torch.") if head is not None else "",
-        weight_time=times["weight"],
-        input_time=times["input"],
+        weight_time=timing.weight.value,
+        input_time=timing.input.value,
         backward_flops=backward_flops,
         buffer_bytes=nbytes(buffers),
         cache_bytes=cache,
         inplace=inplace,
         sendable=sendable(out),
+        input_flops=input_flops,
+        weight_flops=weight_flops,
+        samples=len(samples),
+        spread=spread(totals),
+        error=floor_gap(totals),
+        noisy=floor_gap(totals) > NOISE_LIMIT,
+        timing=timing,
     )
     return figures, out
 
@@ -189,6 +203,21 @@ def _flops(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:
     return forward, count.total - forward
 
 
+def _split_flops(
+    fn: Callable[[Any], Any], x: Any, params: Sequence[torch.Tensor], first: bool
+) -> tuple[int, int]:
+    """(input-gradient flops, weight-gradient flops): the split backward, as ``one_sample`` runs it."""
+    a, leaves = fresh(x, first)
+    outs, grads = roots(fn(a))
+    with FlopCount() as count:
+        if outs and leaves:
+            torch.autograd.grad(outs, leaves, grads, retain_graph=bool(params), allow_unused=True)
+        input_flops = count.total
+        if outs and params:
+            torch.autograd.backward(outs, grads, inputs=list(params))
+    return input_flops, count.total - input_flops
+
+
 def _syncer(dev: torch.device) -> Callable[[], None]:
     """Waits for the device's queued work, so that host clocks time it (nothing to wait for on CPU)."""
 
@@ -199,40 +228,55 @@ def _syncer(dev: torch.device) -> Callable[[], None]:
     return sync
 
 
+Sample = tuple[float, float, float, float]  # seconds: forward, whole backward, input grad, weight grad
+
+
+def one_sample(
+    fn: Callable[[Any], Any], x: Any, params: Sequence[torch.Tensor], first: bool, sync: Callable[[], None]
+) -> Sample:
+    """One timed run of the layer: forward and whole backward, then forward and split backward."""
+    a, _ = fresh(x, first)
+    sync()
+    t0 = time.perf_counter()
+    outs, grads = roots(fn(a))
+    sync()
+    t1 = time.perf_counter()
+    if outs:
+        torch.autograd.backward(outs, grads)
+    sync()
+    t2 = time.perf_counter()
+    del outs, grads, a
+    a, leaves = fresh(x, first)  # the split backward, on a forward of its own
+    leaves_given = bool(leaves)
+    outs, grads = roots(fn(a))
+    sync()
+    t3 = time.perf_counter()
+    if outs and leaves:
+        torch.autograd.grad(outs, leaves, grads, retain_graph=bool(params), allow_unused=True)
+    sync()
+    t4 = time.perf_counter()
+    if outs and params:
+        torch.autograd.backward(outs, grads, inputs=list(params))
+    sync()
+    t5 = time.perf_counter()
+    return t1 - t0, t2 - t1, t4 - t3 if leaves_given else 0.0, t5 - t4 if params else 0.0
+
+
 def _timed(
     fn: Callable[[Any], Any], x: Any, params: Sequence[torch.Tensor], first: bool, run: Run
-) -> dict[str, float]:
-    found: dict[str, list[float]] = {"forward": [], "backward": [], "input": [], "weight": []}
+) -> list[Sample]:
+    """Warm-up runs (allocation, kernel selection, CUDA start-up do not count), then samples until
+    ``noise.settled`` says the layer's time is found."""
     sync = _syncer(run.device)
-    for step in range(run.warmup + run.repeat):
-        a, _ = fresh(x, first)
-        sync()
-        t0 = time.perf_counter()
-        outs, grads = roots(fn(a))
-        sync()
-        t1 = time.perf_counter()
-        if outs:
-            torch.autograd.backward(outs, grads)
-        sync()
-        t2 = time.perf_counter()
-        del outs, grads, a
-        a, leaves = fresh(x, first)  # the split backward, on a forward of its own
-        leaves_given = bool(leaves)
-        outs, grads = roots(fn(a))
-        sync()
-        t3 = time.perf_counter()
-        if outs and leaves:
-            torch.autograd.grad(outs, leaves, grads, retain_graph=bool(params), allow_unused=True)
-        sync()
-        t4 = time.perf_counter()
-        if outs and params:
-            torch.autograd.backward(outs, grads, inputs=list(params))
-        sync()
-        t5 = time.perf_counter()
-        del outs, grads, a, leaves
-        if step >= run.warmup:  # first calls (allocation, kernel selection, CUDA start-up) do not count
-            found["forward"].append(t1 - t0)
-            found["backward"].append(t2 - t1)
-            found["input"].append(t4 - t3 if leaves_given else 0.0)
-            found["weight"].append(t5 - t4 if params else 0.0)
-    return {key: statistics.median(values) for key, values in found.items()}
+    for _ in range(run.warmup):
+        one_sample(fn, x, params, first, sync)
+    samples: list[Sample] = []
+    start = time.perf_counter()
+    first_s = 0.0
+    while True:
+        samples.append(one_sample(fn, x, params, first, sync))
+        spent = time.perf_counter() - start
+        if len(samples) == run.repeat:
+            first_s = spent
+        if settled([s[0] + s[1] for s in samples], run.repeat, spent, first_s):
+            return samples

@@ -1,4 +1,5 @@
-"""What both profilers share: option checks, the loss's profile, the model left as it was, RNG kept.
+"""What both profilers share: option checks, the loss's profile, the model left as it was, RNG kept,
+the times blended toward the FLOP prior and the warning when they are too noisy (``trust``).
 
     # l: layer
 
@@ -21,6 +22,7 @@ from partitioner._measure import Rejected, Run, WithTarget, measure
 from partitioner._placement import changed_parameters, normalize
 from partitioner._trees import describe, tensors, tree_map
 from partitioner.figures import LayerProfile
+from partitioner.noise import warn_noisy, with_prior
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -34,6 +36,7 @@ __all__ = [
     "held_names",
     "profile_loss",
     "refuse_ambient_autocast",
+    "trust",
     "uses_cuda",
 ]
 
@@ -136,3 +139,13 @@ def generators_kept(cuda: bool) -> Iterator[None]:
         torch.set_rng_state(cpu)
         if gpus is not None:
             torch.cuda.set_rng_state_all(gpus)
+
+
+def trust(
+    layers: list[LayerProfile], loss: LayerProfile | None, repeat: int
+) -> tuple[list[LayerProfile], LayerProfile | None, list[int], dict[str, float]]:
+    """The layers and loss with their times blended toward the FLOP prior fitted on the layers,
+    the noisy ones' indices (-1: the loss), warned about, and the prior (``partitioner.noise``)."""
+    layers, extra, rates = with_prior(layers, [] if loss is None else [loss])
+    loss = extra[0] if extra else None
+    return layers, loss, warn_noisy([*layers, *extra], repeat), rates

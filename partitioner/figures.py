@@ -1,5 +1,6 @@
 """``LayerProfile``: one layer's measured figures, the record that profile.py fills and graph.py reads;
-``Profile``: a model's, all layers' figures and the layer graph.
+``Profile``: a model's, all layers' figures and the layer graph; ``TimeEstimate`` and ``LayerTiming``:
+how each of a layer's times was estimated from its samples (``partitioner.noise``).
 
     # l: layer
 
@@ -14,7 +15,35 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["LayerProfile", "Profile"]
+__all__ = ["LayerProfile", "LayerTiming", "Profile", "TimeEstimate"]
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """One of a layer's times (seconds), from its samples; see ``partitioner.noise``.
+
+    ``measured``: the samples' minimum; ``spread``: their interquartile range over their median;
+    ``error``: the floor gap, (median - minimum) / minimum, how far the minimum may still
+    overstate the time; ``predicted``: seconds per flop (fitted on the profile's stable layers)
+    times this time's flops, 0 when there is no prior; ``value``: what the profile uses, the
+    measurement blended toward the prediction by their precisions (= ``measured`` when exact).
+    """
+
+    measured: float = 0.0
+    spread: float = 0.0
+    error: float = 0.0
+    predicted: float = 0.0
+    value: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """How a layer's four times were estimated: one ``TimeEstimate`` each (same ``samples``)."""
+
+    forward: TimeEstimate = TimeEstimate()
+    backward: TimeEstimate = TimeEstimate()
+    input: TimeEstimate = TimeEstimate()
+    weight: TimeEstimate = TimeEstimate()
 
 
 @dataclass(frozen=True)
@@ -40,6 +69,13 @@ class LayerProfile:
 
     ``params``: the names of the parameters it holds, each by the first name the model gives it
     (a weight tied between two layers has the same name in both: ties are layers' shared names).
+
+    How far to trust the times (``partitioner.noise``): ``samples`` timed runs after warm-up;
+    ``spread`` the interquartile range over the median of its per-run ``forward + backward``;
+    ``error`` that series' floor gap, (median - minimum) / minimum; ``noisy``: ``error``
+    is above ``noise.NOISE_LIMIT``, so the times lean on the FLOP prior; ``timing`` each time's
+    estimate (measured, prior, value). ``input_flops`` and ``weight_flops``: the flops of the
+    split backward's two parts (the FLOP prior of ``input_time`` and ``weight_time``).
     """
 
     index: int
@@ -61,6 +97,13 @@ class LayerProfile:
     inplace: bool = False
     sendable: bool = True
     params: tuple[str, ...] = ()
+    input_flops: int = 0
+    weight_flops: int = 0
+    samples: int = 0
+    spread: float = 0.0
+    error: float = 0.0
+    noisy: bool = False
+    timing: LayerTiming | None = None
 
 
 @dataclass
@@ -73,6 +116,10 @@ class Profile:
     profiling itself took. A traced model's profile (``partitioner.graph_profile``) also has
     ``cut_reasons`` (per cut after layer l: why no stage boundary may fall there, or "") and
     ``traced`` (how it was traced, its fingerprint and the sample's signature: what a plan records).
+
+    Trust (``partitioner.noise``): ``noisy_layers`` the indices of the layers whose times are too
+    noisy to trust (-1: the loss), ``trusted`` whether there are none; ``seconds_per_flop`` the
+    FLOP prior fitted on the stable layers, per time ("forward", "backward", "input", "weight").
     """
 
     layers: list[LayerProfile]
@@ -85,6 +132,13 @@ class Profile:
     seconds: float = 0.0
     cut_reasons: list[str] = field(default_factory=list)
     traced: dict[str, Any] | None = None
+    noisy_layers: list[int] = field(default_factory=list)
+    seconds_per_flop: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def trusted(self) -> bool:
+        """No layer's (nor the loss's) times were too noisy to trust; see ``noisy_layers``."""
+        return not self.noisy_layers
 
     def __len__(self) -> int:
         return len(self.layers)

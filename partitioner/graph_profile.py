@@ -42,6 +42,7 @@ from partitioner._profiling import (
     held_names,
     profile_loss,
     refuse_ambient_autocast,
+    trust,
     uses_cuda,
 )
 from partitioner._trees import describe, nbytes
@@ -65,7 +66,7 @@ def profile_graph(
     target: Any = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     warmup: int = 2,
-    repeat: int = 5,
+    repeat: int = 10,
 ) -> Profile:
     """Profile every layer of ``traced`` on ``sample`` (the one it was traced with); see the docstring.
 
@@ -120,6 +121,7 @@ def profile_graph(
             out = pytree.tree_unflatten(flat, traced.out_spec)
             loss = profile_loss(loss_fn, target, out, Run(device_of(flat), autocast, warmup, repeat, live))
     tensors = [(v.name, v.layer, v.uses, v.nbytes) for v in traced.values.values()]
+    layers, loss, noisy, rates = trust(layers, loss, repeat)
     return Profile(
         layers,
         ",".join(dict.fromkeys(devices)),
@@ -129,6 +131,8 @@ def profile_graph(
         autocast=None if autocast is None else str(autocast).removeprefix("torch."),
         peak_bytes=live.most(),
         seconds=time.perf_counter() - start,
+        noisy_layers=noisy,
+        seconds_per_flop=rates,
         cut_reasons=cut_blocks(traced.graph, traced.layers, traced.values, traced.root),
         traced=traced_record(traced),
     )

@@ -26,6 +26,10 @@ Exactly as it was: the model's modules never run (parameters, buffers, ``.grad``
 ``requires_grad`` are untouched; a layer that writes into its own parameters is named in an
 error), and the CPU and CUDA generators' states are put back, so dropout draws nothing from them.
 
+Times are trusted only as far as their samples allow (``partitioner.noise``): on a shared machine
+each is the minimum of adaptive repeats, and one whose samples find no clear floor is blended
+toward what its flops predict and named in a warning.
+
 ``peak_bytes`` is the profile's own peak: the most bytes of tensors it held at once on one device
 (the working copy, inputs, two held forwards and their gradients), counted by ``LiveBytes``.
 """
@@ -54,6 +58,7 @@ from partitioner._profiling import (
     held_names,
     profile_loss,
     refuse_ambient_autocast,
+    trust,
     uses_cuda,
 )
 from partitioner._trees import describe, nbytes, tree_map
@@ -84,9 +89,14 @@ def profile(
     target: Any = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     warmup: int = 2,
-    repeat: int = 5,
+    repeat: int = 10,
 ) -> Profile:
     """Profile every layer of ``model`` on ``sample`` (one micro-batch); see the module docstring.
+
+    Each layer runs ``warmup`` times untimed, then at least ``repeat`` timed samples and more until
+    its time settles; its times are the samples' minimum, their spread and floor gap are recorded,
+    a time too noisy to trust leans on what its flops predict, and a ``NoisyProfileWarning`` names
+    such layers (``Profile.noisy_layers``, ``Profile.trusted``); see ``partitioner.noise``.
 
     ``device``: where to profile every layer (default: where each lives); ``loss_fn(output,
     target)``: also profile the loss on the last layer's output (``target``: one micro-batch of
@@ -135,6 +145,7 @@ def profile(
             devices.append(str(here))
         if loss_fn is not None:
             loss = profile_loss(loss_fn, target, x, Run(device_of(x), autocast, warmup, repeat, live))
+    layers, loss, noisy, rates = trust(layers, loss, repeat)
     return Profile(
         layers,
         ",".join(dict.fromkeys(devices)),
@@ -144,6 +155,8 @@ def profile(
         autocast=None if autocast is None else str(autocast).removeprefix("torch."),
         peak_bytes=live.most(),
         seconds=time.perf_counter() - start,
+        noisy_layers=noisy,
+        seconds_per_flop=rates,
     )
 
 

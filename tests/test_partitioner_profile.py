@@ -87,6 +87,15 @@ def test_figures_of_linear_layers() -> None:
     assert prof.input_bytes == 4 * 16 * 4
     assert not any(lp.inplace for lp in prof.layers) and all(lp.sendable for lp in prof.layers)
     assert prof.peak_bytes > 0 and prof.seconds > 0 and prof.device == "cpu" and prof.autocast is None
+    # the split backward's flops: input gradient (none for layer 0), then weight gradient
+    assert lin.input_flops == 0 and lin.weight_flops == lin.backward_flops
+    assert head.input_flops == 2 * 4 * 32 * 8 and head.weight_flops == 2 * 4 * 32 * 8 + 32 * 8
+    assert relu.input_flops == 4 * 32 and relu.weight_flops == 0
+    for lp in prof.layers:  # at least repeat samples, at most the cap; each time's estimate kept
+        assert 3 <= lp.samples <= 10 * 3 and lp.timing is not None and lp.spread >= 0.0 and lp.error >= 0.0
+        assert lp.timing.forward.measured > 0 and lp.timing.forward.value == lp.forward_time
+        assert lp.timing.weight.value == lp.weight_time and lp.timing.input.value == lp.input_time
+    assert prof.trusted == (not prof.noisy_layers)
 
 
 def test_input_and_weight_gradients_are_timed_apart() -> None:
