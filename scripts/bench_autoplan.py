@@ -221,7 +221,7 @@ def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> Profiled:
     """Profile the model (with the loss) on the whole batch, and price each m at B / m rows as the
     search does (``partitioner.scaling``); until that lands, profile each micro-batch size."""
     rows = work.x.shape[0]
-    warmup, repeat = (1, 2) if quick else (2, 7)
+    warmup, repeat = (1, 2) if quick else (2, 10)
 
     def of(n: int) -> Profile:
         return profile(
@@ -437,6 +437,7 @@ class Case:
     search_s: float
     default: Plan
     profile: str  # how each m's profile was made: "scaled" (as the search does) or "profiled"
+    noisy: list[int] = field(default_factory=list)  # layers the profile found too noisy to trust (-1: loss)
 
 
 @dataclass
@@ -623,7 +624,10 @@ def plan_model(
             ]
         auto, seconds, how = _auto(work, limit, profiled, fitting)
         plans.update({plan_key(plan): plan for plan in (*fitting, auto)})
-        cases.append(Case(name, label, limit, size, fitting, auto, how, seconds, default, profiled.how))
+        noisy = list(profiled.whole.noisy_layers)
+        cases.append(
+            Case(name, label, limit, size, fitting, auto, how, seconds, default, profiled.how, noisy)
+        )
     return cases, list(plans.values())
 
 
@@ -690,6 +694,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         source,
         planned,
         {f"{c.how} (each m priced by a {c.profile} profile)" for c in cases},
+        [
+            f"# {model}: the profile found layers {list(noisy)} too noisy to trust (-1: the loss)"
+            for model, noisy in sorted({(c.model, tuple(c.noisy)) for c in cases if c.noisy})
+        ],
     )
     if args.detail:
         for name, plans in jobs.items():
@@ -758,7 +766,12 @@ def _plan_record(plan: Plan, got: Result, cases: list[Case]) -> dict[str, Any]:
 
 
 def _print(
-    rows: list[Row], counts: tuple[int, int, int, int, int], source: str, planned: float, how: set[str]
+    rows: list[Row],
+    counts: tuple[int, int, int, int, int],
+    source: str,
+    planned: float,
+    how: set[str],
+    notes: list[str],
 ) -> None:
     batch, warmup, steps, final, top = counts
     print(
@@ -775,6 +788,8 @@ def _print(
         f"auto plan by {', '.join(sorted(how))}\n"
     )
     print(table(rows))
+    for note in notes:
+        print(note)
     print(
         "\n* the default does not fit the limit (measured anyway); auto/best < 1: the auto plan beat every "
         "grid plan;\n  default/auto > 1: the auto plan is faster than the default; pred/grid: the auto "
