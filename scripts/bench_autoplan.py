@@ -56,6 +56,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -66,7 +67,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _autoplan_models beside this file
 from _autoplan_models import MODELS, Workload, build
 
-from partitioner import Profile, equal_balance, partition, plan_for, profile
+from partitioner import NoisyProfileWarning, Profile, equal_balance, partition, plan_for, profile
 from pipeline.launch import launch
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
@@ -224,9 +225,11 @@ def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> Profiled:
     warmup, repeat = (1, 2) if quick else (2, 10)
 
     def of(n: int) -> Profile:
-        return profile(
-            work.model, work.x[:n], loss_fn=work.loss_fn, target=work.y[:n], warmup=warmup, repeat=repeat
-        )
+        with warnings.catch_warnings():  # the table names the untrusted layers (Case.noisy), briefly
+            warnings.simplefilter("ignore", NoisyProfileWarning)
+            return profile(
+                work.model, work.x[:n], loss_fn=work.loss_fn, target=work.y[:n], warmup=warmup, repeat=repeat
+            )
 
     whole = of(rows)
     scaling = _landed("partitioner.scaling")
