@@ -576,8 +576,9 @@ def _detail(model: str, plans: list[Plan], results: dict[str, Result], cases: li
     predicted against measured time and peak, and which limits it fits."""
     limits = [c for c in cases if c.model == model]
     names = " ".join(f"{c.limit_name:>5}" for c in limits)
+    width = max(len(_name(plan)) for plan in plans)
     lines = [
-        f"{model}: {'plan':<30} {'pred ms':>8} {'screen':>8} {'final':>8} {'ms/pred':>7} {'pred MB':>8} "
+        f"{model}: {'plan':<{width}} {'pred ms':>8} {'screen':>8} {'final':>8} {'ms/pred':>7} {'pred MB':>8} "
         f"{'MB':>8} {'MB/pred':>7}  {names}"
     ]
     for plan in sorted(
@@ -592,7 +593,7 @@ def _detail(model: str, plans: list[Plan], results: dict[str, Result], cases: li
             f"{'yes' if any(plan_key(p) == plan_key(plan) for p in c.fitting) else '-':>5}" for c in limits
         )
         lines.append(
-            f"{'':<{len(model) + 2}}{_name(plan):<30} {plan.step_time * 1e3:>8.2f} "
+            f"{'':<{len(model) + 2}}{_name(plan):<{width}} {plan.step_time * 1e3:>8.2f} "
             f"{statistics.median(got.screen) * 1e3:>8.2f} {final:>8} {got.median / plan.step_time:>7.3f} "
             f"{pred_mb:>8.2f} {mb:>8} {ratio:>7}  {fits}"
         )

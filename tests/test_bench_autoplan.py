@@ -46,11 +46,12 @@ def test_quick_run_measures_every_fitting_plan_and_reports_both_limits(tmp_path:
     out = tmp_path / "autoplan.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--models", "heavy", "--warmup", "0", "--steps", "1",
-         "--final", "2", "--top", "1", "--json", str(out)],
+         "--final", "2", "--top", "1", "--detail", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for header in ("auto plan", "auto ms", "best ms", "auto/best", "default/auto", "peak/limit", "search s"):
+    for header in ("auto plan", "auto ms", "best ms", "auto/best", "default/auto", "peak/limit", "search s",
+                   "pred/grid", "heavy: plan"):  # fmt: skip
         assert header in proc.stdout, f"column {header!r} missing from:\n{proc.stdout}"
     report = json.loads(out.read_text())
     loose, tight = report["rows"]
