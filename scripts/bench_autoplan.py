@@ -13,10 +13,11 @@ predicts it: weights, gradients, Adam state, buffers, held activations):
     grid     gpipe, 1f1b, zb-h1, interleaved-1f1b (v = 2 .. n / p)  x  m dividing B  x  one
              recompute mode for every stage, plus the search's per-stage choice of each
              (schedule, v, m); each with the exact balance ``partition`` finds under the limit
-             (what cannot fit is left out), all from ONE profile of B rows priced at B / m rows
-             the way the search does it (``partitioner.scaling``)
-    auto     partition(model, p, x, schedule="auto", n_microbatches="auto", memory_limit=...,
-             batch_size=B, profile=<the same profile>); its time is the search time
+             (what cannot fit is left out), all from the two profiles the search takes (B and
+             B / 2 rows), priced at B / m rows the way it does (``partitioner.scaling``)
+    auto     what partition(model, p, x, schedule="auto", n_microbatches="auto", memory_limit=...,
+             batch_size=B) returns: ``partitioner.auto.search`` given those same two profiles
+             (so that profiling noise cannot set it apart from the grid); timed (the search time)
     default  what a user would pick: 1f1b, m = p, no recomputation, equal layer counts
 
     loose limit   2 x the largest predicted peak of any configuration's unconstrained plan
@@ -36,17 +37,11 @@ The best measured configuration is the fastest finalist by the final rounds' med
 minimum of many noisy screenings would favour whichever plan got lucky. The table gives, per
 model and limit, the auto plan's median step against the best (goal: within 5 %) and against the
 default, its measured peak against the limit (never above), and the search time.
-
-Until the search lands on main, the auto plan is the grid plan with the lowest predicted step
-(the search's definition by brute force; "brute force" in the header), each m is profiled
-separately, and the per-stage choices are left out.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import itertools
 import json
 import math
@@ -68,6 +63,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _autoplan_mode
 from _autoplan_models import MODELS, Workload, build
 
 from partitioner import NoisyProfileWarning, Profile, equal_balance, partition, plan_for, profile
+from partitioner.auto import search
+from partitioner.scaling import scale_profile
 from pipeline.launch import launch
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
@@ -200,27 +197,19 @@ def _plan(work: Workload, prof: Profile, config: Config, limit: float | None) ->
         raise
 
 
-def _landed(module: str) -> Any:
-    """A partitioner module that comes with the auto search, or None before it lands on main."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        return None
-
-
 @dataclass
 class Profiled:
-    """The profile of one step's B rows (what the search is given) and, per m, the one at B / m
-    rows that every grid plan of that m is made from."""
+    """What ``partition(schedule="auto")`` profiles: one step's B rows (``whole``) and a second size
+    (``second``: B / 2 rows, for each layer's per-call overhead); ``per_m``: both scaled to B / m
+    rows (``partitioner.scaling``), what every grid plan of that m is made from."""
 
     whole: Profile
+    second: tuple[Profile, int]
     per_m: dict[int, Profile]
-    how: str  # "scaled" (the search's own scaling of ``whole``) or "profiled" (each size profiled)
 
 
 def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> Profiled:
-    """Profile the model (with the loss) on the whole batch, and price each m at B / m rows as the
-    search does (``partitioner.scaling``); until that lands, profile each micro-batch size."""
+    """Profile the model (with the loss) as the search does, and price each m as it does."""
     rows = work.x.shape[0]
     warmup, repeat = (1, 2) if quick else (2, 10)
 
@@ -231,43 +220,34 @@ def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> Profiled:
                 work.model, work.x[:n], loss_fn=work.loss_fn, target=work.y[:n], warmup=warmup, repeat=repeat
             )
 
-    whole = of(rows)
-    scaling = _landed("partitioner.scaling")
-    if scaling is not None:
-        return Profiled(whole, {m: scaling.scale_profile(whole, rows, rows // m) for m in ms}, "scaled")
-    # FALLBACK until partitioner.scaling lands on main: each micro-batch size profiled
-    return Profiled(whole, {m: whole if m == 1 else of(rows // m) for m in ms}, "profiled")
+    if rows < 2:
+        raise ValueError(f"batch ({rows} rows) must have at least 2 rows: the search profiles B and B / 2")
+    whole, second = of(rows), (of(rows // 2), rows // 2)
+    return Profiled(whole, second, {m: scale_profile(whole, rows, rows // m, second) for m in ms})
 
 
-def _auto(work: Workload, limit: float, profiled: Profiled, fitting: list[Plan]) -> tuple[Plan, float, str]:
-    """The auto plan, the seconds the search took (given the profile), and how it was chosen."""
-    if _landed("partitioner.auto") is not None:
-        search: Any = partition  # the search's options are not in partition's signature before it lands
-        start = time.perf_counter()
-        plan = search(
-            work.model, P, work.x, schedule="auto", n_microbatches="auto", memory_limit=limit,
-            batch_size=work.x.shape[0], profile=profiled.whole,
-        )  # fmt: skip
-        return plan, time.perf_counter() - start, "search"
-    # FALLBACK until partition(schedule="auto") lands on main: the search's definition by brute
-    # force, the fitting grid plan with the lowest predicted step time (planning time not included)
-    best = min(fitting, key=lambda plan: plan.step_time)
-    return best, math.nan, "brute force"
+def _auto(work: Workload, limit: float, profiled: Profiled) -> tuple[Plan, float]:
+    """The auto plan and the seconds the search took: ``partition(model, p, x, schedule="auto",
+    n_microbatches="auto", memory_limit=limit, batch_size=B)`` after its profiling, given the
+    same two profiles as the grid (so that noise cannot make them differ)."""
+    rows = work.x.shape[0]
+    start = time.perf_counter()
+    plan = search(
+        profiled.whole, P, batch_size=rows, sample_rows=rows, memory_limit=limit, second=profiled.second
+    )
+    return plan, time.perf_counter() - start
 
 
 def _per_stage(work: Workload, limit: float, profiled: Profiled, configs: list[Config]) -> list[Plan]:
     """Per (schedule, v, m) of the grid, the search's best plan of that group alone when its
-    recomputation differs between stages (the search's joint choice of balance and modes per
-    stage, which the grid of one mode for every stage lacks); none before the search lands."""
-    auto = _landed("partitioner.auto")
-    if auto is None:
-        return []
+    recomputation differs between stages (the search's joint choice of balance and a mode per
+    stage, which the grid of one mode for every stage lacks)."""
     rows, out = work.x.shape[0], []
     for name, v, m in sorted({(c.schedule, c.v, c.m) for c in configs}):
         try:
-            plan = auto.search(
+            plan = search(
                 profiled.whole, P, batch_size=rows, sample_rows=rows, memory_limit=limit, schedules=[name],
-                n_microbatches=m, n_virtual=v,
+                n_microbatches=m, n_virtual=v, second=profiled.second,
             )  # fmt: skip
         except ValueError as exc:
             if "too small" in str(exc):
@@ -292,10 +272,8 @@ class Measured:
 
 
 def _stats(pipe: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``memory_stats``, given the optimizer where it takes one (so its state is counted)."""
-    if "optimizer" in inspect.signature(pipe.memory_stats).parameters:
-        return dict(pipe.memory_stats(optimizer))
-    return dict(pipe.memory_stats())
+    """``memory_stats``, given the optimizer so that its state is counted."""
+    return dict(pipe.memory_stats(optimizer))
 
 
 @dataclass
@@ -436,10 +414,8 @@ class Case:
     grid_size: int
     fitting: list[Plan]
     auto: Plan
-    how: str  # "search" or "brute force"
     search_s: float
     default: Plan
-    profile: str  # how each m's profile was made: "scaled" (as the search does) or "profiled"
     noisy: list[int] = field(default_factory=list)  # layers the profile found too noisy to trust (-1: loss)
 
 
@@ -472,7 +448,6 @@ class Row:
     fit: int  # configurations of the grid that fit the limit
     grid: int
     auto: str
-    how: str
     auto_ms: float
     best: str
     best_ms: float
@@ -486,7 +461,7 @@ class Row:
     auto_pred_mb: float
     auto_peak_mb: float | None
     peak_over_limit: float | None
-    search_s: float | None  # None: no search ran (the brute-force fallback)
+    search_s: float
 
 
 def _name(plan: Plan) -> str:
@@ -508,7 +483,6 @@ def build_row(case: Case, results: dict[str, Result]) -> Row:
         fit=len(case.fitting),
         grid=case.grid_size,
         auto=_name(case.auto),
-        how=case.how,
         auto_ms=auto.median * 1e3,
         best=_name(best),
         best_ms=best_ms * 1e3,
@@ -522,7 +496,7 @@ def build_row(case: Case, results: dict[str, Result]) -> Row:
         auto_pred_mb=max(rank_peaks(case.auto)) / 1e6,
         auto_peak_mb=None if peak is None else peak / 1e6,
         peak_over_limit=None if peak is None else peak / case.limit,
-        search_s=None if math.isnan(case.search_s) else case.search_s,
+        search_s=case.search_s,
     )
 
 
@@ -617,7 +591,7 @@ def plan_model(
     least = smallest_fit(lambda limit: any(_plan(work, per_m[c.m], c, limit) for c in configs), high)
     loose, tight = choose_limits([rank_peaks(plan) for plan in free], rank_peaks(default), least)
     groups = len({(c.schedule, c.v, c.m) for c in configs})
-    size = len(configs) + (groups if _landed("partitioner.auto") is not None and not per_stage else 0)
+    size = len(configs) + (0 if per_stage else groups)  # the search's per-stage config of each group
     cases, plans = [], {plan_key(default): default}
     for label, limit in (("loose", loose), ("tight", tight)):
         fitting = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, limit)) is not None]
@@ -626,12 +600,10 @@ def plan_model(
             fitting += [
                 plan for plan in _per_stage(work, limit, profiled, configs) if plan_key(plan) not in known
             ]
-        auto, seconds, how = _auto(work, limit, profiled, fitting)
+        auto, seconds = _auto(work, limit, profiled)
         plans.update({plan_key(plan): plan for plan in (*fitting, auto)})
         noisy = list(profiled.whole.noisy_layers)
-        cases.append(
-            Case(name, label, limit, size, fitting, auto, how, seconds, default, profiled.how, noisy)
-        )
+        cases.append(Case(name, label, limit, size, fitting, auto, seconds, default, noisy))
     return cases, list(plans.values())
 
 
@@ -697,7 +669,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (batch, warmup, steps, final, top),
         source,
         planned,
-        {f"{c.how} (each m priced by a {c.profile} profile)" for c in cases},
         [
             f"# {model}: the profile found layers {list(noisy)} too noisy to trust (-1: the loss)"
             for model, noisy in sorted({(c.model, tuple(c.noisy)) for c in cases if c.noisy})
@@ -774,7 +745,6 @@ def _print(
     counts: tuple[int, int, int, int, int],
     source: str,
     planned: float,
-    how: set[str],
     notes: list[str],
 ) -> None:
     batch, warmup, steps, final, top = counts
@@ -788,8 +758,8 @@ def _print(
         "Adam state, buffers, held activations)"
     )
     print(
-        f"# planning (profiles, every grid plan under both limits, the searches) {planned:.1f} s; "
-        f"auto plan by {', '.join(sorted(how))}\n"
+        f"# planning (2 profiles per model, every grid plan under both limits, searches) {planned:.1f} s; "
+        "search s: partitioner.auto.search given the profiles\n"
     )
     print(table(rows))
     for note in notes:
