@@ -15,6 +15,10 @@ per-rank results:
 
 A job that failed or was skipped in the batch runs again alone (a launch of its own), so its error
 is exactly what it would be without batching, and a failure never spreads to other modules' results.
+
+The test that first asks for a batch runs all of it inside its own pytest-timeout, so batches are
+kept small: about 25 s each on 2 quiet cores (``--durations`` prints every job's time), the same as
+the slowest single tests, far inside the 240 s hang guard even on a loaded machine.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 from pipeline.launch import launch
 from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV
 
-__all__ = ["Job", "job", "run_ranks", "select_jobs"]
+__all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs"]
 
 _SETTLE_S = 5.0  # how long a rank waits for a finished job's threads (watchdogs) to stop
 
@@ -72,6 +76,7 @@ class Job:
     make_args: Callable[[pytest.TempPathFactory], tuple[Any, ...]] | None = None
     last: bool = False  # after the other jobs: it leaves failed pipelines or pending operations behind
     outcome: tuple[bool, Any] | None = field(default=None, repr=False)  # (ok, per-rank results or error)
+    seconds: tuple[float, float] | None = None  # in its batch: (wall, CPU) of its slowest rank
 
     @property
     def module(self) -> str:
@@ -110,7 +115,7 @@ def job(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 120.0,
-    batch: str = "main",
+    batch: str = "a",
     make_args: Callable[[pytest.TempPathFactory], tuple[Any, ...]] | None = None,
     last: bool = False,
 ) -> Job:
@@ -156,15 +161,16 @@ def _run_batch(wanted: Job, tmp_path_factory: pytest.TempPathFactory) -> None:
         warnings.warn(
             f"the batch of {[j.name for j in batch]} failed ({exc}); running each alone", stacklevel=2
         )
-        per_rank = [[("skipped", None)] * len(batch)]
+        per_rank = [[("skipped", None, 0.0, 0.0)] * len(batch)]
     why: dict[Job, str] = {}
     for k, j in enumerate(batch):
         statuses = [rank[k] for rank in per_rank]
-        if all(status == "ok" for status, _ in statuses):
-            j.outcome = (True, [pickle.loads(payload) for _, payload in statuses])
+        j.seconds = max(s[2] for s in statuses), max(s[3] for s in statuses)
+        if all(s[0] == "ok" for s in statuses):
+            j.outcome = (True, [pickle.loads(s[1]) for s in statuses])
         else:
             why[j] = next(
-                (f"rank {r}: {tb}" for r, (s, tb) in enumerate(statuses) if s == "failed"), "skipped"
+                (f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "failed"), "skipped"
             )
     for j in batch:
         if j.outcome is None:  # failed or skipped in the batch: alone, as it would run without batching
@@ -184,7 +190,9 @@ def _run_alone(j: Job, tmp_path_factory: pytest.TempPathFactory, why: str) -> No
     )
 
 
-def _run_jobs(specs: list[tuple[str, Callable[..., Any], tuple[Any, ...], str]]) -> list[tuple[str, Any]]:
+def _run_jobs(
+    specs: list[tuple[str, Callable[..., Any], tuple[Any, ...], str]],
+) -> list[tuple[str, Any, float, float]]:
     """In every rank: each job under its backend's environment, from the RNG state of a fresh process;
     once one fails on any rank, the others are skipped (the group may hold its leftovers)."""
     import torch.distributed as dist
@@ -192,21 +200,23 @@ def _run_jobs(specs: list[tuple[str, Callable[..., Any], tuple[Any, ...], str]])
     control = dist.new_group(backend="gloo")  # the runner's own agreements: no job's collective in between
     fresh_rng = torch.get_rng_state()
     threads = threading.active_count()
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, Any, float, float]] = []  # (status, result or traceback, wall s, CPU s)
     healthy = True
     for _name, fn, args, backend in specs:
         if not healthy:
-            out.append(("skipped", None))
+            out.append(("skipped", None, 0.0, 0.0))
             continue
         if backend == "nccl-emulated":
             os.environ[EMULATE_NCCL_ENV] = "1"
         else:
             os.environ.pop(EMULATE_NCCL_ENV, None)
         torch.set_rng_state(fresh_rng)
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
-            out.append(("ok", pickle.dumps(fn(*args))))
+            status, value = "ok", pickle.dumps(fn(*args))
         except BaseException:  # reported to the parent, which runs the job alone
-            out.append(("failed", traceback.format_exc()))
+            status, value = "failed", traceback.format_exc()
+        out.append((status, value, time.perf_counter() - wall, time.process_time() - cpu))
         verdicts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, out[-1][0], group=control)
         healthy = all(v == "ok" for v in verdicts)
@@ -216,3 +226,13 @@ def _run_jobs(specs: list[tuple[str, Callable[..., Any], tuple[Any, ...], str]])
             time.sleep(0.01)
     os.environ.pop(EMULATE_NCCL_ENV, None)
     return out
+
+
+def job_times() -> list[str]:
+    """One line per job that ran in a batch: its batch, the (wall, CPU) seconds of its slowest rank."""
+    ran = [j for j in _jobs if j.seconds is not None]
+    return [
+        f"{j.seconds[0]:7.2f}s wall {j.seconds[1]:7.2f}s cpu  {j.world_size} ranks {j.batch:6} {j.name}"
+        for j in sorted(ran, key=lambda j: (j.world_size, j.batch))
+        if j.seconds is not None
+    ]

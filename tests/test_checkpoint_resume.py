@@ -199,7 +199,7 @@ def _two_ranks(root: str) -> dict[str, Any]:
     return out
 
 
-_TWO = job(2, _two_ranks, make_args=lambda factory: (str(factory.mktemp("ckpt")),), timeout=200.0)
+_TWO = job(2, _two_ranks, make_args=lambda factory: (str(factory.mktemp("ckpt")),), timeout=200.0, batch="b")
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def _after_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[str]:
 
 
 # last in its launch: its failed saves and loads (caught) stay behind
-_FOUR = job(4, _four_ranks, make_args=_after_two, timeout=200.0, last=True)
+_FOUR = job(4, _four_ranks, make_args=_after_two, timeout=200.0, batch="dp", last=True)
 
 
 @pytest.fixture(scope="module")

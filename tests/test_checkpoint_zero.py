@@ -83,7 +83,7 @@ def _run(root: str) -> dict[str, Any]:
     return out
 
 
-_RUN = job(2, _run, make_args=lambda factory: (str(factory.mktemp("zero")),), timeout=90.0)
+_RUN = job(2, _run, make_args=lambda factory: (str(factory.mktemp("zero")),), timeout=90.0, batch="b")
 
 
 @pytest.fixture(scope="module")

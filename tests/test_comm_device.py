@@ -71,7 +71,7 @@ def _gloo_checks() -> dict[str, Any]:
 
 
 # last in its launch: rank 0's receive on the short group is never matched
-_GLOO_CHECKS = job(2, _gloo_checks, timeout=60.0, last=True)
+_GLOO_CHECKS = job(2, _gloo_checks, timeout=60.0, batch="b", last=True)
 
 
 def test_gloo_refuses_foreign_tensors_and_runs_a_step_under_a_meta_default(

@@ -110,7 +110,7 @@ def _expected(s: int) -> dict[str, torch.Tensor | None]:
     return out
 
 
-_REDUCE = {cap: job(4, _reduce, cap, timeout=60.0, batch="dp") for cap in (1 << 30, 64)}
+_REDUCE = {cap: job(4, _reduce, cap, timeout=60.0) for cap in (1 << 30, 64)}
 
 
 @pytest.fixture(scope="module", params=[1 << 30, 64])

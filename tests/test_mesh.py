@@ -43,7 +43,7 @@ def _on_four_ranks() -> dict[str, Any]:
     return out
 
 
-_ON_FOUR_RANKS = job(4, _on_four_ranks, timeout=60.0, batch="dp")
+_ON_FOUR_RANKS = job(4, _on_four_ranks, timeout=60.0)
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,10 @@ def _matrix() -> dict[str, Any]:
     return out
 
 
-_JOBS = {(p, b): job(p, _matrix, timeout=180.0, backend=b) for p, b in itertools.product((2, 4), BACKENDS)}
+_JOBS = {
+    (p, b): job(p, _matrix, timeout=180.0, backend=b, batch="a" if p == 2 else "b")
+    for p, b in itertools.product((2, 4), BACKENDS)
+}
 
 
 @pytest.fixture(

@@ -107,7 +107,7 @@ def _everything() -> dict[str, Any]:
     return out
 
 
-_EVERYTHING = job(4, _everything, timeout=120.0, batch="dp")
+_EVERYTHING = job(4, _everything, timeout=120.0, batch="b")
 
 
 @pytest.fixture(scope="module")

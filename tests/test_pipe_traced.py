@@ -111,7 +111,7 @@ def _rank_args(p: int) -> tuple[dict[str, str], list[tuple[str, str]], int]:
     return {name: _plan(name, p).to_json() for name in MODELS}, _configs(p), 4
 
 
-_RAN = {p: job(p, _rank, make_args=lambda _, p=p: _rank_args(p), timeout=400.0) for p in (2, 4)}
+_RAN = {p: job(p, _rank, make_args=lambda _, p=p: _rank_args(p), timeout=400.0, batch="b") for p in (2, 4)}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -246,7 +246,7 @@ def _emulated(plan_json: str) -> tuple[float, Grads]:
 
 _EMULATED = job(
     2, _emulated, make_args=functools.partial(_tied_plan, schedule="zb-h1"), backend="nccl-emulated",
-    timeout=240.0,
+    timeout=240.0, batch="b",
 )  # fmt: skip
 
 
@@ -296,7 +296,7 @@ def _checkpointed_args(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, s
     return str(tmp_path_factory.mktemp("tied") / "ckpt"), *_tied_plan(None)
 
 
-_CHECKPOINTED = job(2, _checkpointed, make_args=_checkpointed_args, timeout=240.0)
+_CHECKPOINTED = job(2, _checkpointed, make_args=_checkpointed_args, timeout=240.0, batch="b")
 
 
 def test_a_tied_weight_is_saved_once_and_restored_on_every_copy(
