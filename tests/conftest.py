@@ -7,6 +7,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Batched rank jobs (tests/dist.py) run only for the modules whose tests were collected."""
     from tests.dist import select_jobs
