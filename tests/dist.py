@@ -74,7 +74,9 @@ class Job:
     batch: str
     # makes the args in the parent when the batch runs (a folder from the factory, a plan), kept in args
     make_args: Callable[[pytest.TempPathFactory], tuple[Any, ...]] | None = None
-    last: bool = False  # after the other jobs: it leaves failed pipelines or pending operations behind
+    # after the other jobs: it leaves a failed pipeline behind, whose watchdog may have closed the
+    # connections of its group (the world's, in a launch): at most one such job per batch
+    last: bool = False
     outcome: tuple[bool, Any] | None = field(default=None, repr=False)  # (ok, per-rank results or error)
     seconds: tuple[float, float] | None = None  # in its batch: (wall, CPU) of its slowest rank
 
@@ -125,6 +127,8 @@ def job(
     ``Job.args``)."""
     if backend not in ("gloo", "nccl-emulated"):
         raise ValueError(f"backend must be 'gloo' or 'nccl-emulated', got {backend!r}")
+    if last and any(j.last and (j.world_size, j.batch) == (world_size, batch) for j in _jobs):
+        raise ValueError(f"the launch of {world_size} ranks, batch {batch!r}, has its last job already")
     made = Job(world_size, fn, args, backend, timeout, batch, make_args, last)
     _jobs.append(made)
     return made

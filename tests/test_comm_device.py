@@ -70,8 +70,7 @@ def _gloo_checks() -> dict[str, Any]:
     return out
 
 
-# last in its launch: rank 0's receive on the short group is never matched
-_GLOO_CHECKS = job(2, _gloo_checks, timeout=60.0, batch="b", last=True)
+_GLOO_CHECKS = job(2, _gloo_checks, timeout=60.0, batch="b")
 
 
 def test_gloo_refuses_foreign_tensors_and_runs_a_step_under_a_meta_default(
@@ -130,7 +129,8 @@ def _int16_under_emulation() -> str:
     return _error(lambda: pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
 
 
-_INT16 = job(2, _int16_under_emulation, timeout=60.0, backend="nccl-emulated")
+# last in its launch: the refused step fails the world group's pipeline (and its channels)
+_INT16 = job(2, _int16_under_emulation, timeout=60.0, backend="nccl-emulated", batch="b", last=True)
 
 
 def test_a_dtype_nccl_cannot_send_is_refused_at_the_first_step(

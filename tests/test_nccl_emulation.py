@@ -277,7 +277,7 @@ def _failures() -> dict[str, list[Any]]:
 
 
 # last in its launch: the failed pipelines stay behind (on groups of their own)
-_FAILURES = job(2, _failures, timeout=60.0, backend="nccl-emulated", batch="b", last=True)
+_FAILURES = job(2, _failures, timeout=60.0, backend="nccl-emulated", last=True)
 
 
 def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(
