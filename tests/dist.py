@@ -8,13 +8,15 @@ per-rank results:
     _JOB = job(4, _matrix, timeout=120.0)          # at import: registered, nothing runs yet
     results = _JOB.results(tmp_path_factory)       # in a fixture: the first one runs the batch
 
-    launch of 4 ranks, batch "pipe":   job 1 | job 2 | ... | job n     (one process group)
+    launch of 4 ranks, batch "a":   job 1 | job 2 | ... | job n | last job     (one process group)
         each rank, each job:  backend's environment, fresh RNG state -> fn(*args) -> result or error
                               -> all ranks agree it went well, else the rest of the batch is skipped
                               -> collect garbage until the job's threads are gone
 
 A job that failed or was skipped in the batch runs again alone (a launch of its own), so its error
 is exactly what it would be without batching, and a failure never spreads to other modules' results.
+A job whose pipeline fails on purpose (its watchdog then closes the group's connections) is the
+batch's ``last``.
 
 The test that first asks for a batch runs all of it inside its own pytest-timeout, so batches are
 kept small: about 25 s each on 2 quiet cores (``--durations`` prints every job's time), the same as
