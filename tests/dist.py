@@ -16,7 +16,8 @@ per-rank results:
 A job that failed or was skipped in the batch runs again alone (a launch of its own), so its error
 is exactly what it would be without batching, and a failure never spreads to other modules' results.
 A job whose pipeline fails on purpose (its watchdog then closes the group's connections) is the
-batch's ``last``.
+batch's ``last``; one that makes groups of some of the ranks only (tied weights over a subset:
+dist.new_group with local synchronization) gets a batch of its own.
 
 The test that first asks for a batch runs all of it inside its own pytest-timeout, so batches are
 kept small: about 25 s each on 2 quiet cores (``--durations`` prints every job's time), the same as
