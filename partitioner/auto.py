@@ -258,9 +258,9 @@ def _unchecked(name: str, p: int, m: int, v: int) -> Schedule:
 
 
 def rank_peaks(plan: Plan) -> list[float]:
-    """Per rank, the predicted peak bytes: the sum of its stages' (each at its own peak)."""
-    p = plan.n_ranks
-    return [math.fsum(st.memory_bytes for st in plan.stages[r::p]) for r in range(p)]
+    """Per rank, the predicted peak bytes: the schedule walked action by action (what
+    ``pipe.memory_stats()`` measures; ``predicted`` records it in ``extra["rank_peaks"]``)."""
+    return [float(x) for x in plan.extra["rank_peaks"]]
 
 
 def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> float:

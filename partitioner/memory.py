@@ -46,7 +46,7 @@ The step's data (stage 0's input, the last stage's targets) is not counted: the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,18 @@ from pipeline.runtime.recompute import check_mode, recomputes
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 
-__all__ = ["StageBytes", "held", "in_flight", "layer_memory", "rank_peaks", "saved_io", "stage_bytes"]
+__all__ = [
+    "PARTS",
+    "StageBytes",
+    "coefficients",
+    "held",
+    "in_flight",
+    "layer_bounds",
+    "layer_memory",
+    "rank_peaks",
+    "saved_io",
+    "stage_bytes",
+]
 
 
 def in_flight(sched: Schedule) -> list[int]:
@@ -171,6 +182,38 @@ def stage_bytes(
     return out
 
 
+def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, list[float]]:
+    """Per layer l (the loss's figures on the last), what it adds to each figure of ``stage_bytes``
+    at most, whichever stage holds it: ``static``, ``saved`` (its saved bytes less the storage it
+    shares with layer l - 1, never below 0), ``chain``, ``grads``; and ``least``, what it adds at
+    least to the walked peak (its static bytes). A stage [a, b) then has, per micro-batch::
+
+        saved(a, b) <= sum of saved_l     chain(a, b) <= sum of chain_l     grads(a, b) <= sum of act_l
+
+    (stage_bytes subtracts its first layer's whole saved input, and the output it sends, where this
+    subtracts only the share with the previous layer; chain and grads leave out its last layer)."""
+    layers = list(profile.layers)
+    n, loss = len(layers), profile.loss
+    io = _recorded_io(profile)
+    saved, chain, grads, static, least = [], [], [], [], []
+    for j, lp in enumerate(layers):
+        shared = io[j][0] if j == 0 else min(io[j - 1][1], io[j][0])
+        own = float(lp.saved_bytes - shared)
+        fixed = lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
+        if j == n - 1 and loss is not None:
+            own += loss.saved_bytes - min(io[j][1], io[-1][0]) - io[-1][1]
+            fixed += loss.param_bytes * (2.0 + optimizer_state_factor) + loss.buffer_bytes + loss.cache_bytes
+        saved.append(max(own, 0.0))
+        unsaved = j + 1 < n and io[j][1] == 0 and io[j + 1][0] == 0
+        chain.append(float(lp.activation_bytes) if unsaved else 0.0)
+        grads.append(float(lp.activation_bytes))
+        static.append(float(fixed))
+        least.append(
+            float(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes)
+        )
+    return {"static": static, "saved": saved, "chain": chain, "grads": grads, "least": least}
+
+
 def _recorded_io(profile: Profile) -> list[tuple[int, int]]:
     """``saved_io`` as the profile records it, or zeros (nothing known to be shared)."""
     layers = profile.layers
@@ -202,35 +245,81 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
     for mode in modes:
         check_mode(mode)
     lowered = sched.lowered()
+
+    def size(key: tuple[str, int, int]) -> np.ndarray:
+        kind, s, _ = key
+        return np.asarray([getattr(stages[s], _FIELD[kind])])
+
     return [
-        sum(st.static for st in stages[r :: sched.n_ranks]) + _walk(sched, lowered, r, stages, modes)
+        sum(st.static for st in stages[r :: sched.n_ranks]) + float(_walk(sched, lowered, r, size, modes)[0])
         for r in range(sched.n_ranks)
     ]
+
+
+# what each holder of the walk weighs: a field of ``StageBytes``
+_FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
+          "set": "saved", "chain": "chain", "grads": "grads"}  # fmt: skip
+PARTS = ("saved", "input", "output", "chain", "grads")  # the per-micro-batch figures of StageBytes
+
+
+def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[str, float]]:
+    """Per stage s: for each figure of ``StageBytes`` (``PARTS``), the most micro-batches' worth of
+    it that s's rank holds at once in the walk, each figure on its own (the walk with unit bytes).
+
+    The walk is linear in the figures for a fixed order of actions, so a rank's activation peak is
+    max over moments t of sum over its stages s and figures f of count[t, s, f] * bytes[s, f]
+    <= sum over s, f of (max over t of count[t, s, f]) * bytes[s, f]: these coefficients times the
+    bytes bound the walk for every balance (equal when every figure peaks at the same moment)."""
+    modes = [recompute] * sched.n_stages if isinstance(recompute, str) else list(recompute)
+    if len(modes) != sched.n_stages:
+        raise ValueError(f"{len(modes)} recompute modes for {sched.n_stages} stages; give one per stage")
+    for mode in modes:
+        check_mode(mode)
+    lowered = sched.lowered()
+    p, width = sched.n_ranks, len(PARTS)
+    units: dict[tuple[str, int], np.ndarray] = {}
+
+    def size(key: tuple[str, int, int]) -> np.ndarray:
+        kind, s, _ = key
+        if (kind, s) not in units:
+            unit = np.zeros(width * (sched.n_stages // p))
+            unit[(s // p) * width + PARTS.index(_FIELD[kind])] = 1.0
+            units[(kind, s)] = unit
+        return units[(kind, s)]
+
+    out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
+    for r in range(p):
+        peak = _walk(sched, lowered, r, size, modes)
+        for s in range(r, sched.n_stages, p):
+            out[s] = {f: float(peak[(s // p) * width + j]) for j, f in enumerate(PARTS)}
+    return out
 
 
 Lowered = tuple[tuple[Action, ...], ...]
 
 
-def _walk(sched: Schedule, lowered: Lowered, r: int, stages: Sequence[StageBytes], modes: list[str]) -> float:
-    """Rank r's most activation bytes held at once (see ``rank_peaks``)."""
+def _walk(
+    sched: Schedule,
+    lowered: Lowered,
+    r: int,
+    size: Callable[[tuple[str, int, int]], np.ndarray],
+    modes: list[str],
+) -> np.ndarray:
+    """Rank r's most bytes held at once (see ``rank_peaks``), per slot of ``size``'s vectors: each
+    slot's own maximum over the step (one slot: the peak itself)."""
     mine = lowered[r]
     refs: dict[tuple[str, int, int], int] = {}
-    now, peak = 0.0, 0.0
+    width = len(size(("in", r, 0)))
+    now, peak = np.zeros(width), np.zeros(width)
     m = sched.n_microbatches
-
-    def size(key: tuple[str, int, int]) -> float:
-        kind, s, _ = key
-        st = stages[s]
-        return {"in": st.input, "gin": st.input, "out": st.output, "gout": st.output, "new": st.output,
-                "set": st.saved, "chain": st.chain, "grads": st.grads}[kind]  # fmt: skip
 
     def take(*keys: tuple[str, int, int]) -> None:
         nonlocal now, peak
         for key in keys:
             refs[key] = refs.get(key, 0) + 1
             if refs[key] == 1:
-                now += size(key)
-        peak = max(peak, now)
+                now = now + size(key)
+        peak = np.maximum(peak, now)
 
     def drop(*keys: tuple[str, int, int]) -> None:
         nonlocal now
@@ -239,7 +328,7 @@ def _walk(sched: Schedule, lowered: Lowered, r: int, stages: Sequence[StageBytes
                 refs[key] -= 1
                 if refs[key] == 0:
                     del refs[key]
-                    now -= size(key)
+                    now = now - size(key)
 
     def buffer(a: Action) -> tuple[str, int, int]:
         kind = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND_B: "gin"}[a.kind]
