@@ -164,7 +164,7 @@ def test_recompute_memory_limit_is_kept(small_gpt) -> None:  # type: ignore[no-u
     plan = partition(model, 2, sample, profile=prof, memory_limit=limit, **opts)
     assert max(st.memory_bytes for st in plan.stages) <= limit
     assert max(plan.extra["rank_peaks"]) <= limit
-    with pytest.raises(ValueError, match="recompute='always', where a stage keeps up to .* bytes of inputs"):
+    with pytest.raises(ValueError, match=r"recompute='always', where a stage keeps up to .* bytes of inputs"):
         partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
 
 
