@@ -9,12 +9,13 @@ auto search's "choose per stage"), and the joint DP picks the balance and each s
 
     Modes.build(profile, sched, net, sizes, [["never", "always", ...], ...])
         options      the distinct modes o, each with per-layer costs (f + b + rho_o f) and memory
-                     rows (``memory_rows``, the stage's kept inputs taken off its limit)
+                     rows (``memory_rows``, a bound of the walk; its buffers' offset taken off
+                     the stage's limit)
         fits(x)      whether some balance fits when each rank's limit is x (scalar) or x times its own
         solve()      (balance, mode per stage), or None when nothing fits
 
-Every stage's limit is its rank's limit / v, less the stage inputs its mode keeps (each counted
-at the largest input any cut can have), as ``partition`` does for one mode.
+Every stage's limit is its rank's limit / v, less the input and output buffers its mode holds
+(each at the largest activation a cut can carry), as ``partition`` does for one mode.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@ cut splits, and a plan's predictions (stage times, memory, simulated step).
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer
 
-``memory_rows`` (and ``least_memory``, the auto search's bound) are the only callers of
-``partitioner.memory`` (``in_flight``, ``held``, ``layer_memory``): a change of the memory
-model's API is fixed here. ``recompute`` is one mode
-for every stage or one per stage (``Plan.recompute``); each stage's rows and kept inputs follow its
-own mode, and so do its recomputed forward time (``predicted``).
+``memory_rows`` (and ``least_memory``, the auto search's bound) turn ``partitioner.memory``'s
+walk into the solver's rows: per stage, the walk's coefficients (unit bytes) times per-layer
+bounds, plus an offset for its input and output buffers; the rows bound the walk from above, so
+a balance fitting them fits what a run holds. ``predicted`` records the walk itself per rank
+(``extra["rank_peaks"]``): what decides fit and what ``memory_stats`` measures. ``recompute`` is
+one mode for every stage or one per stage (``Plan.recompute``); each stage's rows follow its own
+mode, and so does its recomputed forward time.
 """
 
 from __future__ import annotations

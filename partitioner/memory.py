@@ -2,37 +2,29 @@
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer, r: rank
 
-Two models. The per-layer rows (``in_flight``, ``held``, ``layer_memory``) are what ``solve``
-splits: additive per layer, so a balance can be searched, and upper bounds. The per-rank walk
-(``stage_bytes`` then ``rank_peaks``) is the prediction of one plan's peak: it follows the
-runtime's holders one by one, so it equals what ``pipe.memory_stats()`` measures
-(``pipeline.runtime.memory``), each storage once.
+ONE model decides whether a plan fits: the per-rank walk (``stage_bytes`` then ``rank_peaks``).
+It follows the runtime's holders one by one, so it equals what ``pipe.memory_stats()`` measures
+(``pipeline.runtime.memory``), each storage once. The solver's rows are derived from it:
 
-Per-layer rows. A stage holds, at its peak::
+    walk  rank r's peak = static_r + max over moments t of  sum over r's stages s, figures f of
+                          count[t, s, f] * bytes[s, f]            (linear in the bytes: the order of
+                                                                   actions does not depend on them)
+    coefficients(sched, modes)[s][f] = max over t of count[t, s, f]   (one walk, unit bytes per slot)
+    rows  row s, entry l = static_l + sum over f of coef[s][f] * bound_f[l]      (``layer_bounds``)
+          offset_s       = (coef[s][input] + coef[s][output]) * largest cut activation
 
-    params * (1 + 1 + optimizer_state_factor)        weights, their gradients, optimizer state
-    + buffers + cache                                buffers; autocast's low-precision weight
-                                                     copies, made once and shared by every
-                                                     micro-batch of the step
-    + saved_bytes * sets[s]                          activation sets autograd keeps
-    + input_bytes(s) * inputs[s]                     stage inputs a recomputing stage keeps
+          walked peak of r  <=  sum over its stages of (row sum over the stage + offset_s)
 
-``in_flight`` walks the schedule itself: on each rank the actions run one after another,
-so counting F (one more micro-batch held by its stage) and the last backward part (B, or
-W when the schedule splits the backward: one fewer) gives each stage's exact peak, whatever
-the timing. ``held`` turns that peak N into what a stage keeps under a recomputation mode::
+    exact      per figure: one figure alone peaks at coef[s][f] (v = 1: equal to the walk)
+    bounds     figures peaking at different moments (a buffer's peak is not the graphs' peak:
+               up to ~30 % on random figures), a stage's first saved input and sent output
+               (counted beside its output), chain and grads charging the last layer, the input
+               and output at the largest cut; for v >= 2 each chunk at its own max (summed)
 
-    recompute      sets    inputs
-    never          N       0          every in-flight micro-batch keeps its activations
-    always         1       N          inputs only, plus the one being recomputed for its backward
-    except_last    2       N          the last micro-batch keeps its activations (N >= 2; m >= 2)
-                   1       1          (N = 1: the one held is the last, or one being recomputed)
+So a balance that fits the rows fits the walk: what a run holds never exceeds the limit.
 
-``except_last`` with m = 1 recomputes nothing and counts as ``never``. Both recomputing rows
-are upper bounds: they charge every held micro-batch its input besides the activation sets.
-What the rows miss: a storage two adjacent layers both save (a ReLU's output is the next
-Linear's input) counts twice; a rank's stages (interleaved) rarely peak together; transfer
-buffers, zb-h1's output gradients kept from B to W, and a recomputing stage's sent output.
+``in_flight`` (peak micro-batches held per stage), ``held`` and ``layer_memory`` are the earlier
+count model, kept for their closed forms (``held``: sets and kept inputs per recompute mode).
 
 Per-rank walk. ``stage_bytes`` turns the profile into per-micro-batch figures of each stage
 (``StageBytes``: its graph beyond input and output, input, output, a split chain's unsaved
