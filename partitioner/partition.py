@@ -135,7 +135,26 @@ def partition(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
             f"{len(sizes) - 1} places ({'; '.join(reasons)}); use at most {len(sizes) // v} ranks"
         )
-    return predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
+    plan = predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
+    _check_walk(plan, net)
+    return plan
+
+
+def _check_walk(plan: Plan, net: Options) -> None:
+    """Never return a plan a run would not fit in: the rows the solver fits bound the walk, so this
+    cannot fail unless the memory model has a bug (then say so rather than plan an out-of-memory)."""
+    if net.memory_limit is None:
+        return
+    over = [
+        f"rank {r}: {peak:g} > {limit:g}"
+        for r, (peak, limit) in enumerate(zip(plan.extra["rank_peaks"], net.memory_limit, strict=True))
+        if peak > limit
+    ]
+    if over:
+        raise RuntimeError(
+            f"partitioner bug: balance {plan.balance} fits the solver's memory rows but not the schedule "
+            f"walked rank by rank ({'; '.join(over)}); the rows must bound the walk (partitioner.memory)"
+        )
 
 
 def plan_for(

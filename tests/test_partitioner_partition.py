@@ -399,3 +399,36 @@ def test_infeasible_limit_raises_fast_on_1000_layers_64_ranks() -> None:
     assert max(st.memory_bytes for st in fits.stages) <= smallest
     with pytest.raises(ValueError, match="too small"):
         partition(model, p, None, profile=prof, bandwidth=1e9, memory_limit=math.nextafter(smallest, 0))
+
+
+@pytest.mark.parametrize("schedule_name", ["zb-h1", "1f1b", "gpipe"])
+def test_plans_at_the_smallest_limit_fit_the_walk(schedule_name: str) -> None:
+    # large activations, small saved graphs: zb-h1's output gradients (kept from B to W) and the
+    # transfer buffers dominate; at the smallest limit the error names, every rank's walked peak fits
+    # (partition raises a RuntimeError rather than return a plan the walk does not fit)
+    layers = [
+        LayerProfile(
+            i,
+            str(i),
+            "Linear",
+            1e-3,
+            2e-3,
+            10,
+            1024 * (1 + i % 3),
+            65536 * (1 + i % 4),
+            4096,
+            (1,),
+            "float32",
+            weight_time=1e-3,
+            input_time=1e-3,
+        )
+        for i in range(12)
+    ]
+    prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=8192)
+    model = nn.Sequential(*[nn.Identity() for _ in range(12)])
+    opts = {"profile": prof, "schedule": schedule_name, "n_microbatches": 6}
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
+        partition(model, 3, None, memory_limit=1.0, **opts)  # type: ignore[arg-type]
+    smallest = float(str(info.value).split("the smallest limit that fits is ")[1].split(";")[0])
+    plan = partition(model, 3, None, memory_limit=smallest, **opts)  # type: ignore[arg-type]
+    assert max(plan.extra["rank_peaks"]) <= smallest
