@@ -185,25 +185,30 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
     (stage_bytes subtracts its first layer's whole saved input, and the output it sends, where this
     subtracts only the share with the previous layer; chain and grads leave out its last layer)."""
     layers = list(profile.layers)
-    n, loss = len(layers), profile.loss
-    io = _recorded_io(profile)
-    saved, chain, grads, static, least = [], [], [], [], []
-    for j, lp in enumerate(layers):
-        shared = io[j][0] if j == 0 else min(io[j - 1][1], io[j][0])
-        own = float(lp.saved_bytes - shared)
-        fixed = lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
-        if j == n - 1 and loss is not None:
-            own += loss.saved_bytes - min(io[j][1], io[-1][0]) - io[-1][1]
-            fixed += loss.param_bytes * (2.0 + optimizer_state_factor) + loss.buffer_bytes + loss.cache_bytes
-        saved.append(max(own, 0.0))
-        unsaved = j + 1 < n and io[j][1] == 0 and io[j + 1][0] == 0
-        chain.append(float(lp.activation_bytes) if unsaved else 0.0)
-        grads.append(float(lp.activation_bytes))
-        static.append(float(fixed))
-        least.append(
-            float(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes)
-        )
-    return {"static": static, "saved": saved, "chain": chain, "grads": grads, "least": least}
+    n, loss, f = len(layers), profile.loss, 2.0 + optimizer_state_factor
+    io = np.asarray(_recorded_io(profile), np.float64).reshape(-1, 2)
+    ins, outs = io[:n, 0], io[:n, 1]
+
+    def column(name: str) -> np.ndarray:
+        return np.asarray([getattr(lp, name) for lp in layers], np.float64)
+
+    act = column("activation_bytes")
+    shared = np.minimum(np.concatenate([[np.inf], outs[:-1]]), ins)  # with layer l - 1; all of layer 0's
+    own = column("saved_bytes") - shared
+    least = column("param_bytes") * f + column("buffer_bytes") + column("cache_bytes")
+    static = least.copy()
+    if loss is not None:  # the loss's figures on the last layer: its input once, its target never
+        own[-1] += loss.saved_bytes - min(outs[-1], io[-1, 0]) - io[-1, 1]
+        static[-1] += loss.param_bytes * f + loss.buffer_bytes + loss.cache_bytes
+    unsaved = np.zeros(n, bool)
+    unsaved[:-1] = (outs[:-1] == 0) & (ins[1:] == 0)  # a split chain keeps this output itself
+    return {
+        "static": static.tolist(),
+        "saved": np.maximum(own, 0.0).tolist(),
+        "chain": np.where(unsaved, act, 0.0).tolist(),
+        "grads": act.tolist(),
+        "least": least.tolist(),
+    }
 
 
 def _recorded_io(profile: Profile) -> list[tuple[int, int]]:
