@@ -9,12 +9,13 @@ auto search's "choose per stage"), and the joint DP picks the balance and each s
 
     Modes.build(profile, sched, net, sizes, [["never", "always", ...], ...])
         options      the distinct modes o, each with per-layer costs (f + b + rho_o f) and memory
-                     rows (``memory_rows``, the stage's kept inputs taken off its limit)
+                     rows (``memory_rows``, a bound of the walk; its buffers' offset taken off
+                     the stage's limit)
         fits(x)      whether some balance fits when each rank's limit is x (scalar) or x times its own
         solve()      (balance, mode per stage), or None when nothing fits
 
-Every stage's limit is its rank's limit / v, less the stage inputs its mode keeps (each counted
-at the largest input any cut can have), as ``partition`` does for one mode.
+Every stage's limit is its rank's limit / v, less the input and output buffers its mode holds
+(each at the largest activation a cut can carry), as ``partition`` does for one mode.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from partitioner._inputs import _prefix
 from partitioner._joint import fits_joint, smallest_joint, solve_joint
 from partitioner._options import Options, check_fit
-from partitioner._planning import expand, grouped, grouped_cut, largest_input, memory_rows
+from partitioner._planning import expand, grouped, grouped_cut, memory_rows
 from partitioner.costs import cut_rows, layer_costs
 from partitioner.figures import Profile
 from partitioner.solve import solve
@@ -56,9 +57,9 @@ def balance_of(profile: Profile, shape: Plan, sched: Schedule, net: Options, siz
     cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth)
     limits, rows = None, None
     if net.memory_limit is not None:
-        layer_rows, inputs = memory_rows(profile, sched, recompute, net.optimizer_state_factor)
+        layer_rows, offset = memory_rows(profile, sched, recompute, net.optimizer_state_factor)
         rows = [grouped(row, sizes) for row in layer_rows]
-        limits = check_fit(net, rows, inputs, largest_input(profile), recompute, k, v)
+        limits = check_fit(net, rows, offset, recompute, k, v)
     group_balance = solve(
         grouped(costs, sizes),
         k,
@@ -78,7 +79,7 @@ class Modes:
         self.allowed: list[list[int]] = []  # per stage: its options
         self.prefix: list[list[float]] = []  # per option: cost prefix sums over the layer groups
         self.memory: list[list[list[float]]] = []  # per option: per stage, memory prefix sums
-        self.offset: list[list[float]] = []  # per option: per stage, bytes of the inputs it keeps
+        self.offset: list[list[float]] = []  # per option: per stage, bytes of its input and output buffers
         self.cut: list[list[float]] | None = None
         self.speed: list[float] | None = None
         self.sizes: list[int] = []
@@ -101,15 +102,14 @@ class Modes:
         out.allowed = [
             [out.modes.index(mode) for mode in RECOMPUTE_MODES if mode in stage] for stage in allowed
         ]
-        biggest = largest_input(profile)
         for mode in out.modes:
             costs = layer_costs(
                 profile, net.cost, recompute=mode, n_microbatches=m, split_backward=sched.split_backward
             )
             out.prefix.append(_prefix(grouped(costs, sizes)))
-            rows, inputs = memory_rows(profile, sched, mode, net.optimizer_state_factor)
+            rows, offset = memory_rows(profile, sched, mode, net.optimizer_state_factor)
             out.memory.append([_prefix(grouped(row, sizes)) for row in rows])
-            out.offset.append([float(biggest * kept) for kept in inputs])
+            out.offset.append(offset)
         cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth)
         out.cut = None if cuts is None else [grouped_cut(row, sizes) for row in cuts]
         if out.cut is not None and not any(any(row[:-1]) for row in out.cut):

@@ -5,7 +5,7 @@
 ``Options.make`` checks the cost, speeds and memory limits (one number for every rank, or one per
 rank) and the links' latency and bandwidth (see ``partitioner.costs``); the schedule's options are
 ``schedule_options``'. ``check_fit`` turns a rank's memory limit into per-stage limits for the
-layers (the rank's share, ``limit / v``, less the inputs a recomputing stage keeps) and, when no
+layers (the rank's share, ``limit / v``, less the stage's input and output buffers) and, when no
 balance fits them, raises naming the smallest limit (or factor on the limits) that would.
 """
 
@@ -95,17 +95,16 @@ def _per_rank(
 def check_fit(
     net: Options,
     rows: list[list[float]],
-    inputs: list[int],
-    largest_input: int,
+    offset: list[float],
     recompute: str,
     k: int,
     v: int,
 ) -> list[float]:
-    """Per-stage limits for the layers (the rank's share less the inputs a recomputing stage keeps);
-    a ValueError naming the smallest memory_limit (or factor) that fits when none does."""
+    """Per-stage limits for the layers (the rank's share less ``offset[s]``, the stage's buffers that
+    do not depend on its layers); a ValueError naming the smallest memory_limit (or factor) that fits
+    when none does."""
     assert net.memory_limit is not None
     per_rank, p = net.memory_limit, net.n_ranks
-    offset = [float(largest_input * held_inputs) for held_inputs in inputs]
 
     def limits(scale: float, base: list[float]) -> list[float]:
         return [scale * base[s % p] / v - offset[s] for s in range(k)]
@@ -116,9 +115,9 @@ def check_fit(
     if fits(grouped, found, k):
         return found
     kept = (
-        f" with recompute={recompute!r}, where a stage keeps up to {max(inputs)} stage inputs (each counted "
-        "at the largest input any cut can have) besides its layers"
-        if any(inputs)
+        f" with recompute={recompute!r}, where a stage keeps up to {max(offset):g} bytes of inputs and "
+        "outputs (each counted at the largest activation any cut can carry) besides its layers"
+        if recompute != "never"
         else ""
     )
     if net.scalar_limit:

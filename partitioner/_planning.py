@@ -3,11 +3,13 @@ cut splits, and a plan's predictions (stage times, memory, simulated step).
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer
 
-``memory_rows`` (and ``least_memory``, the auto search's bound) are the only callers of
-``partitioner.memory`` (``in_flight``, ``held``, ``layer_memory``): a change of the memory
-model's API is fixed here. ``recompute`` is one mode
-for every stage or one per stage (``Plan.recompute``); each stage's rows and kept inputs follow its
-own mode, and so do its recomputed forward time (``predicted``).
+``memory_rows`` (and ``least_memory``, the auto search's bound) turn ``partitioner.memory``'s
+walk into the solver's rows: per stage, the walk's coefficients (unit bytes) times per-layer
+bounds, plus an offset for its input and output buffers; the rows bound the walk from above, so
+a balance fitting them fits what a run holds. ``predicted`` records the walk itself per rank
+(``extra["rank_peaks"]``): what decides fit and what ``memory_stats`` measures. ``recompute`` is
+one mode for every stage or one per stage (``Plan.recompute``); each stage's rows follow its own
+mode, and so does its recomputed forward time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from partitioner._options import Options
 from partitioner.costs import (
@@ -29,7 +33,7 @@ from partitioner.costs import (
 )
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
-from partitioner.memory import held, in_flight, layer_memory, stage_bytes
+from partitioner.memory import coefficients, layer_bounds, stage_bytes
 from partitioner.memory import rank_peaks as walked_peaks
 from partitioner.solve import stage_costs, stage_memory
 from partitioner.timing import predict
@@ -94,7 +98,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         for mode in set(modes)
     }
     per_stage = [by_mode[mode][s] for s, mode in enumerate(modes)]
-    rows, inputs = memory_rows(profile, sched, shape.recompute, net.optimizer_state_factor)
+    rows, offsets = memory_rows(profile, sched, shape.recompute, net.optimizer_state_factor)
     mem = stage_memory(rows, balance)
     sent = cut_bytes(profile.graph)
     stages, start = [], 0
@@ -104,7 +108,6 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         link = transfer(out, s, p, net.latency, net.bandwidth) if s < k - 1 else 0.0  # each way
         if s > 0:
             link += transfer(sent[start - 1], s - 1, p, net.latency, net.bandwidth)
-        stage_input = profile.input_bytes if start == 0 else sent[start - 1]
         lps = layers[start:stop]
         rho = recomputed_share(modes[s], m)
         forward = math.fsum(lp.forward_time for lp in lps) / speeds[s]
@@ -121,7 +124,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
                 forward_time=forward + link,
                 backward_time=backward + rho * forward + link,
                 cost=per_stage[s],
-                memory_bytes=mem[s] + float(stage_input * inputs[s]),
+                memory_bytes=mem[s] + offsets[s],
                 sent_bytes=out,
                 weight_time=min(weight, backward),
             )
@@ -144,7 +147,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     if ties:
         extra["ties"] = ties
     # per rank: the schedule walked action by action, each storage once (what memory_stats measures);
-    # the stages' memory_bytes above are the solver's per-stage rows, summed at each stage's own peak
+    # (the decision); the stages' memory_bytes above are the solver's rows, a bound of it per stage
     bytes_ = stage_bytes(profile, balance, net.optimizer_state_factor)
     extra["rank_peaks"] = walked_peaks(sched, bytes_, shape.recompute)
     return shape.replace(
@@ -160,40 +163,56 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
 
 def memory_rows(
     profile: Profile, sched: Schedule, recompute: Recompute, optimizer_state_factor: float
-) -> tuple[list[list[float]], list[int]]:
-    """The memory rows ``solve`` takes (row s: what each layer costs on stage s) and, per stage,
-    how many stage inputs it keeps on top (recomputation), both from the schedule's in-flight peaks;
-    ``recompute``: one mode, or one per stage. The one place the memory model is called."""
-    peaks = in_flight(sched)
+) -> tuple[list[list[float]], list[float]]:
+    """The memory rows ``solve`` takes (row s: what each layer costs at most on stage s) and, per
+    stage, the bytes on top whatever its layers (its input and output buffers, each at the largest
+    activation a cut can carry); ``recompute``: one mode, or one per stage.
+
+    Row s, entry l = static_l + sum over figures f of coef[s][f] * bound_f[l] (``coefficients``
+    from the walk with unit bytes, ``layer_bounds``): a stage's row sum plus its offset is >= what
+    the walk (``rank_peaks``) charges it, so every balance fitting the rows fits the walk."""
     k = sched.n_stages
-    modes = [mode_of(recompute, s) for s in range(k)]
-    per_mode = {mode: held(mode, sched.n_microbatches, peaks) for mode in set(modes)}
-    sets = [per_mode[mode][0][s] for s, mode in enumerate(modes)]
-    inputs = [per_mode[mode][1][s] for s, mode in enumerate(modes)]
-    layers = with_loss(profile)
-    rows = layer_memory(
-        [lp.param_bytes for lp in layers],
-        [lp.saved_bytes for lp in layers],
-        sets,
-        optimizer_state_factor,
-        buffer_bytes=[lp.buffer_bytes for lp in layers],
-        cache_bytes=[lp.cache_bytes for lp in layers],
-    )
-    return rows, inputs
+    modes = tuple(mode_of(recompute, s) for s in range(k))
+    coefs = _coefficients(sched, modes)
+    bounds = {f: np.asarray(x) for f, x in layer_bounds(profile, optimizer_state_factor).items()}
+    by_coef: dict[tuple[float, float, float], list[float]] = {}  # stages of equal coefficients share a row
+    rows = []
+    for c in coefs:
+        key = (c["saved"], c["chain"], c["grads"])
+        if key not in by_coef:
+            row = (
+                bounds["static"]
+                + key[0] * bounds["saved"]
+                + key[1] * bounds["chain"]
+                + key[2] * bounds["grads"]
+            )
+            by_coef[key] = row.tolist()
+        rows.append(by_coef[key])
+    edge = float(max((lp.activation_bytes for lp in profile.layers[:-1]), default=0))
+    offsets = [
+        edge * ((c["input"] if s > 0 else 0.0) + (c["output"] if s < k - 1 else 0.0))
+        for s, c in enumerate(coefs)
+    ]
+    return rows, offsets
+
+
+_COEFS: dict[tuple[str, int, int, int, tuple[str, ...]], list[dict[str, float]]] = {}
+
+
+def _coefficients(sched: Schedule, modes: tuple[str, ...]) -> list[dict[str, float]]:
+    """``coefficients`` of the schedule under ``modes``, cached (the search asks for each many times)."""
+    key = (sched.name, sched.n_ranks, sched.n_stages, sched.n_microbatches, modes)
+    if key not in _COEFS:
+        if len(_COEFS) > 256:
+            _COEFS.clear()
+        _COEFS[key] = coefficients(sched, modes)
+    return _COEFS[key]
 
 
 def least_memory(profile: Profile, optimizer_state_factor: float) -> list[float]:
-    """Per layer, the least bytes it costs on any stage under any schedule and mode: its static
-    share and one activation set (every stage holds at least one micro-batch at its peak)."""
-    layers = with_loss(profile)
-    return layer_memory(
-        [lp.param_bytes for lp in layers],
-        [lp.saved_bytes for lp in layers],
-        [1],
-        optimizer_state_factor,
-        buffer_bytes=[lp.buffer_bytes for lp in layers],
-        cache_bytes=[lp.cache_bytes for lp in layers],
-    )[0]
+    """Per layer, the least bytes it adds to its rank's walked peak under any schedule, mode and
+    balance: its static bytes (weights, gradients, optimizer state, buffers, weight copies)."""
+    return layer_bounds(profile, optimizer_state_factor)["least"]
 
 
 def ties_of(layers: list[LayerProfile], balance: list[int]) -> dict[str, list[int]]:

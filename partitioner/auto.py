@@ -13,7 +13,8 @@ The grid, for a profile taken at any rows (``partitioner.scaling`` prices each m
 
 Each config gets its exact balance (``partitioner._balance``, memory model included) and its step
 time from the simulator (F, B and W per stage from the profile, plus the links' latency and
-bandwidth); the answer is the fastest config whose every rank's predicted peak fits its limit.
+bandwidth); the answer is the fastest config whose every rank's peak fits its limit, the peak being
+the schedule walked rank by rank (``partitioner.memory``; the solver's rows bound it from above).
 
 Pruning, with bounds that never cut off a config that could be faster than the best found::
 
@@ -22,9 +23,9 @@ Pruning, with bounds that never cut off a config that could be faster than the b
                    no recomputation and no memory limit: <= every config of the group. Groups go
                    likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
                    a group whose bound reaches the best step found is skipped unsimulated
-    fit            a group where no balance fits even one activation set per stage is skipped
-                   before its schedule is built; a config no balance fits (an O(k n) numpy pass)
-                   is skipped before solving
+    fit            a group where no balance fits even the static bytes (weights, gradients,
+                   optimizer state) is skipped before its schedule is built; a config no
+                   balance fits (an O(k n) numpy pass) is skipped before solving
     balance bound  m * (busiest rank's work under the solved balance), plus for v = 1 the fill
                    and drain in front of and behind each rank (``_balance_bound``): a config at or
                    above the best step found is not simulated
@@ -154,7 +155,9 @@ def search(
                 if key not in bounds:
                     bounds[key] = m * _least_work(scaled[m], nets[v], p * v, m, split, sizes)
                 if memory_limit is not None and not _may_fit(scaled[m], nets[v], p * v, sizes):
-                    skipped.append(f"{name} v={v} m={m}: even one activation set per stage does not fit")
+                    skipped.append(
+                        f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
+                    )
                     unfit.append(_Group(name, v, m, math.inf, math.inf))
                     continue
                 guess = bounds[key] * (1.0 + (p - 1) / (m * v))  # ~ (m v + p - 1) / (m v): the bubble
@@ -238,7 +241,7 @@ def _evaluate(
         if net.memory_limit is not None and any(
             peak > limit for peak, limit in zip(peaks, net.memory_limit, strict=True)
         ):
-            continue  # cannot happen: each stage fits its rank's limit / v
+            continue  # cannot happen: the rows bound the walk, and each stage fits its rank's limit / v
         out.append(plan)
         best[0] = min(best[0], plan.step_time)
     return out
@@ -258,9 +261,9 @@ def _unchecked(name: str, p: int, m: int, v: int) -> Schedule:
 
 
 def rank_peaks(plan: Plan) -> list[float]:
-    """Per rank, the predicted peak bytes: the sum of its stages' (each at its own peak)."""
-    p = plan.n_ranks
-    return [math.fsum(st.memory_bytes for st in plan.stages[r::p]) for r in range(p)]
+    """Per rank, the predicted peak bytes: the schedule walked action by action (what
+    ``pipe.memory_stats()`` measures; ``predicted`` records it in ``extra["rank_peaks"]``)."""
+    return [float(x) for x in plan.extra["rank_peaks"]]
 
 
 def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> float:
@@ -297,8 +300,8 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
 
 
 def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
-    """False when no balance fits even with one activation set per stage and no inputs kept: then
-    no schedule, m or mode can fit (each stage holds at least that), and no schedule is built."""
+    """False when no balance fits even the layers' static bytes (weights, gradients, optimizer
+    state, buffers): then no schedule, m or mode can fit, and no schedule is built."""
     assert net.memory_limit is not None
     row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
     v, p = k // net.n_ranks, net.n_ranks
@@ -352,8 +355,8 @@ def _nothing_fits(
 ) -> str:
     """The error when no config fits: the smallest limit (or factor) that would, and for which config.
 
-    Groups go in order of a schedule-free lower bound (one activation set per stage, no inputs
-    kept), and one whose bound reaches the least limit found is not built."""
+    Groups go in order of a schedule-free lower bound (the static bytes alone), and one whose
+    bound reaches the least limit found is not built."""
     least, where = math.inf, ""
     floors = [(_least_floor(scaled[g.m], nets[g.v], p * g.v, sizes), i) for i, g in enumerate(groups)]
     for floor, i in sorted(floors):

@@ -2,37 +2,29 @@
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer, r: rank
 
-Two models. The per-layer rows (``in_flight``, ``held``, ``layer_memory``) are what ``solve``
-splits: additive per layer, so a balance can be searched, and upper bounds. The per-rank walk
-(``stage_bytes`` then ``rank_peaks``) is the prediction of one plan's peak: it follows the
-runtime's holders one by one, so it equals what ``pipe.memory_stats()`` measures
-(``pipeline.runtime.memory``), each storage once.
+ONE model decides whether a plan fits: the per-rank walk (``stage_bytes`` then ``rank_peaks``).
+It follows the runtime's holders one by one, so it equals what ``pipe.memory_stats()`` measures
+(``pipeline.runtime.memory``), each storage once. The solver's rows are derived from it:
 
-Per-layer rows. A stage holds, at its peak::
+    walk  rank r's peak = static_r + max over moments t of  sum over r's stages s, figures f of
+                          count[t, s, f] * bytes[s, f]            (linear in the bytes: the order of
+                                                                   actions does not depend on them)
+    coefficients(sched, modes)[s][f] = max over t of count[t, s, f]   (one walk, unit bytes per slot)
+    rows  row s, entry l = static_l + sum over f of coef[s][f] * bound_f[l]      (``layer_bounds``)
+          offset_s       = (coef[s][input] + coef[s][output]) * largest cut activation
 
-    params * (1 + 1 + optimizer_state_factor)        weights, their gradients, optimizer state
-    + buffers + cache                                buffers; autocast's low-precision weight
-                                                     copies, made once and shared by every
-                                                     micro-batch of the step
-    + saved_bytes * sets[s]                          activation sets autograd keeps
-    + input_bytes(s) * inputs[s]                     stage inputs a recomputing stage keeps
+          walked peak of r  <=  sum over its stages of (row sum over the stage + offset_s)
 
-``in_flight`` walks the schedule itself: on each rank the actions run one after another,
-so counting F (one more micro-batch held by its stage) and the last backward part (B, or
-W when the schedule splits the backward: one fewer) gives each stage's exact peak, whatever
-the timing. ``held`` turns that peak N into what a stage keeps under a recomputation mode::
+    exact      per figure: one figure alone peaks at coef[s][f] (v = 1: equal to the walk)
+    bounds     figures peaking at different moments (a buffer's peak is not the graphs' peak:
+               up to ~30 % on random figures), a stage's first saved input and sent output
+               (counted beside its output), chain and grads charging the last layer, the input
+               and output at the largest cut; for v >= 2 each chunk at its own max (summed)
 
-    recompute      sets    inputs
-    never          N       0          every in-flight micro-batch keeps its activations
-    always         1       N          inputs only, plus the one being recomputed for its backward
-    except_last    2       N          the last micro-batch keeps its activations (N >= 2; m >= 2)
-                   1       1          (N = 1: the one held is the last, or one being recomputed)
+So a balance that fits the rows fits the walk: what a run holds never exceeds the limit.
 
-``except_last`` with m = 1 recomputes nothing and counts as ``never``. Both recomputing rows
-are upper bounds: they charge every held micro-batch its input besides the activation sets.
-What the rows miss: a storage two adjacent layers both save (a ReLU's output is the next
-Linear's input) counts twice; a rank's stages (interleaved) rarely peak together; transfer
-buffers, zb-h1's output gradients kept from B to W, and a recomputing stage's sent output.
+``in_flight`` (peak micro-batches held per stage), ``held`` and ``layer_memory`` are the earlier
+count model, kept for their closed forms (``held``: sets and kept inputs per recompute mode).
 
 Per-rank walk. ``stage_bytes`` turns the profile into per-micro-batch figures of each stage
 (``StageBytes``: its graph beyond input and output, input, output, a split chain's unsaved
@@ -46,7 +38,7 @@ The step's data (stage 0's input, the last stage's targets) is not counted: the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +51,18 @@ from pipeline.runtime.recompute import check_mode, recomputes
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 
-__all__ = ["StageBytes", "held", "in_flight", "layer_memory", "rank_peaks", "saved_io", "stage_bytes"]
+__all__ = [
+    "PARTS",
+    "StageBytes",
+    "coefficients",
+    "held",
+    "in_flight",
+    "layer_bounds",
+    "layer_memory",
+    "rank_peaks",
+    "saved_io",
+    "stage_bytes",
+]
 
 
 def in_flight(sched: Schedule) -> list[int]:
@@ -171,6 +174,43 @@ def stage_bytes(
     return out
 
 
+def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, list[float]]:
+    """Per layer l (the loss's figures on the last), what it adds to each figure of ``stage_bytes``
+    at most, whichever stage holds it: ``static``, ``saved`` (its saved bytes less the storage it
+    shares with layer l - 1, never below 0), ``chain``, ``grads``; and ``least``, what it adds at
+    least to the walked peak (its static bytes). A stage [a, b) then has, per micro-batch::
+
+        saved(a, b) <= sum of saved_l     chain(a, b) <= sum of chain_l     grads(a, b) <= sum of act_l
+
+    (stage_bytes subtracts its first layer's whole saved input, and the output it sends, where this
+    subtracts only the share with the previous layer; chain and grads leave out its last layer)."""
+    layers = list(profile.layers)
+    n, loss, f = len(layers), profile.loss, 2.0 + optimizer_state_factor
+    io = np.asarray(_recorded_io(profile), np.float64).reshape(-1, 2)
+    ins, outs = io[:n, 0], io[:n, 1]
+
+    def column(name: str) -> np.ndarray:
+        return np.asarray([getattr(lp, name) for lp in layers], np.float64)
+
+    act = column("activation_bytes")
+    shared = np.minimum(np.concatenate([[np.inf], outs[:-1]]), ins)  # with layer l - 1; all of layer 0's
+    own = column("saved_bytes") - shared
+    least = column("param_bytes") * f + column("buffer_bytes") + column("cache_bytes")
+    static = least.copy()
+    if loss is not None:  # the loss's figures on the last layer: its input once, its target never
+        own[-1] += loss.saved_bytes - min(outs[-1], io[-1, 0]) - io[-1, 1]
+        static[-1] += loss.param_bytes * f + loss.buffer_bytes + loss.cache_bytes
+    unsaved = np.zeros(n, bool)
+    unsaved[:-1] = (outs[:-1] == 0) & (ins[1:] == 0)  # a split chain keeps this output itself
+    return {
+        "static": static.tolist(),
+        "saved": np.maximum(own, 0.0).tolist(),
+        "chain": np.where(unsaved, act, 0.0).tolist(),
+        "grads": act.tolist(),
+        "least": least.tolist(),
+    }
+
+
 def _recorded_io(profile: Profile) -> list[tuple[int, int]]:
     """``saved_io`` as the profile records it, or zeros (nothing known to be shared)."""
     layers = profile.layers
@@ -202,35 +242,81 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
     for mode in modes:
         check_mode(mode)
     lowered = sched.lowered()
+
+    def size(key: tuple[str, int, int]) -> np.ndarray:
+        kind, s, _ = key
+        return np.asarray([getattr(stages[s], _FIELD[kind])])
+
     return [
-        sum(st.static for st in stages[r :: sched.n_ranks]) + _walk(sched, lowered, r, stages, modes)
+        sum(st.static for st in stages[r :: sched.n_ranks]) + float(_walk(sched, lowered, r, size, modes)[0])
         for r in range(sched.n_ranks)
     ]
+
+
+# what each holder of the walk weighs: a field of ``StageBytes``
+_FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
+          "set": "saved", "chain": "chain", "grads": "grads"}  # fmt: skip
+PARTS = ("saved", "input", "output", "chain", "grads")  # the per-micro-batch figures of StageBytes
+
+
+def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[str, float]]:
+    """Per stage s: for each figure of ``StageBytes`` (``PARTS``), the most micro-batches' worth of
+    it that s's rank holds at once in the walk, each figure on its own (the walk with unit bytes).
+
+    The walk is linear in the figures for a fixed order of actions, so a rank's activation peak is
+    max over moments t of sum over its stages s and figures f of count[t, s, f] * bytes[s, f]
+    <= sum over s, f of (max over t of count[t, s, f]) * bytes[s, f]: these coefficients times the
+    bytes bound the walk for every balance (equal when every figure peaks at the same moment)."""
+    modes = [recompute] * sched.n_stages if isinstance(recompute, str) else list(recompute)
+    if len(modes) != sched.n_stages:
+        raise ValueError(f"{len(modes)} recompute modes for {sched.n_stages} stages; give one per stage")
+    for mode in modes:
+        check_mode(mode)
+    lowered = sched.lowered()
+    p, width = sched.n_ranks, len(PARTS)
+    units: dict[tuple[str, int], np.ndarray] = {}
+
+    def size(key: tuple[str, int, int]) -> np.ndarray:
+        kind, s, _ = key
+        if (kind, s) not in units:
+            unit = np.zeros(width * (sched.n_stages // p))
+            unit[(s // p) * width + PARTS.index(_FIELD[kind])] = 1.0
+            units[(kind, s)] = unit
+        return units[(kind, s)]
+
+    out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
+    for r in range(p):
+        peak = _walk(sched, lowered, r, size, modes)
+        for s in range(r, sched.n_stages, p):
+            out[s] = {f: float(peak[(s // p) * width + j]) for j, f in enumerate(PARTS)}
+    return out
 
 
 Lowered = tuple[tuple[Action, ...], ...]
 
 
-def _walk(sched: Schedule, lowered: Lowered, r: int, stages: Sequence[StageBytes], modes: list[str]) -> float:
-    """Rank r's most activation bytes held at once (see ``rank_peaks``)."""
+def _walk(
+    sched: Schedule,
+    lowered: Lowered,
+    r: int,
+    size: Callable[[tuple[str, int, int]], np.ndarray],
+    modes: list[str],
+) -> np.ndarray:
+    """Rank r's most bytes held at once (see ``rank_peaks``), per slot of ``size``'s vectors: each
+    slot's own maximum over the step (one slot: the peak itself)."""
     mine = lowered[r]
     refs: dict[tuple[str, int, int], int] = {}
-    now, peak = 0.0, 0.0
+    width = len(size(("in", r, 0)))
+    now, peak = np.zeros(width), np.zeros(width)
     m = sched.n_microbatches
-
-    def size(key: tuple[str, int, int]) -> float:
-        kind, s, _ = key
-        st = stages[s]
-        return {"in": st.input, "gin": st.input, "out": st.output, "gout": st.output, "new": st.output,
-                "set": st.saved, "chain": st.chain, "grads": st.grads}[kind]  # fmt: skip
 
     def take(*keys: tuple[str, int, int]) -> None:
         nonlocal now, peak
         for key in keys:
             refs[key] = refs.get(key, 0) + 1
             if refs[key] == 1:
-                now += size(key)
-        peak = max(peak, now)
+                now = now + size(key)
+        peak = np.maximum(peak, now)
 
     def drop(*keys: tuple[str, int, int]) -> None:
         nonlocal now
@@ -239,7 +325,7 @@ def _walk(sched: Schedule, lowered: Lowered, r: int, stages: Sequence[StageBytes
                 refs[key] -= 1
                 if refs[key] == 0:
                     del refs[key]
-                    now -= size(key)
+                    now = now - size(key)
 
     def buffer(a: Action) -> tuple[str, int, int]:
         kind = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND_B: "gin"}[a.kind]

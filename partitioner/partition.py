@@ -4,7 +4,7 @@
 
     model, sample --profile--> per-layer figures --layer_costs(cost, recompute, split B/W)--> solve --> Plan
                                (autocast, loss)   --cut_rows(latency, bandwidth per link)------^  ^
-    schedule(name, p, m, v) --in_flight--> held(recompute) --layer_memory------------------------'
+    schedule(name, p, m, v) --coefficients(recompute): the walk, unit bytes--> memory_rows -------'
 
 The count is the pipeline's ranks, p; each holds v stages, so the balance has k = p * v entries and
 stage s runs on rank s % p. The schedule is built once, from the same options the returned ``Plan``
@@ -14,7 +14,10 @@ layer and a cut cost is ``partitioner.costs``'s; the memory model ``partitioner.
 ``sample`` is ONE micro-batch: the figures (and so step-time predictions) are per micro-batch.
 Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast: 2.0), and
 ``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages.
-A recomputing stage also keeps its inputs, charged at the largest input any cut can have.
+The rows bound the schedule walked rank by rank (``partitioner.memory``): every plan returned
+under ``memory_limit`` has each rank's walked peak (``plan.extra["rank_peaks"]``, what
+``pipe.memory_stats()`` measures) within its limit. A stage's input and output buffers are
+charged at the largest activation any cut can carry.
 
 Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
 when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.
@@ -132,7 +135,26 @@ def partition(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
             f"{len(sizes) - 1} places ({'; '.join(reasons)}); use at most {len(sizes) // v} ranks"
         )
-    return predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
+    plan = predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
+    _check_walk(plan, net)
+    return plan
+
+
+def _check_walk(plan: Plan, net: Options) -> None:
+    """Never return a plan a run would not fit in: the rows the solver fits bound the walk, so this
+    cannot fail unless the memory model has a bug (then say so rather than plan an out-of-memory)."""
+    if net.memory_limit is None:
+        return
+    over = [
+        f"rank {r}: {peak:g} > {limit:g}"
+        for r, (peak, limit) in enumerate(zip(plan.extra["rank_peaks"], net.memory_limit, strict=True))
+        if peak > limit
+    ]
+    if over:
+        raise RuntimeError(
+            f"partitioner bug: balance {plan.balance} fits the solver's memory rows but not the schedule "
+            f"walked rank by rank ({'; '.join(over)}); the rows must bound the walk (partitioner.memory)"
+        )
 
 
 def plan_for(

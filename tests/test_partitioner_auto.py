@@ -8,6 +8,7 @@ force over every balance and every mode vector. A 100-layer profile on 8 ranks s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -371,3 +372,46 @@ def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
         assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
         sizes, _ = cut_groups(scaled.layers)
         assert m * _least_work(scaled, net, 2 * v, m, split, sizes) <= plan.step_time * (1 + 1e-12), c
+
+
+# -- one memory model decides fit: what a run holds (the walk) ------------------------------------------
+
+
+def _with_shares(prof: Profile, seed: int) -> Profile:
+    """``prof`` with each layer saving some of its input and output (shared with its neighbours)."""
+    rng = random.Random(seed)
+    layers = [
+        dataclasses.replace(
+            lp,
+            saved_input_bytes=rng.choice([0, lp.activation_bytes // 2]),
+            saved_output_bytes=rng.choice([0, lp.activation_bytes]),
+        )
+        for lp in prof.layers
+    ]
+    return dataclasses.replace(prof, layers=layers)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_plan_returned_under_a_limit_fits_by_the_walk(seed: int) -> None:
+    rng = random.Random(seed)
+    p = rng.choice([2, 3])
+    prof = _with_shares(synthetic(rng.randint(2 * p + 1, 10), seed=seed), seed)
+    kw = dict(batch_size=rng.choice([4, 6, 8]), sample_rows=4, bandwidth=1e8, latency=1e-4)
+    free = search(prof, p, memory_limit=None, **kw)  # type: ignore[arg-type]
+    least = _least(prof, p, **kw)
+    for limit in (least, (least + max(rank_peaks(free))) / 2):
+        plan = search(prof, p, memory_limit=limit, **kw)  # type: ignore[arg-type]
+        assert max(plan.extra["rank_peaks"]) <= limit
+        assert all(max(c["peak_bytes"]) <= limit for c in plan.extra["candidates"])
+        name = rng.choice([s for s in SCHEDULES if s != "interleaved-1f1b"])
+        m = plan.n_microbatches
+        modes = tuple(rng.choice(RECOMPUTE_MODES) for _ in range(p))
+        scaled = scale_profile(prof, 4, int(kw["batch_size"]) // m)
+        opts = dict(profile=scaled, schedule=name, n_microbatches=m, recompute=modes)
+        try:
+            fixed = partition(_identity(len(prof.layers)), p, None, memory_limit=limit, **opts)  # type: ignore[arg-type]
+        except ValueError as err:  # too small: at the limit it names, the plan fits by the walk
+            text = str(err).split("the smallest limit that fits is ")[1].split(";")[0]
+            fixed = partition(_identity(len(prof.layers)), p, None, memory_limit=float(text), **opts)  # type: ignore[arg-type]
+            limit = float(text)
+        assert max(fixed.extra["rank_peaks"]) <= limit

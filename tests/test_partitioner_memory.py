@@ -9,13 +9,29 @@ The closed forms below are oracles, not library code: the walk over the built sc
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
 from torch import nn
 
 from partitioner import profile
-from partitioner.memory import StageBytes, held, in_flight, layer_memory, rank_peaks, saved_io, stage_bytes
+from partitioner._planning import memory_rows
+from partitioner.figures import LayerProfile, Profile
+from partitioner.graph import layer_graph
+from partitioner.memory import (
+    PARTS,
+    StageBytes,
+    coefficients,
+    held,
+    in_flight,
+    layer_bounds,
+    layer_memory,
+    rank_peaks,
+    saved_io,
+    stage_bytes,
+)
+from partitioner.solve import stage_memory
 from pipeline.reference.models import mlp
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
@@ -184,3 +200,119 @@ def test_stage_bytes_counts_a_storage_two_layers_save_once() -> None:
     )
     upper = stage_bytes(unknown, [2, 2], 0.0)  # nothing known to be shared: every layer's own bytes
     assert upper[0].saved == 4 * u  # all four, the output again beside them: an upper bound
+
+
+# -- the solver's rows: coefficients from the walk with unit bytes, an upper bound of the walk ----------
+
+MODES = ("never", "always", "except_last")
+
+
+def _random_schedule(rng: random.Random) -> tuple[str, int, int, int]:
+    name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+    p = rng.randint(1 if name != "interleaved-1f1b" else 2, 4)
+    v = rng.randint(2, 3) if name == "interleaved-1f1b" else 1
+    m = p * rng.randint(1, 3) if name == "interleaved-1f1b" else rng.randint(1, 8)
+    return name, p, m, v
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coefficients_times_the_figures_bound_the_walk(seed: int) -> None:
+    # any figures, any schedule, any modes per stage: a rank's walked peak <= sum over its stages of
+    # static + coefficient x figure; with one figure alone (its count peaks at one moment) v = 1 is equal
+    rng = random.Random(seed)
+    for _ in range(25):
+        name, p, m, v = _random_schedule(rng)
+        sched, k = schedule(name, p, m, n_virtual=v), p * v
+        modes = tuple(rng.choice(MODES) for _ in range(k))
+        figures = [
+            StageBytes(
+                **{f: float(rng.randint(0, 100)) for f in PARTS},
+                static=float(rng.randint(0, 100)),
+            )
+            for s in range(k)
+        ]
+        coef = coefficients(sched, modes)
+        walked = rank_peaks(sched, figures, modes)
+        for r in range(p):
+            bound = sum(figures[s].static + sum(coef[s][f] * getattr(figures[s], f) for f in PARTS)
+                        for s in range(r, k, p))  # fmt: skip
+            assert walked[r] <= bound
+        for f in PARTS:
+            alone = [StageBytes(**{**dict.fromkeys(PARTS, 0.0), f: 1.0}) for _ in range(k)]
+            per_rank = rank_peaks(sched, alone, modes)
+            for r in range(p):
+                chunks = sum(coef[s][f] for s in range(r, k, p))
+                assert per_rank[r] <= chunks and (v > 1 or per_rank[r] == chunks)
+
+
+def test_zb_h1_coefficients_count_the_output_gradients_kept_from_b_to_w() -> None:
+    # zb-h1 holds each micro-batch's layer output gradients from its B to its W: with p = 2, m = 4
+    # rank r has r W's deferred besides the one right after its B (the closed form's "r pending W's"),
+    # 1f1b none (it has no such state)
+    zb = coefficients(schedule("zb-h1", 2, 4), "never")
+    assert [c["grads"] for c in zb] == [1.0, 2.0]
+    assert all(c["grads"] == 0.0 for c in coefficients(schedule("1f1b", 2, 4), "never"))
+
+
+def _shared_profile(n: int, seed: int) -> Profile:
+    """n layers with random sizes, each saving some of its input and output (shared with its
+    neighbours), and a loss saving its input and its target."""
+    rng = random.Random(seed)
+    layers = []
+    for i in range(n):
+        act = rng.randint(1, 8) * 256
+        inp = rng.choice([0, 256, 512])
+        out = rng.choice([0, act])
+        layers.append(
+            LayerProfile(
+                i,
+                f"l{i}",
+                "Linear",
+                1e-3,
+                2e-3,
+                10,
+                rng.randint(0, 4) * 4096,
+                act,
+                inp + out + rng.randint(0, 4) * 256,
+                (1,),
+                "float32",
+                buffer_bytes=rng.randint(0, 64),
+                saved_input_bytes=inp,
+                saved_output_bytes=out,
+            )
+        )
+    loss = LayerProfile(n, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, 4, 512, (1,), "float32",
+                        saved_input_bytes=256, saved_target_bytes=256)  # fmt: skip
+    return Profile(layers, "cpu", layer_graph(layers), input_bytes=256, loss=loss)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_bound_the_walk_for_every_balance(seed: int) -> None:
+    # the rows ``solve`` takes (plus each stage's offset) bound the walk of every balance: a balance
+    # that fits them fits what a run holds
+    rng = random.Random(seed)
+    for _ in range(12):
+        name, p, m, v = _random_schedule(rng)
+        sched, k = schedule(name, p, m, n_virtual=v), p * v
+        n = k + rng.randint(0, 6)
+        prof = _shared_profile(n, rng.randint(0, 10_000))
+        modes = tuple(rng.choice(MODES) for _ in range(k))
+        rows, offsets = memory_rows(prof, sched, modes, 2.0)
+        cuts = sorted(rng.sample(range(1, n), k - 1))
+        balance = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+        walked = rank_peaks(sched, stage_bytes(prof, balance, 2.0), modes)
+        per_stage = [x + off for x, off in zip(stage_memory(rows, balance), offsets, strict=True)]
+        for r in range(p):
+            assert walked[r] <= sum(per_stage[r::p]) * (1 + 1e-12)
+
+
+def test_layer_bounds_count_a_storage_two_layers_save_once() -> None:
+    # each layer saves its input and its output (the next layer's input): u each, counted once
+    # (layer 0's input is the step's data, not counted); the loss saves its input and its target
+    u = 1024
+    layers = [LayerProfile(i, str(i), "ReLU", 1e-3, 1e-3, 1, 0, u, 2 * u, (1,), "float32",
+                           saved_input_bytes=u, saved_output_bytes=u) for i in range(4)]  # fmt: skip
+    loss = LayerProfile(4, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, 4, 2 * u, (1,), "float32",
+                        saved_input_bytes=u, saved_target_bytes=u)  # fmt: skip
+    prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=u, loss=loss)
+    assert layer_bounds(prof, 2.0)["saved"] == [u, u, u, u]

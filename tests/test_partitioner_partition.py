@@ -26,7 +26,7 @@ from partitioner import (
     profile,
     solve,
 )
-from partitioner.memory import in_flight
+from partitioner.memory import coefficients
 from pipeline.reference.models import gpt, gpt_loss, mlp
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
@@ -108,16 +108,14 @@ def test_dp_is_recorded_and_the_split_is_one_pipeline_s(small_gpt) -> None:  # t
 def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-def]
     model, sample, prof = small_gpt
     plan = partition(model, 2, sample, schedule="gpipe", n_microbatches=4, cost="uniform", profile=prof)
-    for st in plan.stages:
-        lps = prof.layers[st.start : st.stop]
-        want = sum(4 * lp.param_bytes + 4 * lp.saved_bytes for lp in lps)  # (1 + 1 + 2) x params, m = 4
-        assert st.memory_bytes == want
+    # gpipe holds all 4 micro-batches' sets on both stages, 1f1b 2 then 1 (the walk with unit bytes)
+    assert [c["saved"] for c in coefficients(schedule("gpipe", 2, 4), "never")] == [4, 4]
+    assert [c["saved"] for c in coefficients(schedule("1f1b", 2, 4), "never")] == [2, 1]
     one = partition(model, 2, sample, schedule="1f1b", n_microbatches=4, cost="uniform", profile=prof)
-    assert in_flight(schedule("1f1b", 2, 4)) == [2, 1]
-    last = one.stages[1]
-    assert last.memory_bytes == sum(
-        4 * lp.param_bytes + lp.saved_bytes for lp in prof.layers[last.start : last.stop]
-    )
+    for p in (plan, one):  # v = 1: a stage's bound is >= its rank's walked peak (what a run holds)
+        for st, walked in zip(p.stages, p.extra["rank_peaks"], strict=True):
+            assert walked <= st.memory_bytes
+    assert one.extra["rank_peaks"][1] < plan.extra["rank_peaks"][1]  # 1 set held, not 4
     # The smallest feasible limit, by brute force over the 6 two-stage splits, is what the error states;
     # at that limit the plan fits exactly, and it moves the boundary when time alone wanted another.
     opts = {"schedule": "gpipe", "n_microbatches": 4}
@@ -128,6 +126,7 @@ def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-d
         partition(model, 2, sample, profile=prof, memory_limit=smallest - 1, **opts)
     ok = partition(model, 2, sample, profile=prof, memory_limit=smallest, **opts)
     assert peaks[ok.balance[0]] == smallest
+    assert max(ok.extra["rank_peaks"]) <= smallest
     if peaks[free.balance[0]] > smallest:
         assert ok.balance != free.balance
 
@@ -138,19 +137,17 @@ def test_recompute_costs_a_forward_and_keeps_inputs(small_gpt) -> None:  # type:
     never = plan_for(prof, [3, 4], **opts)
     always = plan_for(prof, [3, 4], recompute="always", **opts)
     last = plan_for(prof, [3, 4], recompute="except_last", **opts)
-    stage_input = [prof.input_bytes, prof.layers[2].activation_bytes]
     for s, (a, b, c) in enumerate(zip(never.stages, always.stages, last.stages, strict=True)):
         lps = prof.layers[a.start : a.stop]
         fwd = math.fsum(lp.forward_time for lp in lps)
-        static = sum(4 * lp.param_bytes for lp in lps)
-        saved = sum(lp.saved_bytes for lp in lps)
-        held = in_flight(schedule("1f1b", 2, 4))[s]  # [2, 1]
         assert b.forward_time == a.forward_time
         assert b.backward_time == pytest.approx(a.backward_time + fwd)
         assert c.backward_time == pytest.approx(a.backward_time + 0.75 * fwd)  # 3 of 4 recompute
-        assert a.memory_bytes == static + saved * held
-        assert b.memory_bytes == static + saved + stage_input[s] * held
-        assert c.memory_bytes == static + saved * min(2, held) + stage_input[s] * held
+        for p in (never, always, last):  # each stage's bound covers its rank's walk
+            assert p.extra["rank_peaks"][s] <= p.stages[s].memory_bytes
+    # stage 0 holds 2 micro-batches: recomputing keeps 1 set (the replay) instead of 2
+    assert always.extra["rank_peaks"][0] < never.extra["rank_peaks"][0]
+    assert last.extra["rank_peaks"][0] == never.extra["rank_peaks"][0]  # its 2nd is the last one
     assert always.step_time > never.step_time
     costs = layer_costs(prof, "time", recompute="always", n_microbatches=4)
     assert costs == [lp.forward_time * 2 + lp.backward_time for lp in prof.layers]
@@ -166,7 +163,8 @@ def test_recompute_memory_limit_is_kept(small_gpt) -> None:  # type: ignore[no-u
     limit = sorted(peaks.values())[len(peaks) // 2] * 1.5
     plan = partition(model, 2, sample, profile=prof, memory_limit=limit, **opts)
     assert max(st.memory_bytes for st in plan.stages) <= limit
-    with pytest.raises(ValueError, match="recompute='always', where a stage keeps up to 4 stage inputs"):
+    assert max(plan.extra["rank_peaks"]) <= limit
+    with pytest.raises(ValueError, match=r"recompute='always', where a stage keeps up to .* bytes of inputs"):
         partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
 
 
@@ -401,3 +399,36 @@ def test_infeasible_limit_raises_fast_on_1000_layers_64_ranks() -> None:
     assert max(st.memory_bytes for st in fits.stages) <= smallest
     with pytest.raises(ValueError, match="too small"):
         partition(model, p, None, profile=prof, bandwidth=1e9, memory_limit=math.nextafter(smallest, 0))
+
+
+@pytest.mark.parametrize("schedule_name", ["zb-h1", "1f1b", "gpipe"])
+def test_plans_at_the_smallest_limit_fit_the_walk(schedule_name: str) -> None:
+    # large activations, small saved graphs: zb-h1's output gradients (kept from B to W) and the
+    # transfer buffers dominate; at the smallest limit the error names, every rank's walked peak fits
+    # (partition raises a RuntimeError rather than return a plan the walk does not fit)
+    layers = [
+        LayerProfile(
+            i,
+            str(i),
+            "Linear",
+            1e-3,
+            2e-3,
+            10,
+            1024 * (1 + i % 3),
+            65536 * (1 + i % 4),
+            4096,
+            (1,),
+            "float32",
+            weight_time=1e-3,
+            input_time=1e-3,
+        )
+        for i in range(12)
+    ]
+    prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=8192)
+    model = nn.Sequential(*[nn.Identity() for _ in range(12)])
+    opts = {"profile": prof, "schedule": schedule_name, "n_microbatches": 6}
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
+        partition(model, 3, None, memory_limit=1.0, **opts)  # type: ignore[arg-type]
+    smallest = float(str(info.value).split("the smallest limit that fits is ")[1].split(";")[0])
+    plan = partition(model, 3, None, memory_limit=smallest, **opts)  # type: ignore[arg-type]
+    assert max(plan.extra["rank_peaks"]) <= smallest
