@@ -293,9 +293,8 @@ def _matrix_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str
         if dev.type == "cuda":  # each rank's peak against the plan's bytes for its stages
             model, x, _ = _model(2 * p)
             prof = profile(model.to(dev), x.chunk(m)[0].to(dev), device=dev)
-            stages = plan_for(prof, plan.balance, schedule=name, n_microbatches=m, n_virtual=v,
-                              optimizer_state_factor=0.0).stages  # fmt: skip
-            planned = [sum(st.memory_bytes for st in stages[r::p]) for r in range(p)]
+            planned = plan_for(prof, plan.balance, schedule=name, n_microbatches=m, n_virtual=v,
+                               optimizer_state_factor=0.0).extra["rank_peaks"]  # fmt: skip
             ratios = [per_rank[r][key][4] / planned[r] for r in range(p)]
             detail += f"; CUDA peak / planned bytes per rank {[round(x, 2) for x in ratios]}"
         rows.append((f"memory {name} v={v} m={m}: micro-batches held", "ok" if held == want else "FAIL",
