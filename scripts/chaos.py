@@ -234,8 +234,18 @@ def train_command(setup: Setup, run_dir: Path, data: Path, *extra: str) -> list[
     shape = ["--stages", "2"] + (["--dp", str(setup.procs // 2)] if setup.procs > 2 else [])
     if setup.launcher == "launch":
         return [sys.executable, str(TRAIN), *args, *shape]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={setup.procs}",
-            f"--max-restarts={setup.max_restarts}", "--monitor-interval=0.2", str(TRAIN), *args, *shape]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={setup.procs}",
+        f"--max-restarts={setup.max_restarts}",
+        "--monitor-interval=0.2",
+        str(TRAIN),
+        *args,
+        *shape,
+    ]
 
 
 def losses_of(path: Path) -> dict[int, float]:
@@ -279,8 +289,14 @@ class Watch:
 Fault = Callable[[Job, Path], bool]  # called every poll until it returns True (it has struck)
 
 
-def attempt(setup: Setup, run_dir: Path, argv: list[str], fault: Fault | None = None,
-            env: dict[str, str] | None = None, until_gone: Callable[[Job], list[int]] | None = None) -> tuple[Watch, Job]:  # fmt: skip
+def attempt(
+    setup: Setup,
+    run_dir: Path,
+    argv: list[str],
+    fault: Fault | None = None,
+    env: dict[str, str] | None = None,
+    until_gone: Callable[[Job], list[int]] | None = None,
+) -> tuple[Watch, Job]:
     """Run ``argv`` once, calling ``fault`` until it strikes; measure detection and worker generations."""
     job, w = Job(argv, run_dir / "out.txt", env), Watch()
     deadline = job.started + setup.job_timeout_s
@@ -462,8 +478,8 @@ def run_scenario(name: str, setup: Setup, run_dir: Path, data: Path, ref: dict[i
         return out
     ckpt = run_dir / "ckpt"
     if name == "corrupt-shard":
-        newest = ckpt / f"step-{setup.steps:08d}"
-        shard = rng.choice(sorted(newest.glob("*.distcp")))
+        final = ckpt / f"step-{setup.steps:08d}"
+        shard = rng.choice(sorted(final.glob("*.distcp")))
         done = damage(shard, rng.choice(["truncate", "flip"]), rng)
         mark = len((run_dir / "out.txt").read_text(errors="replace"))
         w, job = attempt(setup, run_dir, argv, None, env)
@@ -498,7 +514,7 @@ def run_scenario(name: str, setup: Setup, run_dir: Path, data: Path, ref: dict[i
         rank = rng.randrange(setup.procs)
         bad = ",".join(str(s) for s in range(first, first + k))
         w, job = attempt(
-            setup, run_dir, argv + ["--max-bad-steps", str(k)], None, {**env, NAN_ENV: f"{rank}:{bad}"}
+            setup, run_dir, [*argv, "--max-bad-steps", str(k)], None, {**env, NAN_ENV: f"{rank}:{bad}"}
         )
         out.orphans += orphans_after(job)
         job.stop()
@@ -594,8 +610,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                     outcomes.append(o)
                     why = "; ".join(o.failures)
-                    print(f"  {name} {setup} #{i}: {'ok' if o.ok else 'FAILED'} in {time.monotonic() - t0:.0f} s"
-                          + (f" ({why})" if why else ""), flush=True)  # fmt: skip
+                    print(
+                        f"  {name} {setup} #{i}: {'ok' if o.ok else 'FAILED'} ({time.monotonic() - t0:.0f} s)"
+                        + (f" ({why})" if why else ""),
+                        flush=True,
+                    )
     print(table(outcomes))
     return 0 if all(o.ok for o in outcomes) else 1
 
