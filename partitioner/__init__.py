@@ -5,6 +5,8 @@
 >>> plan = partition(model, 4, sample)        # 4 ranks; sample: one micro-batch
 >>> plan = partition(model, 4, sample, autocast=torch.bfloat16, loss_fn=loss, target=y)
 >>> print(plan); stages = plan.split(model)   # an nn.Sequential's stages
+>>> plan = partition(model, 4, sample, schedule="auto", batch_size=64, memory_limit=8e9)
+>>> print(plan.candidates_table())            # schedule, m, v, recompute per stage: the runners-up
 
 ``model`` is an ``nn.Sequential`` (its children are the layers) or any module ``torch.export``
 (or ``torch.fx.symbolic_trace``) can trace: its layers are then groups of its traced calls, one
@@ -27,6 +29,7 @@ from partitioner.memory import held, in_flight, layer_memory
 from partitioner.noise import NoisyProfileWarning
 from partitioner.partition import partition, plan_for
 from partitioner.profile import Profile, profile
+from partitioner.scaling import batch_rows, scale_profile
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
@@ -41,6 +44,7 @@ __all__ = [
     "Plan",
     "Profile",
     "StagePlan",
+    "batch_rows",
     "cut_bytes",
     "cut_groups",
     "equal_balance",
@@ -55,6 +59,7 @@ __all__ = [
     "predict",
     "profile",
     "profile_graph",
+    "scale_profile",
     "solve",
     "stage_costs",
     "stage_memory",

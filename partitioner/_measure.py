@@ -96,7 +96,7 @@ def measure(
     wanted = [p for p in params if p.requires_grad]
     with precision(run):
         with run.live:
-            out, saved, cache, inplace = _untimed(fn, x, owned, first)
+            out, saved, cache, inplace, saved_io = _untimed(fn, x, owned, first)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run)
@@ -122,6 +122,8 @@ def measure(
         buffer_bytes=nbytes(buffers),
         cache_bytes=cache,
         inplace=inplace,
+        saved_input_bytes=saved_io[0],
+        saved_output_bytes=saved_io[1],
         sendable=sendable(out),
         input_flops=input_flops,
         weight_flops=weight_flops,
@@ -159,8 +161,11 @@ def roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return outs, [torch.ones_like(t) for t in outs]
 
 
-def _untimed(fn: Callable[[Any], Any], x: Any, owned: set[int], first: bool) -> tuple[Any, int, int, bool]:
-    """(pass 1's output, saved bytes per micro-batch, cache bytes, writes into its input)."""
+def _untimed(
+    fn: Callable[[Any], Any], x: Any, owned: set[int], first: bool
+) -> tuple[Any, int, int, bool, tuple[int, int]]:
+    """(pass 1's output, saved bytes per micro-batch, cache bytes, writes into its input, and the
+    bytes of its input and of its output among what it saves: storages a neighbour saves too)."""
     seen: list[dict[int, torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -180,6 +185,13 @@ def _untimed(fn: Callable[[Any], Any], x: Any, owned: set[int], first: bool) -> 
                     raise
                 raise Rejected(str(err)) from err
         inplace = inplace or [t._version for t in tensors(a)] != before
+
+    def among_saved(y: Any) -> int:
+        return sum(
+            t.nelement() * t.element_size() for t in tensors(y) if t.untyped_storage().data_ptr() in seen[1]
+        )
+
+    saved_io = (among_saved(a), among_saved(outs[1]))
     one, two = ({k: t for k, t in s.items() if k not in owned} for s in seen)
     saved = sum(t.untyped_storage().nbytes() for k, t in two.items() if k not in one)
     cache = sum(t.untyped_storage().nbytes() for k, t in two.items() if k in one)
@@ -189,7 +201,7 @@ def _untimed(fn: Callable[[Any], Any], x: Any, owned: set[int], first: bool) -> 
         grads = roots(out)
         if grads[0]:
             torch.autograd.backward(*grads)
-    return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace
+    return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace, saved_io
 
 
 def _flops(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:

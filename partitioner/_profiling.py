@@ -11,6 +11,7 @@ their common checks and guards, so that neither imports the other.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 
 from partitioner._measure import Rejected, Run, WithTarget, measure
 from partitioner._placement import changed_parameters, normalize
-from partitioner._trees import describe, tensors, tree_map
+from partitioner._trees import describe, nbytes, tensors, tree_map
 from partitioner.figures import LayerProfile
 from partitioner.noise import warn_noisy, with_prior
 
@@ -95,7 +96,11 @@ def profile_loss(loss_fn: LossFn, target: Any, out: Any, run: Run) -> LayerProfi
             f"loss_fn rejected the last layer's output {describe(out)} with target {describe(target)}: "
             f"{err}; pass target= (one micro-batch of targets) that loss_fn accepts"
         ) from err.__cause__
-    return figures
+    # its input is (output, target): the output's part is what the last layer may save too
+    of_output = min(figures.saved_input_bytes, nbytes(out))
+    return dataclasses.replace(
+        figures, saved_input_bytes=of_output, saved_target_bytes=figures.saved_input_bytes - of_output
+    )
 
 
 def check_untouched(label: str, layer: nn.Module, before: list[int]) -> None:

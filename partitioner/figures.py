@@ -95,6 +95,9 @@ class LayerProfile:
     buffer_bytes: int = 0
     cache_bytes: int = 0
     inplace: bool = False
+    saved_input_bytes: int = 0  # of its input, among saved_bytes (the previous layer may save it too)
+    saved_output_bytes: int = 0  # of its output, among saved_bytes (the next layer may save it too)
+    saved_target_bytes: int = 0  # the loss: of its target (the step's data), among saved_bytes
     sendable: bool = True
     params: tuple[str, ...] = ()
     input_flops: int = 0

@@ -22,38 +22,28 @@ when nothing fits, the error states the smallest ``memory_limit`` (or factor) th
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from partitioner._options import Options, check_fit
-from partitioner.costs import (
-    COSTS,
-    backward_time,
-    cut_groups,
-    cut_problems,
-    cut_rows,
-    layer_costs,
-    recomputed_share,
-    transfer,
-    with_loss,
-)
-from partitioner.figures import LayerProfile, Profile
-from partitioner.graph import cut_bytes
+from partitioner._balance import balance_of
+from partitioner._options import Options
+from partitioner._planning import predicted
+from partitioner._trees import tree_map
+from partitioner.auto import check_search, search
+from partitioner.costs import COSTS, cut_groups, layer_costs
+from partitioner.figures import Profile
 from partitioner.graph_profile import profile_graph
-from partitioner.memory import held, in_flight, layer_memory
 from partitioner.profile import LossFn, check_autocast, check_model
 from partitioner.profile import profile as run_profile
+from partitioner.scaling import batch_rows
 from partitioner.shared import shared_across_ranks
-from partitioner.solve import solve, stage_costs, stage_memory
-from partitioner.timing import predict
-from pipeline.plan import Plan, StagePlan
+from pipeline.plan import Plan
+from pipeline.runtime.recompute import Recompute
 from pipeline.runtime.tracing import Traced, trace
-from pipeline.schedules.schedule import Schedule, schedule_options
+from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
 __all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
 
@@ -65,12 +55,13 @@ def partition(
     sample: Any,
     *,
     schedule: str = "1f1b",
-    n_microbatches: int | None = None,
+    n_microbatches: int | str | None = None,
     n_virtual: int | None = None,
-    recompute: str = "never",
+    recompute: Recompute = "never",
     dp: int = 1,
     cost: str = "time",
     memory_limit: float | Sequence[float] | None = None,
+    batch_size: int | None = None,
     speeds: Sequence[float] | None = None,
     bandwidth: float | Sequence[float] | None = None,
     latency: float | Sequence[float] | None = None,
@@ -86,8 +77,10 @@ def partition(
 
     ``n_microbatches`` (m) defaults to the number of ranks and ``n_virtual`` (v) to 2 for
     "interleaved-1f1b" and 1 otherwise (see ``schedule_options``). ``memory_limit``: bytes per
-    rank; ``speeds``: one per rank; ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one
-    per link (see ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
+    rank; ``recompute``: one mode, or a tuple of one per stage (k = p * v; the balance is then
+    solved with each stage priced and sized by its own mode); ``speeds``: one per rank;
+    ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one per link (see
+    ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
     ``autocast``, ``loss_fn`` / ``target``, ``device`` and ``init_fn`` go to ``profile`` (see
     there) unless a ``profile`` is given. ``dp``: pipeline replicas, recorded in the plan (the
     split is one pipeline's: every replica runs the same, on its own share of the batch, so
@@ -102,7 +95,27 @@ def partition(
     the first begins with) and the trace (``graph``), which ``Pipeline`` checks against the
     model. Parameters that layers of several stages hold (tied weights) are in ``extra["ties"]``
     (name -> stages).
+
+    ``schedule="auto"`` and/or ``n_microbatches="auto"`` search the schedule (all, or the one
+    named), m (the divisors of ``batch_size``, the rows of one step; default: the sample's rows),
+    v (interleaved-1f1b: every v the layers allow, unless ``n_virtual`` is given) and recomputation
+    per stage, with the exact balance of each, and return the fastest predicted plan whose every
+    rank fits ``memory_limit`` (``recompute`` is then searched, not given). ``sample`` may then
+    have any rows: the profile is scaled to each micro-batch (``partitioner.scaling``). The plan's
+    ``candidates()`` lists the runners-up; see ``partitioner.auto``.
     """
+    if schedule == "auto" or n_microbatches == "auto":
+        return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
+                     memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor,
+                     dict(autocast=autocast, loss_fn=loss_fn, target=target, device=device, init_fn=init_fn),
+                     profile)  # fmt: skip
+    if batch_size is not None:
+        raise ValueError(
+            "batch_size is for the auto search (schedule='auto' or n_microbatches='auto'); without it, "
+            "sample is one micro-batch: omit batch_size"
+        )
+    if isinstance(n_microbatches, str):
+        raise ValueError(f"n_microbatches ({n_microbatches!r}) must be an integer >= 1, or 'auto'")
     v, m = schedule_options(schedule, n_ranks, n_microbatches, n_virtual)
     k = n_ranks * v
     check_autocast(autocast)
@@ -111,30 +124,7 @@ def partition(
     )
     net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
     check_model(model)
-    traced = None
-    if isinstance(model, nn.Sequential):
-        n = len(model)
-    elif profile is not None:
-        n = len(profile)
-    else:
-        traced = trace(model, sample)
-        n = len(traced.layers)
-    if k > n:
-        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
-        what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
-        raise ValueError(
-            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} {what}, "
-            f"and every stage needs at least one; {fix}"
-        )
-    if profile is None:
-        options: dict[str, Any] = {"device": device, "autocast": autocast, "loss_fn": loss_fn}
-        options.update(target=target, init_fn=init_fn)
-        if traced is None:
-            profile = run_profile(model, sample, **options)
-        else:
-            profile = profile_graph(traced, sample, **options)
-    else:
-        _check_given_profile(profile, n, autocast, loss_fn)
+    profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
     sched = shape.build_schedule()
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
@@ -142,26 +132,7 @@ def partition(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
             f"{len(sizes) - 1} places ({'; '.join(reasons)}); use at most {len(sizes) // v} ranks"
         )
-    split = sched.split_backward
-    costs = layer_costs(profile, cost, recompute=recompute, n_microbatches=m, split_backward=split)
-    cuts = cut_rows(profile, k, n_ranks, net.latency, net.bandwidth)
-    rows, inputs = _memory(profile, sched, recompute, optimizer_state_factor)
-    limits, grouped = None, None
-    if net.memory_limit is not None:
-        grouped = [_grouped(row, sizes) for row in rows]
-        limits = check_fit(net, grouped, inputs, _largest_input(profile), recompute, k, v)
-    balance = _expand(
-        solve(
-            _grouped(costs, sizes),
-            k,
-            cut_costs=None if cuts is None else [_grouped_cut(row, sizes) for row in cuts],
-            memory=None if limits is None else grouped,
-            memory_limit=limits,
-            speeds=net.stage_speeds(k),
-        ),
-        sizes,
-    )
-    return _predicted(profile, shape.replace(balance=balance), sched, net)
+    return predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
 
 
 def plan_for(
@@ -171,7 +142,7 @@ def plan_for(
     schedule: str = "1f1b",
     n_microbatches: int | None = None,
     n_virtual: int | None = None,
-    recompute: str = "never",
+    recompute: Recompute = "never",
     dp: int = 1,
     cost: str = "time",
     speeds: Sequence[float] | None = None,
@@ -193,7 +164,124 @@ def plan_for(
             f"balance {shape.balance} covers {shape.n_layers} layers but the profile has {len(profile)}; "
             "the layer counts must add up to the model's layers"
         )
-    return _predicted(profile, shape, shape.build_schedule(), net)
+    return predicted(profile, shape, shape.build_schedule(), net)
+
+
+def _profiled(
+    model: nn.Module,
+    n_ranks: int,
+    v: int,
+    sample: Any,
+    profile: Profile | None,
+    autocast: torch.dtype | None,
+    loss_fn: LossFn | None,
+    target: Any,
+    device: torch.device | str | None,
+    init_fn: Callable[[nn.Module], None] | None,
+) -> Profile:
+    """The model's profile (``profile`` checked against it, when given), once k = p * v stages are
+    known to fit its layers."""
+    k = n_ranks * v
+    traced = None
+    if isinstance(model, nn.Sequential):
+        n = len(model)
+    elif profile is not None:
+        n = len(profile)
+    else:
+        traced = trace(model, sample)
+        n = len(traced.layers)
+    if k > n:
+        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
+        what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
+        raise ValueError(
+            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} {what}, "
+            f"and every stage needs at least one; {fix}"
+        )
+    if profile is None:
+        options: dict[str, Any] = {"device": device, "autocast": autocast, "loss_fn": loss_fn}
+        options.update(target=target, init_fn=init_fn)
+        if traced is None:
+            return run_profile(model, sample, **options)
+        return profile_graph(traced, sample, **options)
+    _check_given_profile(profile, n, autocast, loss_fn)
+    return profile
+
+
+def _auto(
+    model: nn.Module,
+    n_ranks: int,
+    sample: Any,
+    schedule: str,
+    n_microbatches: int | str | None,
+    n_virtual: int | None,
+    recompute: Recompute,
+    dp: int,
+    cost: str,
+    memory_limit: float | Sequence[float] | None,
+    batch_size: int | None,
+    speeds: Sequence[float] | None,
+    bandwidth: float | Sequence[float] | None,
+    latency: float | Sequence[float] | None,
+    optimizer_state_factor: float,
+    profiling: dict[str, Any],
+    profile: Profile | None,
+) -> Plan:
+    """``partition`` with schedule and/or m searched (``partitioner.auto``), arguments checked first."""
+    if schedule != "auto":
+        schedule_options(schedule, n_ranks, None, n_virtual)  # the name and v, checked
+    if recompute != "never":
+        raise ValueError(
+            f"recompute ({recompute!r}) is searched per stage with schedule='auto' or n_microbatches='auto'; "
+            "omit recompute"
+        )
+    m = None if n_microbatches == "auto" else n_microbatches
+    if isinstance(m, str):
+        raise ValueError(f"n_microbatches ({m!r}) must be an integer >= 1, or 'auto'")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp ({dp!r}) must be an integer >= 1: the number of pipeline replicas")
+    check_autocast(profiling["autocast"])
+    rows = batch_rows(sample) if profile is None or batch_size is None else 0
+    if profile is not None and batch_size is None:
+        raise ValueError(
+            "batch_size is required when a profile is given to the auto search: the rows of one step"
+        )
+    batch = rows if batch_size is None else batch_size
+    check_search(batch, memory_limit)
+    Options.make(cost, n_ranks, 1, speeds, None, None, memory_limit, optimizer_state_factor)  # checked now
+    check_model(model)
+    prof = _profiled(model, n_ranks, 1, sample, profile, **profiling)
+    sample_rows = rows if profile is None else _profile_rows(prof, sample)
+    second = None
+    if profile is None:  # a second size gives each layer's per-call overhead (partitioner.scaling)
+        other = rows // 2 if rows >= 2 else 2
+        at_other = dict(profiling, target=_with_rows(profiling["target"], rows, other))
+        second = (_profiled(model, n_ranks, 1, _with_rows(sample, rows, other), None, **at_other), other)
+    return search(
+        prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit, second=second,
+        schedules=SCHEDULES if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
+        dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
+        optimizer_state_factor=optimizer_state_factor,
+    )  # fmt: skip
+
+
+def _with_rows(x: Any, rows: int, to_rows: int) -> Any:
+    """``x``'s tensors with ``to_rows`` rows: its first rows, or its rows repeated."""
+    if x is None:
+        return None
+    if to_rows <= rows:
+        return tree_map(x, lambda t: t[:to_rows])
+    times = -(-to_rows // rows)
+    return tree_map(x, lambda t: t.repeat_interleave(times, 0)[:to_rows])
+
+
+def _profile_rows(profile: Profile, sample: Any) -> int:
+    """The rows a given profile was taken at: the sample's, or else its first layer's output's."""
+    if sample is not None:
+        return batch_rows(sample)
+    shape = profile.layers[0].output_shape
+    if not shape:
+        raise ValueError("the given profile's rows are unknown: pass the sample it was taken with")
+    return int(shape[0])
 
 
 def _check_given_profile(profile: Profile, n: int, autocast: torch.dtype | None, loss_fn: Any) -> None:
@@ -212,139 +300,6 @@ def _check_given_profile(profile: Profile, n: int, autocast: torch.dtype | None,
         )
 
 
-def _grouped(values: Sequence[float], sizes: list[int]) -> list[float]:
-    """Per group of layers that no cut splits: the members' sum."""
-    if len(sizes) == len(values):
-        return list(values)
-    out, start = [], 0
-    for size in sizes:
-        out.append(math.fsum(values[start : start + size]))
-        start += size
-    return out
-
-
-def _grouped_cut(row: Sequence[float], sizes: list[int]) -> list[float]:
-    """Per group: the cut after its last layer."""
-    if len(sizes) == len(row):
-        return list(row)
-    ends = itertools.accumulate(sizes)
-    return [row[end - 1] for end in ends]
-
-
-def _expand(group_balance: list[int], sizes: list[int]) -> list[int]:
-    out, g = [], 0
-    for count in group_balance:
-        out.append(sum(sizes[g : g + count]))
-        g += count
-    return out
-
-
-def _predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> Plan:
-    """``shape`` (balance and options, already checked) with the predictions of its balance."""
-    balance, k, m, p = shape.balance, shape.n_stages, shape.n_microbatches, shape.n_ranks
-    split = sched.split_backward
-    layers = with_loss(profile)
-    costs = layer_costs(profile, net.cost, recompute=shape.recompute, n_microbatches=m, split_backward=split)
-    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth)
-    speeds = net.stage_speeds(k) or [1.0] * k
-    per_stage = stage_costs(costs, balance, cut_costs=cuts, speeds=net.stage_speeds(k))
-    rows, inputs = _memory(profile, sched, shape.recompute, net.optimizer_state_factor)
-    mem = stage_memory(rows, balance)
-    sent = cut_bytes(profile.graph)
-    rho = recomputed_share(shape.recompute, m)
-    stages, start = [], 0
-    for s, size in enumerate(balance):
-        stop = start + size
-        out = sent[stop - 1] if s < k - 1 else 0
-        link = transfer(out, s, p, net.latency, net.bandwidth) if s < k - 1 else 0.0  # each way
-        if s > 0:
-            link += transfer(sent[start - 1], s - 1, p, net.latency, net.bandwidth)
-        stage_input = profile.input_bytes if start == 0 else sent[start - 1]
-        lps = layers[start:stop]
-        forward = math.fsum(lp.forward_time for lp in lps) / speeds[s]
-        backward = math.fsum(backward_time(lp, split) for lp in lps) / speeds[s]
-        weight = math.fsum(lp.weight_time for lp in lps) / speeds[s]
-        if not split:  # the weight share of the whole backward (W and B were timed apart from it)
-            parts = math.fsum(backward_time(lp, True) for lp in lps) / speeds[s]
-            weight = backward * (weight / parts) if parts > 0 else 0.0
-        stages.append(
-            StagePlan(
-                start=start,
-                stop=stop,
-                names=[lp.name for lp in lps],
-                forward_time=forward + link,
-                backward_time=backward + rho * forward + link,
-                cost=per_stage[s],
-                memory_bytes=mem[s] + float(stage_input * inputs[s]),
-                sent_bytes=out,
-                weight_time=min(weight, backward),
-            )
-        )
-        start = stop
-    step, bubble = predict(
-        sched,
-        [st.forward_time for st in stages],
-        [st.backward_time for st in stages],
-        [st.weight_time for st in stages],
-    )
-    extra: dict[str, Any] = {"autocast": profile.autocast, "loss": profile.loss is not None}
-    problems = cut_problems(profile.layers, balance, profile.cut_reasons)
-    if problems:
-        extra["problems"] = problems
-    if profile.traced is not None:  # what Pipeline checks the model against, and where it cuts
-        extra["graph"] = dict(profile.traced, layers=[lp.name for lp in profile.layers])
-        extra["cuts"] = [st.names[0] for st in stages[1:]]
-    ties = _ties(profile.layers, balance)
-    if ties:
-        extra["ties"] = ties
-    return shape.replace(
-        stages=stages,
-        bottleneck=max(per_stage),
-        step_time=step,
-        bubble=bubble,
-        cost=net.cost,
-        prediction="simulator",
-        extra=extra,
-    )
-
-
-def _memory(
-    profile: Profile, sched: Schedule, recompute: str, optimizer_state_factor: float
-) -> tuple[list[list[float]], list[int]]:
-    """The memory rows ``solve`` takes (row s: what each layer costs on stage s) and, per stage,
-    how many stage inputs it keeps on top (recomputation), both from the schedule's in-flight peaks."""
-    sets, inputs = held(recompute, sched.n_microbatches, in_flight(sched))
-    layers = with_loss(profile)
-    rows = layer_memory(
-        [lp.param_bytes for lp in layers],
-        [lp.saved_bytes for lp in layers],
-        sets,
-        optimizer_state_factor,
-        buffer_bytes=[lp.buffer_bytes for lp in layers],
-        cache_bytes=[lp.cache_bytes for lp in layers],
-    )
-    return rows, inputs
-
-
-def _ties(layers: list[LayerProfile], balance: list[int]) -> dict[str, list[int]]:
-    """Parameter name -> the stages holding it, for those more than one stage holds."""
-    held: dict[str, list[int]] = {}
-    start = 0
-    for s, size in enumerate(balance):
-        for lp in layers[start : start + size]:
-            for name in lp.params:
-                stages = held.setdefault(name, [])
-                if not stages or stages[-1] != s:
-                    stages.append(s)
-        start += size
-    return {name: stages for name, stages in held.items() if len(stages) > 1}
-
-
 def _names(traced: Traced) -> str:
     names = [layer.name for layer in traced.layers]
     return ", ".join(names) if len(names) <= 12 else ", ".join(names[:12]) + ", ..."
-
-
-def _largest_input(profile: Profile) -> int:
-    """The most bytes any stage's input can be: the sample, or what crosses any cut."""
-    return max([profile.input_bytes, *cut_bytes(profile.graph)])

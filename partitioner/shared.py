@@ -62,7 +62,7 @@ def shared_across_ranks(make: F) -> F:
                 "partition the same number of times"
             ) from exc
         if text.startswith(_ERROR):
-            raise ValueError(f"partition failed on rank 0, which plans for every rank: {text[len(_ERROR):]}")
+            raise ValueError(f"partition failed on rank 0, which plans for every rank: {text[len(_ERROR) :]}")
         return Plan.from_json(text)
 
     return once  # type: ignore[return-value]

@@ -6,7 +6,7 @@
                         generators, schedule, validate, simulate, timeline, trace
       runtime/          what executes a plan: pipe (Pipeline), options, executor, program, stage,
                         p2p, metadata, stream, microbatch, recompute, grads, gather
-      launch.py         start ranks: local processes, or join a torchrun job
+      launch.py         start ranks: local processes, or join a torchrun job (startup.py: joining)
       checkpointing.py  save and load training state with torch.distributed.checkpoint
       reference/        reference models and data for the scripts, tests and examples (not the runtime)
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
     from pipeline.runtime.pipe import Pipeline
     from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
+    from pipeline.startup import StartupError
 
 # The runtime (torch, processes) loads on first use, so that ``import pipeline.schedules`` is pure data.
 _LAZY = {
@@ -54,6 +55,7 @@ _LAZY = {
     "Plan": "pipeline.plan",
     "StagePlan": "pipeline.plan",
     "PeerFailure": "pipeline.runtime.p2p",
+    "StartupError": "pipeline.startup",
     "PipelineTimeout": "pipeline.runtime.p2p",
     "Pipeline": "pipeline.runtime.pipe",
     "CHECKPOINT_MODES": "pipeline.runtime.recompute",
@@ -99,6 +101,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "StagePlan",
+    "StartupError",
     "TimedAction",
     "Timeline",
     "chrome_trace",

@@ -21,6 +21,18 @@ Backends (``backend=`` of both functions):
                      checked on CPU. Under torchrun, export STAGEWISE_EMULATE_NCCL=1
                      yourself (or pass backend="nccl-emulated" to init_distributed).
 
+The ranks never outlive the parent. Each rank asks the kernel for SIGKILL
+when its parent dies (``prctl(PR_SET_PDEATHSIG)`` on Linux; a thread that
+watches the parent's pid elsewhere, and as a fallback), so that SIGKILL of the
+parent (an OOM kill, ``kill -9``) ends them. SIGTERM of the parent (what
+``timeout`` and job schedulers send) and Ctrl-C stop the ranks and exit with
+one line and the usual status (143, 130), without a traceback: the ranks
+ignore SIGINT (the parent decides for them) and report nothing of it.
+
+Under torchrun (``init_distributed``) see startup.py: a store per restart,
+so that a restart never reads the keys of the attempt before it, and start-up
+waits that name what they waited for.
+
 Ranks are started with multiprocessing's "spawn": each one imports the
 caller's main module again before running ``fn``. A script whose
 ``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
@@ -31,17 +43,21 @@ one error that says so.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import multiprocessing
 import os
 import pickle
 import queue
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline import startup
 from pipeline.runtime import emulation
 from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV  # "1": the runtime emulates NCCL on gloo
 
@@ -69,6 +86,8 @@ _SETTLE_S = 0.3  # how long to let a failure's echoes on other ranks arrive
 _RANK_NAME = "stagewise-rank-"  # process-name prefix of the ranks launch starts
 _EXIT_UNGUARDED_MAIN = 87  # a rank's exit code when its import of the main module called launch
 _rank_started = False  # set in a rank once its fn may run: launch() from inside fn is deliberate
+_PARENT_POLL_S = 0.2  # how often a rank's fallback thread checks that its parent lives
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class RankError(RuntimeError):
@@ -163,11 +182,34 @@ def init_distributed(backend: str | None = None, timeout: float = 300.0) -> Dist
     chosen = backend or default_backend()
     device = _local_device(chosen, local_rank)
     _set_backend_env(chosen)
-    dist.init_process_group(_group_backend(chosen), timeout=datetime.timedelta(seconds=timeout))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = startup.join(rank, world_size, timeout)
+    td = datetime.timedelta(seconds=timeout)
+    with startup.bounded(rank, "every rank's connection to every other (init_process_group)", timeout):
+        dist.init_process_group(
+            _group_backend(chosen), store=store, rank=rank, world_size=world_size, timeout=td
+        )
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, chosen)
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this rank when ``parent`` dies: the kernel's parent-death signal on Linux, and a
+    thread that watches the parent's pid (the only guard elsewhere; on Linux it covers the moment
+    before prctl, when the parent may have died already)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    threading.Thread(target=_watch_parent, args=(parent,), name="stagewise-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:  # an orphan is re-parented (to init or a subreaper)
+        time.sleep(_PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _run_rank(
+    parent: int,
     rank: int,
     world_size: int,
     backend: str,
@@ -180,6 +222,7 @@ def _run_rank(
 ) -> None:
     global _rank_started
     _rank_started = True
+    _die_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
     _set_backend_env(backend)
@@ -188,16 +231,17 @@ def _run_rank(
             torch.set_num_threads(threads or 1)
         _local_device(backend, rank)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-        dist.init_process_group(
-            _group_backend(backend),
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        # every rank has finished connecting before any may return and close its sockets: gloo's
-        # full-mesh connect of a slow peer fails if a fast rank finishes fn and exits first
-        dist.barrier()
+        with startup.bounded(rank, f"the other ranks to connect (init_process_group, {store_path})", timeout):
+            dist.init_process_group(
+                _group_backend(backend),
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            # every rank has finished connecting before any may return and close its sockets: gloo's
+            # full-mesh connect of a slow peer fails if a fast rank finishes fn and exits first
+            dist.barrier()
         value = fn(*args)
         # Plain pickle copies tensors into the message, so the result outlives this process.
         results.put((rank, True, pickle.dumps(value)))
@@ -214,6 +258,7 @@ def _reimported_by_a_rank() -> bool:
 
 
 def _stop(processes: list[Any]) -> None:
+    processes = [proc for proc in processes if proc.pid is not None]  # started
     for proc in processes:
         if proc.is_alive():
             proc.terminate()
@@ -273,20 +318,71 @@ def launch(
     processes = [
         ctx.Process(
             target=_run_rank,
-            args=(rank, world_size, backend, store_path, timeout, threads, results, fn, args),
+            args=(os.getpid(), rank, world_size, backend, store_path, timeout, threads, results, fn, args),
             name=f"{_RANK_NAME}{rank}",
             daemon=True,
         )
         for rank in range(world_size)
     ]
     try:
-        for proc in processes:
-            proc.start()
-        return _collect(processes, results)
+        with _parent_signals():
+            with _ranks_ignore_sigint():
+                for proc in processes:
+                    proc.start()
+            return _collect(processes, results)
     finally:
         _stop(processes)
         if own_dir:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached launch's process: stop the ranks, then exit with ``status``."""
+
+    def __init__(self, name: str, status: int) -> None:
+        super().__init__(name)
+        self.name, self.status = name, status
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise _Stopped(signal.Signals(signum).name, 128 + signum)
+
+
+@contextlib.contextmanager
+def _parent_signals() -> Iterator[None]:
+    """In the main thread: SIGTERM and SIGINT stop the ranks (the ``finally`` of ``launch``) and
+    exit with one line; a handler the program installed itself is kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    ours = [
+        sig for sig in (signal.SIGTERM, signal.SIGINT)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)
+    ]  # fmt: skip
+    previous = {sig: signal.signal(sig, _on_signal) for sig in ours}
+    try:
+        yield
+    except (_Stopped, KeyboardInterrupt) as exc:
+        name, status = (exc.name, exc.status) if isinstance(exc, _Stopped) else ("SIGINT", 130)
+        print(f"pipeline.launch: {name}: stopping the ranks", file=sys.stderr, flush=True)
+        raise SystemExit(status) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _ranks_ignore_sigint() -> Iterator[None]:
+    """Ranks started here inherit SIGINT ignored (Python then installs no handler of its own):
+    Ctrl-C reaches the whole process group, and only the parent acts on it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _collect(processes: list[Any], results: Any) -> list[Any]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from pipeline.runtime.recompute import check_mode
+from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.schedule import Schedule, default_n_virtual, schedule, schedule_options
 
 __all__ = ["Plan", "StagePlan"]
@@ -72,7 +72,7 @@ class Plan:
     schedule: str = "1f1b"
     n_microbatches: int = 0  # 0: the default, m = p (filled in when the plan is made)
     n_virtual: int = 0  # 0: the default for the schedule
-    recompute: str = "never"
+    recompute: Recompute = "never"  # one mode, or a tuple of one per stage (see recompute_of)
     dp: int = 1  # pipeline replicas (data parallelism): the world is dp x n_ranks
     # predictions; empty for a plan that was not predicted
     stages: list[StagePlan] = field(default_factory=list)
@@ -105,7 +105,7 @@ class Plan:
         v, m = schedule_options(self.schedule, n_ranks, self.n_microbatches or None, v_given)
         object.__setattr__(self, "n_virtual", v)
         object.__setattr__(self, "n_microbatches", m)
-        check_mode(self.recompute)
+        object.__setattr__(self, "recompute", check_recompute(self.recompute, len(balance)))
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(
                 f"dp ({self.dp!r}) must be an integer >= 1: the number of pipeline replicas (1: no data "
@@ -134,6 +134,12 @@ class Plan:
     @property
     def n_layers(self) -> int:
         return sum(self.balance)
+
+    def recompute_of(self, stage: int) -> str:
+        """Stage ``stage``'s recomputation mode (``recompute`` is one mode, or one per stage)."""
+        if not 0 <= stage < self.n_stages:
+            raise ValueError(f"stage {stage} is not one of the plan's stages 0..{self.n_stages - 1}")
+        return mode_of(self.recompute, stage)
 
     def build_schedule(self) -> Schedule:
         """The plan's ``Schedule`` (built once per plan, validated)."""
@@ -178,15 +184,16 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         data["stages"] = [StagePlan(**s) for s in data.get("stages", [])]
+        if isinstance(data.get("recompute"), list):  # JSON has no tuples: one mode per stage
+            data["recompute"] = tuple(data["recompute"])
         return cls(**data)
 
     def summary(self) -> str:
         """The configuration in one line: ``[1f1b, m=4, v=1, recompute never]``, with ``, dp=2`` when
         the pipeline is replicated."""
         dp = f", dp={self.dp}" if self.dp > 1 else ""
-        return (
-            f"[{self.schedule}, m={self.n_microbatches}, v={self.n_virtual}, recompute {self.recompute}{dp}]"
-        )
+        mode = self.recompute if isinstance(self.recompute, str) else f"({', '.join(self.recompute)})"
+        return f"[{self.schedule}, m={self.n_microbatches}, v={self.n_virtual}, recompute {mode}{dp}]"
 
     def table(self, title: str = "", reference: float | None = None) -> str:
         """The stage table; with ``reference`` (another plan's bottleneck) adds the ratio to it."""
@@ -210,10 +217,42 @@ class Plan:
             )
         else:
             lines.append(f"balance {self.balance}  {self.summary()} (no predictions)")
+        if self.extra.get("cuts"):  # a traced model: the layer each stage after the first begins with
+            lines.append("cuts before " + ", ".join(str(c) for c in self.extra["cuts"]))
+        if self.extra.get("ties"):
+            ties = "; ".join(f"{name}: stages {stages}" for name, stages in self.extra["ties"].items())
+            lines.append(f"tied weights {ties}")
+        if self.extra.get("candidates"):
+            lines.append("candidates (auto search, fastest first):")
+            lines.append(self.candidates_table())
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """The configurations the auto search (``partition(..., schedule="auto")``) ranked, fastest
+        first: each a dict of schedule, n_microbatches, n_virtual, recompute (one mode or one per
+        stage), balance, step_time (s), bubble and peak_bytes (per rank); [] for any other plan."""
+        return [dict(c) for c in self.extra.get("candidates", [])]
+
+    def candidates_table(self) -> str:
+        """``candidates()`` as a printable table, one configuration per line."""
+        rows = self.candidates()
+        if not rows:
+            return "no candidates (the plan was not made by the auto search)"
+        lines = [
+            f"{'#':>2}  {'schedule':<16} {'m':>4} {'v':>3}  {'step ms':>9} {'bubble':>7} "
+            f"{'peak MB (max)':>13}  recompute / balance"
+        ]
+        for at, c in enumerate(rows):
+            mode = c["recompute"] if isinstance(c["recompute"], str) else ",".join(c["recompute"])
+            lines.append(
+                f"{at:>2}  {c['schedule']:<16} {c['n_microbatches']:>4} {c['n_virtual']:>3}  "
+                f"{c['step_time'] * 1e3:>9.2f} {c['bubble']:>7.3f} {max(c['peak_bytes']) / 1e6:>13.2f}  "
+                f"{mode} / {c['balance']}"
+            )
+        return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=64)

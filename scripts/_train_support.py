@@ -33,6 +33,7 @@ __all__ = [
     "Progress",
     "StepLog",
     "generate",
+    "load_gathered",
     "predicted_timeline",
     "report_busy",
     "resume",
@@ -138,7 +139,7 @@ def resume(folder: str, pipe: Pipeline, opt: torch.optim.Optimizer, precision: P
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {folder!r} to resume from")
     extra = checkpointing.load(path, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler)
-    saved = extra["config"]
+    saved = {"model": "gpt", **extra["config"]}  # checkpoints from before --model were of the gpt
     differ = {k: (saved[k], v) for k, v in model.items() if saved[k] != v}
     if differ:
         raise ValueError(f"checkpoint {str(path)!r} has a different model (saved, now): {differ}")
@@ -179,8 +180,27 @@ def report_busy(pipe: Pipeline, plan: Plan, busy: list[float]) -> None:
         print(row + f"{names:<8}  {layers:>6}  {predicted[r] * 1e3:12.1f}  {meas * 1e3:11.1f}", flush=True)
 
 
+def load_gathered(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``pipe.gather_state_dict()`` into the whole ``model``. A tied weight comes once, under its
+    first name (``tok.weight``); its other names (``head.weight``) are the same Parameter here, so
+    loading it under one name loads them all. Anything else missing is an error."""
+    first: dict[int, str] = {}
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        first.setdefault(id(t), name)
+    aliases = {
+        name: first[id(t)] for name, t in model.state_dict(keep_vars=True).items() if first[id(t)] != name
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    wrong = [k for k in missing if aliases.get(k) not in state] + list(unexpected)
+    if wrong:
+        raise RuntimeError(f"the gathered state does not fit the model: {wrong[:5]}")
+
+
 @torch.no_grad()
-def generate(model: nn.Sequential, prompt: str, n_chars: int, seq_len: int, seed: int) -> str:
+def generate(model: nn.Module, prompt: str, n_chars: int, seq_len: int, seed: int) -> str:
     """Sample ``n_chars`` characters after ``prompt`` (temperature 0.8) from the full model."""
     model.eval()
     g = torch.Generator().manual_seed(seed)

@@ -195,7 +195,13 @@ def _rank_checks() -> dict[str, Any]:
                 loss = pipe.step(x, y)
             memory = pipe.memory_stats()
             grads = {k: t.grad.float().cpu() for k, t in pipe.named_parameters() if t.grad is not None}
-            out[f"{dtype}/{name}/{m}"] = (loss, ev, grads, memory["held"], memory["peak"])
+            out[f"{dtype}/{name}/{m}"] = (
+                loss,
+                ev,
+                grads,
+                memory["held"],
+                memory["allocator_peak"] or memory["peak"],
+            )
             out["busy"] = out["busy"] and pipe.busy_time > 0
     out["time"] = _step_times(p, dev, emulate)
     return out

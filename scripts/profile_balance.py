@@ -80,7 +80,7 @@ def load_model(spec: str, parser: argparse.ArgumentParser) -> tuple[nn.Sequentia
 def print_profile(prof: Profile) -> None:
     precision = f"autocast {prof.autocast}" if prof.autocast else "fp32"
     print(
-        f"per-layer profile on {prof.device}, {precision} (one micro-batch; times are medians); "
+        f"per-layer profile on {prof.device}, {precision} (one micro-batch; minimum of adaptive repeats); "
         f"profiling took {prof.seconds:.2f} s, {prof.peak_bytes / 1e6:.2f} MB at its peak"
     )
     print(
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         help="profile in another precision than --dtype (to see what a mismatched profile predicts)",
     )
     parser.add_argument("--device", default=None, help="where to profile (default: where each layer lives)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per layer (medians)")
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer, at least")
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU intra-op threads (default 1, as each launched rank)"
     )
@@ -305,6 +305,15 @@ def main(argv: list[str] | None = None) -> int:
         "--measure", action="store_true", help="run a few real steps of our plan and time each rank"
     )
     parser.add_argument("--measure-steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="search schedule, micro-batches, stages per rank and recomputation per stage under "
+        "--memory-limit, and print the candidates table (the sample is any rows; see --batch-size)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="--auto: rows of one step (default: the sample's)"
+    )
     args = parser.parse_args(argv)
     if args.measure_steps < 1:
         parser.error(f"--measure-steps ({args.measure_steps}) must be >= 1")
@@ -341,10 +350,12 @@ def main(argv: list[str] | None = None) -> int:
             repeat=args.repeat,
         )
         if measure_bandwidth:
-            links = _measured_links(args.stages, v, _backend(prof))
+            links = _measured_links(args.stages, 2 if args.auto else v, _backend(prof))
             bandwidth = links.bandwidth
             latency = links.latency if latency is None else latency
         net: dict[str, Any] = {"bandwidth": bandwidth, "latency": latency}
+        if args.auto:
+            return _auto(model, sample, prof, args, memory_limit, net)
         ours = partition(model, args.stages, sample, memory_limit=memory_limit, profile=prof, **net, **opts)
     except (ValueError, TypeError) as err:
         _library_error(parser, err)
@@ -376,6 +387,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(plans, args.plot)
         print(f"saved the plot to {args.plot}")
+    return 0
+
+
+def _auto(
+    model: nn.Sequential,
+    sample: Any,
+    prof: Profile,
+    args: argparse.Namespace,
+    memory_limit: float | list[float] | None,
+    net: dict[str, Any],
+) -> int:
+    """--auto: the searched plan, its stage table and the candidates within 10 % of it."""
+    batch = args.batch_size or _rows(sample)
+    plan = partition(model, args.stages, sample, schedule="auto", batch_size=batch, memory_limit=memory_limit,
+                     cost=args.cost, profile=prof, **net)  # fmt: skip
+    print_profile(prof)
+    print()
+    print(plan.table(f"== auto: {plan.summary()}, micro-batches of {plan.extra['micro_batch_rows']} rows"))
+    found = plan.extra["search"]
+    print(
+        f"\nsearched {found['grid']} configurations in {found['seconds']:.2f} s: simulated "
+        f"{found['simulated']}, pruned {found['pruned_group']} by the time bound, {found['pruned_fit']} by "
+        f"memory, {found['pruned_balance']} by their balance"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"\nsaved the plan to {args.json}")
     return 0
 
 

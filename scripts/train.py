@@ -3,6 +3,7 @@
     python scripts/train.py     # 2 ranks, 1F1B, 1500 steps: ~2.5 min on 2 idle cores, 6-12 on busy ones
     python scripts/train.py --stages 4 --schedule zb-h1 --microbatches 8 --trace runs/zb.json
     python scripts/train.py --checkpoint-dir runs/ckpt --checkpoint-every 100   # later: add --resume
+    python scripts/train.py --model gpt-tied --schedule interleaved-1f1b   # a module split on its graph
     python scripts/train.py --dp 2 --stages 2 --zero    # 2 replicas of a 2-rank pipeline: 4 ranks, ZeRO-1
     torchrun --nproc-per-node 4 scripts/train.py --device cuda --dtype bf16
     torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
@@ -17,11 +18,16 @@ stages of them (gloo, one thread each); under ``torchrun`` rank 0 makes it and
 sends it to the others, and every process is one rank (NCCL on GPUs): the
 world is split into dp replicas of a pipeline of ``stages`` ranks, global rank
 g = d * stages + r (replica d, pipeline rank r; see pipeline/runtime/mesh.py).
-``--batch-size`` is the whole step's batch: each replica trains on its own
-1/dp of it, so a run at any dp computes the same losses. The library checks every option;
-its ValueError becomes one line naming the flags involved (exit code 2). The
-data is the Python standard library's own source (``pipeline.reference.data``)
-unless ``--data`` names a text file or folder. The progress bar needs tqdm
+``--model gpt`` is an ``nn.Sequential`` (embedding, blocks, norm, head), split
+between its layers; ``--model gpt-tied`` is the GPT as users write it (a
+ModuleList of blocks called in a loop, the head's weight the token
+embedding's), traced and split on its layer graph, the tied weight's copies
+summed across the ranks that hold them. ``--batch-size`` is the whole step's
+batch: each replica trains on its own 1/dp of it, so a run at any dp computes
+the same losses. The library checks every option; its ValueError becomes one
+line naming the flags involved (exit code 2). The data is the Python standard
+library's own source (``pipeline.reference.data``) unless ``--data`` names a
+text file or folder. The progress bar needs tqdm
 (``pip install -e ".[train]"``); without it, or when stderr is not a terminal,
 plain progress lines are printed instead, and ``--quiet`` prints none.
 """
@@ -51,6 +57,7 @@ from _train_support import (
     Progress,
     StepLog,
     generate,
+    load_gathered,
     predicted_timeline,
     report_busy,
     resume,
@@ -62,6 +69,7 @@ from pipeline import checkpointing
 from pipeline.launch import init_distributed, launch
 from pipeline.plan import Plan
 from pipeline.reference.data import VOCAB_SIZE, CharDataset
+from pipeline.reference.graph_models import gpt_tied
 from pipeline.reference.models import gpt, gpt_loss
 from pipeline.runtime.microbatch import split
 from pipeline.runtime.pipe import Pipeline
@@ -69,14 +77,16 @@ from pipeline.runtime.recompute import RECOMPUTE_MODES
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
 _N_HEADS, _EVAL_BATCHES, _CLIP = 4, 4, 1.0
+MODELS = {"gpt": gpt, "gpt-tied": gpt_tied}  # the Sequential; the traced module with a tied head
 _TIMEOUT_S = float(os.environ.get("STAGEWISE_TIMEOUT", "300"))  # bound on every wait for another rank
-_MODEL_KEYS = ("layers", "width", "seq_len")  # what a checkpoint must agree on to be loaded
+_MODEL_KEYS = ("model", "layers", "width", "seq_len")  # what a checkpoint must agree on to be loaded
 
 
 @dataclass(frozen=True)
 class Config:
     """One field per flag. ``stages``: pipeline ranks; ``virtual`` None: the schedule's default."""
 
+    model: str = "gpt"
     stages: int = 2
     dp: int = 1
     zero: bool = False
@@ -139,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
     d, count, more = Config(), _at_least(1), _at_least(0)
     p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
+    add("--model", choices=MODELS, default=d.model,
+        help="gpt: an nn.Sequential; gpt-tied: a ModuleList of blocks, head tied to embedding")  # fmt: skip
     add("--stages", type=int, help=f"pipeline ranks (default {d.stages}; under torchrun: the world / --dp)")
     add("--dp", type=int, help="pipeline replicas, data-parallel (default 1; torchrun: world / --stages)")
     add("--zero", action="store_true", help="shard the optimizer state over the replicas (ZeRO-1)")
@@ -242,11 +254,13 @@ def _blame(cfg: Config, *names: str) -> Iterator[None]:
         raise FlagError(f"{cfg.flags(*names)}: {exc}") from exc
 
 
-def build_model(cfg: Config) -> tuple[nn.Sequential, torch.Tensor]:
+def build_model(cfg: Config) -> tuple[nn.Module, torch.Tensor]:
     """The same model on every rank: seeded right before it is built. Sample: one micro-batch."""
     torch.manual_seed(cfg.seed)
     rows = max(1, cfg.local_batch // cfg.microbatches)  # one replica's micro-batch
-    return gpt(VOCAB_SIZE, cfg.width, cfg.layers, _N_HEADS, max_seq_len=cfg.seq_len, batch_size=rows)
+    return MODELS[cfg.model](
+        VOCAB_SIZE, cfg.width, cfg.layers, _N_HEADS, max_seq_len=cfg.seq_len, batch_size=rows
+    )
 
 
 def make_plan(cfg: Config, device: torch.device) -> Plan:
@@ -257,8 +271,9 @@ def make_plan(cfg: Config, device: torch.device) -> Plan:
         split(torch.empty(cfg.local_batch, 0, device="meta"), cfg.microbatches)
     with _blame(cfg, "width", "layers"):
         model, sample = build_model(cfg)
-    # profiled one layer at a time on the run's device, in its precision, with the loss: never the whole
-    # model on one device (issue: a model that needs pipelining does not fit there)
+    # profiled one layer (gpt-tied: one group of its traced graph) at a time on the run's device, in its
+    # precision, with the loss: never the whole model on one device (a model that needs pipelining
+    # does not fit there)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     target = torch.randint(0, VOCAB_SIZE, sample.shape, generator=torch.Generator().manual_seed(cfg.seed))
     prof = profile(model, sample, device=device, autocast=amp, loss_fn=gpt_loss, target=target)
@@ -301,7 +316,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
     if rank == 0 and data is not None:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"data: {data.source}, {len(data.train):,} train / {len(data.val):,} val characters, "
-              f"vocabulary {VOCAB_SIZE}\nmodel: {cfg.layers} blocks, width {cfg.width}, "
+              f"vocabulary {VOCAB_SIZE}\nmodel: {cfg.model}, {cfg.layers} blocks, width {cfg.width}, "
               f"{n_params / 1e6:.2f}M parameters\n{plan}", flush=True)  # fmt: skip
     precision = Precision(cfg.dtype, device)
     pipe = Pipeline(model, plan, loss_fn=precision.loss_fn, device=device, timeout=_TIMEOUT_S)
@@ -361,7 +376,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
     state, text = pipe.gather_state_dict(dst=0) if cfg.sample_chars else None, ""  # in every replica
     if state is not None and rank == 0:
         full, _ = build_model(cfg)
-        full.load_state_dict(state)
+        load_gathered(full, state)
         text = generate(full.to(device), "def ", cfg.sample_chars, cfg.seq_len, cfg.seed)
         print("---- generated text ----\n" + text + "\n------------------------", flush=True)
     return {"rank": rank, "start": start, "losses": losses, "evals": evals, "seconds": seconds,

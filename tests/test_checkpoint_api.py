@@ -47,7 +47,7 @@ def test_keep_prunes_older_checkpoints_never_the_one_just_written(tmp_path: Path
         for step in range(1, 6):
             checkpointing.save(tmp_path / str(keep), step, pipe=model, optimizer=opt, keep=keep)
         assert _steps(tmp_path / str(keep)) == kept, keep
-    # a folder holding higher steps (another run, or steps after the one resumed from)
+    # a folder holding higher steps of this run (steps after the one resumed from): kept by order of writing
     mixed = tmp_path / "mixed"
     for step in (10, 20, 30):
         checkpointing.save(mixed, step, pipe=model, optimizer=opt, keep=None)

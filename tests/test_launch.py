@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pipeline import startup
 from pipeline.launch import EMULATE_NCCL_ENV, RankError, default_backend, init_distributed, launch
 from tests.dist import run_ranks
 
@@ -51,13 +52,16 @@ def _raise_on_rank_one() -> None:
     dist.barrier()  # the others block here until they are killed
 
 
-def test_exception_names_rank_and_message(tmp_path: Path) -> None:
+def test_exception_names_rank_and_message_and_leaves_no_rank(tmp_path: Path) -> None:
+    import multiprocessing
+
     start = time.monotonic()
     with pytest.raises(RankError, match=r"rank 1 failed: KeyError: 'boom on the second rank'") as info:
         run_ranks(tmp_path, _raise_on_rank_one, 3, timeout=120.0)
     assert info.value.rank == 1
     assert "_raise_on_rank_one" in str(info.value)  # the remote traceback travels
     assert time.monotonic() - start < 30  # far below the collective timeout: nobody waited for it
+    assert multiprocessing.active_children() == []
 
 
 def _die_on_rank_zero() -> None:
@@ -72,14 +76,6 @@ def test_dead_rank_is_reported(tmp_path: Path) -> None:
         run_ranks(tmp_path, _die_on_rank_zero, 2, timeout=120.0)
     assert info.value.rank == 0
     assert time.monotonic() - start < 30
-
-
-def test_no_orphans_after_failure(tmp_path: Path) -> None:
-    import multiprocessing
-
-    with pytest.raises(RankError):
-        run_ranks(tmp_path, _raise_on_rank_one, 2)
-    assert multiprocessing.active_children() == []
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
@@ -164,9 +160,6 @@ def test_launch_outside_the_main_guard_is_one_short_clear_error(tmp_path: Path) 
     assert "os._exit" not in out and "bootstrapping phase" not in out, out
     assert len(out.splitlines()) < 20, out  # the parent's one traceback, no rank's
 
-    guarded = _run_script(tmp_path, 'if __name__ == "__main__":\n    print(pipeline.launch(work, 2))')
-    assert guarded.returncode == 0 and guarded.stdout.strip() == "[7, 7]", guarded.stderr
-
 
 def _backend_seen() -> tuple[str, str | None, int, str, str]:
     total = torch.tensor([dist.get_rank() + 1])
@@ -227,10 +220,50 @@ def test_init_distributed_nccl_without_gpus(monkeypatch: pytest.MonkeyPatch) -> 
 def test_init_distributed_sets_the_emulation_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     _torchrun_env(monkeypatch)
     monkeypatch.setenv(EMULATE_NCCL_ENV, "0")  # so that undo removes what init_distributed sets
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.append(backend))
+    monkeypatch.setattr(startup, "join", lambda rank, world_size, timeout: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **_: calls.append(backend))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     calls: list[str] = []
     info = init_distributed("nccl-emulated")
     assert calls == ["gloo"] and info.backend == "nccl-emulated" and info.device == torch.device("cpu")
     assert os.environ[EMULATE_NCCL_ENV] == "1"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_restart_does_not_see_the_keys_of_the_attempt_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent keeps one store over restarts: attempt 1 must not count attempt 0's ranks."""
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent serves the store
+    agent = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    agent.set("stagewise/attempt0/joined/1", "a worker that was killed since")
+    assert startup.join(0, 2, timeout=5.0) is not None  # attempt 0: rank 1 had joined
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    start = time.monotonic()
+    with pytest.raises(startup.StartupError, match=r"rank 0 \(attempt 1\) waited 0.5 s for ranks \[1\] of 2"):
+        startup.join(0, 2, timeout=0.5)
+    assert time.monotonic() - start < 5
+
+
+def test_an_unreachable_store_is_a_bounded_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # nobody serves it
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    start = time.monotonic()
+    expected = (
+        r"rank 1 \(attempt 0\) gave up after .* waiting for the store at 127.0.0.1:\d+ \(served by torchrun's"
+    )
+    with pytest.raises(startup.StartupError, match=expected):
+        startup.join(1, 2, timeout=1.0)
+    assert time.monotonic() - start < 10

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.watchdog import Liveness, process_alive
 from tests.dist import run_ranks
 
 
@@ -67,3 +68,25 @@ def test_exchange_timeout_and_failure(tmp_path: Path) -> None:
         "rank 1 failed while rank 0 waited for stage 3's output signature: ValueError: bad things"
     )
     assert elapsed < 1.0
+
+
+def test_a_peer_whose_process_is_gone_is_found_dead_on_its_host_only(tmp_path: Path) -> None:
+    import subprocess
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    me = Liveness(store, "proc", 0, 3)
+    me.register()
+    gone = subprocess.Popen(["sleep", "30"])
+    elsewhere = f"another-host/{me.machine}"
+    store.set("proc/1", f"{me.machine}|{gone.pid}|1")  # on this host, and it served the store
+    store.set("proc/2", f"{elsewhere}|{gone.pid}|0")  # a pid on another host means nothing here
+    me.learn()
+    assert me.dead() == [] and not me.store_lost() and process_alive(gone.pid)
+    gone.kill()
+    deadline = time.monotonic() + 10
+    while process_alive(gone.pid) and time.monotonic() < deadline:  # a zombie until reaped: exited
+        time.sleep(0.01)
+    try:
+        assert me.dead() == [1] and me.store_lost() and sorted(me.pids) == [1]
+    finally:
+        gone.wait()

@@ -8,9 +8,15 @@ The closed forms below are oracles, not library code: the walk over the built sc
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
-from partitioner.memory import held, in_flight, layer_memory
+import pytest
+import torch
+from torch import nn
+
+from partitioner import profile
+from partitioner.memory import StageBytes, held, in_flight, layer_memory, rank_peaks, saved_io, stage_bytes
+from pipeline.reference.models import mlp
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
 
@@ -100,3 +106,81 @@ def test_bad_input() -> None:
         layer_memory([1], [1], [1], optimizer_state_factor=-1.0)
     with pytest.raises(ValueError, match="'sometimes'"):
         held("sometimes", 2, [1])
+
+
+# ---- the per-rank walk (rank_peaks) and the per-stage figures it takes (stage_bytes)
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 4), (2, 6)])
+@pytest.mark.parametrize(("name", "v"), SCHEDULES)
+def test_walk_of_graphs_alone_is_the_simulators_count(name: str, v: int, p: int, m: int) -> None:
+    # graphs of 1 byte, nothing else: a rank's peak is the most micro-batches its stages hold at once
+    sched = schedule(name, p, m, n_virtual=v)
+    ones = [StageBytes(saved=1.0, input=0.0, output=0.0)] * (p * v)
+    assert rank_peaks(sched, ones, "never") == simulate(sched, 1.0, 2.0, 1.0).peak_activations
+
+
+@pytest.mark.parametrize(("name", "v"), [s for s in SCHEDULES if s[0] != "zb-h1"])
+def test_always_recomputing_holds_one_graph(name: str, v: int) -> None:
+    # unsplit: only the micro-batch being recomputed has a graph (zb-h1 keeps each until its W)
+    sched = schedule(name, 3, 6, n_virtual=v)
+    figures = [StageBytes(saved=10.0, input=0.0, output=0.0, static=5.0 * s) for s in range(3 * v)]
+    statics = [sum(5.0 * s for s in range(r, 3 * v, 3)) for r in range(3)]
+    assert rank_peaks(sched, figures, "always") == [10.0 + st for st in statics]
+    assert max(rank_peaks(schedule("zb-h1", 3, 6), figures[:3], "always")) > 10.0 + 10.0
+
+
+def test_received_and_sent_buffers_count_until_consumed_or_delivered() -> None:
+    # 1f1b, p = 2, m = 4, rank 1 (the last stage), inputs of 1 byte alone (their gradients too):
+    # receives are posted one comm block ahead, and the gradient sent after B_i lives until
+    # rank 0's F_{i+2} arrives (rank 0 sends it after B_i: the proof that B_i's gradient came)
+    #   start + block 0:  RECV_F0, RECV_F1                          in0 in1            2
+    #   F0 B0, block 1:   SEND_B0, RECV_F2 (F0's receive consumed)  in1 gin0 in2       3
+    #   F1 B1, block 2:   SEND_B1, RECV_F3                          gin0 in2 gin1 in3  4
+    #   F2 (reaps gin0) B2, block 3: SEND_B2                        in3 gin1 gin2      3
+    sched = schedule("1f1b", 2, 4)
+    figures = [StageBytes(saved=0.0, input=0.0, output=0.0), StageBytes(saved=0.0, input=1.0, output=0.0)]
+    assert rank_peaks(sched, figures, "always")[1] == 4.0
+
+
+def test_recompute_per_stage() -> None:
+    # one stage per rank: each rank's peak follows its own stage's mode
+    sched = schedule("1f1b", 2, 4)
+    figures = [StageBytes(saved=8.0, input=1.0, output=2.0), StageBytes(saved=8.0, input=2.0, output=0.0)]
+    never, always = rank_peaks(sched, figures, "never"), rank_peaks(sched, figures, "always")
+    assert rank_peaks(sched, figures, ("never", "always")) == [never[0], always[1]]
+    assert rank_peaks(sched, figures, ["always", "never"]) == [always[0], never[1]]
+    with pytest.raises(ValueError, match="one per stage"):
+        rank_peaks(sched, figures, ("never",))
+    with pytest.raises(ValueError, match="'sometimes'"):
+        rank_peaks(sched, figures, ("never", "sometimes"))
+
+
+def test_stage_bytes_counts_a_storage_two_layers_save_once() -> None:
+    # each mlp layer (Linear, ReLU) saves its input and its output: the next layer's input
+    torch.manual_seed(0)
+    model, x = mlp(width=8, depth=4, batch_size=2)
+    y = torch.randn(2, 8)
+    prof = profile(model, x, loss_fn=nn.functional.mse_loss, target=y, warmup=0, repeat=1)
+    io = saved_io(model, x, nn.functional.mse_loss, y)
+    u = x.nbytes  # one activation: 2 rows of 8 floats
+    assert io == [(u, u)] * 4 + [(u, u)]  # the loss saves its input and its target
+    first, last = stage_bytes(prof, [2, 2], 0.0, io)
+    # stage 0: y0 (x0 is the step's data; y1, sent, is its output); stage 1: y2, y3 (the target:
+    # data), its input y1 held on its own
+    assert (first.saved, first.input, first.output) == (u, 0.0, u)
+    assert (last.saved, last.input, last.output) == (2 * u, u, 0.0)
+    assert first.static == 2 * sum(lp.param_bytes for lp in prof.layers[:2])
+    # the profile records what each layer saves of its input and output: the same figures
+    assert [(lp.saved_input_bytes, lp.saved_output_bytes) for lp in prof.layers] == io[:-1]
+    assert prof.loss is not None and (prof.loss.saved_input_bytes, prof.loss.saved_target_bytes) == io[-1]
+    assert stage_bytes(prof, [2, 2], 0.0) == [first, last]
+    unknown = dataclasses.replace(
+        prof,
+        layers=[dataclasses.replace(lp, saved_input_bytes=0, saved_output_bytes=0) for lp in prof.layers],
+        loss=dataclasses.replace(prof.loss, saved_input_bytes=0, saved_target_bytes=0),
+    )
+    upper = stage_bytes(unknown, [2, 2], 0.0)  # nothing known to be shared: every layer's own bytes
+    assert upper[0].saved == 4 * u  # all four, the output again beside them: an upper bound

@@ -203,3 +203,45 @@ def test_dp_is_the_number_of_replicas() -> None:
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=rf"dp \({bad!r}\) must be an integer >= 1: the number of "):
             Plan(balance=[1, 1], dp=bad)  # type: ignore[arg-type]
+
+
+def test_recompute_per_stage_round_trips_and_reads_per_stage() -> None:
+    plan = Plan(balance=[2, 2, 1, 1], schedule="interleaved-1f1b", n_microbatches=2,
+                recompute=["always", "never", "except_last", "never"])  # fmt: skip
+    assert plan.recompute == ("always", "never", "except_last", "never")  # a list becomes a tuple
+    assert [plan.recompute_of(s) for s in range(4)] == ["always", "never", "except_last", "never"]
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.recompute == plan.recompute
+    assert "recompute (always, never, except_last, never)" in plan.summary()
+    one = Plan(balance=[1, 1], recompute="always")
+    assert [one.recompute_of(s) for s in (0, 1)] == ["always", "always"]
+    assert Plan.from_json(one.to_json()).recompute == "always"
+    with pytest.raises(ValueError, match=r"stage 2 is not one of the plan's stages 0..1"):
+        one.recompute_of(2)
+
+
+@pytest.mark.parametrize(
+    ("recompute", "error", "match"),
+    [
+        (
+            ("always", "sometimes"),
+            ValueError,
+            r"recompute\[1\] \(stage 1\) is 'sometimes'; each must be one of",
+        ),
+        (("always",), ValueError, r"recompute has 1 modes for 2 stages; give one mode per stage"),
+        (("never", "never", "never"), ValueError, r"recompute has 3 modes for 2 stages"),
+        (3, TypeError, r"recompute must be a mode .* or a list of one mode per stage, got int 3"),
+        (("never", None), ValueError, r"recompute\[1\] \(stage 1\) is None"),
+    ],
+)
+def test_recompute_per_stage_is_checked(recompute: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Plan(balance=[1, 1], recompute=recompute)  # type: ignore[arg-type]
+
+
+def test_table_shows_a_traced_plans_cuts_and_ties() -> None:
+    plan = Plan(balance=[2, 2], extra={"cuts": ["blocks.2"], "ties": {"wte.weight": [0, 1]}})
+    text = plan.table()
+    assert "cuts before blocks.2" in text and "tied weights wte.weight: stages [0, 1]" in text
+    assert "cuts before" not in Plan(balance=[2, 2]).table()
+    assert "no candidates" in Plan(balance=[2, 2]).candidates_table()

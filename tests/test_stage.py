@@ -160,3 +160,33 @@ def test_infer_does_not_compute_or_touch_buffers() -> None:
     )  # fmt: skip
     assert stage.infer((((7, 3), torch.float32),)) == (((7, 5), torch.float32),)
     assert int(layer[1].num_batches_tracked) == 0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_meter_counts_what_a_stage_holds_until_it_is_freed(split_backward: bool, recompute: str) -> None:
+    torch.manual_seed(0)
+    model, x = mlp(width=16, depth=4, batch_size=8)
+    y = torch.randn(8, 16)
+    s0, s1 = _two_stages(model, split_backward, recompute)
+    s1.meter = s0.meter
+    meter = s0.meter
+    meter.begin_step([*model.parameters()])
+    row = 2 * 16 * 4  # one micro-batch's activation: 2 rows of 16 floats
+    outs = [s0.forward(i, xi) for i, xi in enumerate(split(x, M))]
+    # stage 0 keeps, per micro-batch, the input x (a view of the batch: one storage for all
+    # four) and each layer's ReLU output, or only the input when it recomputes
+    per_mb = 2 * row if recompute == "never" else 0
+    assert meter.now == x.untyped_storage().nbytes() + M * per_mb
+    for i, (out, yi) in enumerate(zip(outs, split(y, M), strict=True)):
+        s1.forward(i, out, yi)
+    assert meter.now > M * per_mb
+    for i in reversed(range(M)):
+        g = s1.backward(i, None)
+        s0.backward(i, g)
+        if split_backward:
+            s1.weight(i)
+            s0.weight(i)
+    del outs, g
+    assert meter.now == 0 and s0.live == s1.live == 0
+    assert meter.peak >= x.untyped_storage().nbytes() + M * per_mb

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["barrier", "distributed", "rank", "together", "world"]
+__all__ = ["barrier", "distributed", "from_rank0", "rank", "together", "world"]
 
 _KINDS: dict[str, type[Exception]] = {"TypeError": TypeError, "FileNotFoundError": FileNotFoundError}
 
@@ -42,11 +42,19 @@ def together(error: Exception | None, payload: Any) -> list[Any]:
             raise error
         return [payload]
     gathered: list[Any] = [None] * dist.get_world_size()
-    mine = None if error is None else (type(error).__name__, str(error))
+    mine = None if error is None else (type(error).__name__, str(error), getattr(error, "errno", None))
     dist.all_gather_object(gathered, (mine, payload))
     if error is not None:
         raise error
     for r, (theirs, _) in enumerate(gathered):
         if theirs is not None:
-            raise _KINDS.get(theirs[0], ValueError)(f"rank {r} failed: {theirs[1]}")
+            name, text, errno = theirs
+            if errno is not None:  # an OSError (a full disk ...): keep its errno for the caller
+                raise OSError(errno, f"rank {r} failed: {text}")
+            raise _KINDS.get(name, ValueError)(f"rank {r} failed: {text}")
     return [p for _, p in gathered]
+
+
+def from_rank0(error: Exception | None, payload: Any) -> Any:
+    """Rank 0's ``payload`` on every rank (what rank 0 decided or read), after ``together``."""
+    return together(error, payload)[0]

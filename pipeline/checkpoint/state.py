@@ -15,11 +15,16 @@ Each rank contributes what it holds, every key once in the whole checkpoint:
     rng/<r>/cpu, rng/<r>/cuda   each rank's torch generators (CUDA's when CUDA is initialised)
     extra                    the caller's JSON text (the same on every rank)
 
-The names come from ``get_model_state_dict`` of one module whose children are
-the layers this rank's stages hold, under their keys in the ``nn.Sequential``
-(a Pipeline of v = 2 holds two stages: their ModuleList would prefix "0.", "1.").
-Loading at another stage count, each rank asks for the names it now holds and
-their optimizer entries. Per-rank entries go back to the same rank; a rank the
+The names come from ``get_model_state_dict`` of one module holding this rank's
+stages merged (``model_of``): the model's own names (``blocks.3.fc.weight``),
+whether the stages are slices of an ``nn.Sequential`` or traced graph stages,
+and however many stages a rank holds (v = 2: stages 0 and 2 on rank 0). A
+tensor held under several names (a head tied to the token embedding) is one
+entry, under its first name in ``named_parameters`` (``tok.weight``), which is
+also the name a traced stage gives it; every rank holding a copy writes the
+same entry (dcp keeps one) and loads it, and one process loads it into all of
+its names. Loading at another stage count, each rank asks for the names it now
+holds and their optimizer entries. Per-rank entries go back to the same rank; a rank the
 checkpoint did not have takes rank 0's scheduler and scaler state (the same on
 every rank up to the per-group lists) and keeps its generators: with more
 ranks than were saved, the random streams (dropout masks) cannot continue
@@ -57,16 +62,14 @@ class Stateful(Protocol):
 
 
 def model_of(pipe: Pipeline | nn.Module) -> nn.Module:
-    """One module holding this rank's layers under the original model's names (or ``pipe`` itself)."""
+    """One module holding this rank's parameters and buffers under the original model's names (or
+    ``pipe`` itself): its local stages merged (see ``_merge``)."""
     if isinstance(pipe, nn.Module):
         return pipe
     if not isinstance(pipe, Pipeline):
         raise TypeError(f"pipe must be a Pipeline (or an nn.Module), got {type(pipe).__name__}")
     stages = list(pipe.module) if isinstance(pipe.module, nn.ModuleList) else [pipe.module]
-    union = nn.Module()
-    for stage in stages:
-        for key, layer in stage.named_children():
-            union.add_module(key, layer)
+    union = _merge(stages)
     mine = {n for n, _ in union.named_parameters()} | {n for n, _ in union.named_buffers()}
     theirs = {n for n, _ in pipe.named_parameters()} | {n for n, _ in pipe.named_buffers()}
     if mine != theirs:  # the runtime's layout changed under us: never save under other names
@@ -74,6 +77,59 @@ def model_of(pipe: Pipeline | nn.Module) -> nn.Module:
             f"checkpoint names {sorted(mine ^ theirs)[:5]} differ from pipe.named_parameters()"
         )
     return union
+
+
+def _merge(stages: list[nn.Module]) -> nn.Module:
+    """The local stages as one module tree with their paths (``blocks.2.fc.weight``).
+
+    Two stages of a rank (v > 1) may both hold a path with different objects there: traced stages
+    each have their own ``blocks`` container (stage 0 ``blocks.0``, stage 2 ``blocks.2``), and a
+    weight tied between them is one Parameter under one name in both. Such a path becomes a fresh
+    container holding the direct parameters and buffers of every object there (one Parameter per
+    name, else a RuntimeError); a path with one object in all stages keeps that module itself::
+
+        stage 0: tok, blocks{0}, (fresh)       union: tok, blocks{0, 2} (fresh), norm, head
+        stage 2: blocks{2}, norm, head         tok, blocks.0, blocks.2, norm, head: the modules
+    """
+    at: dict[str, list[nn.Module]] = {}
+    for stage in stages:
+        for path, module in stage.named_modules(remove_duplicate=False):
+            same = at.setdefault(path, [])
+            if not any(m is module for m in same):
+                same.append(module)
+    union, whole = nn.Module(), list[str]()
+    for path in sorted(at, key=lambda p: (p.count(".") if p else -1, p)):  # parents first
+        parent, _, name = path.rpartition(".")
+        if not path:
+            for root in at[path]:
+                _copy_direct(root, union, "")
+        elif any(path.startswith(w + ".") for w in whole):
+            continue  # inside a module kept whole
+        elif len(at[path]) == 1:
+            union.get_submodule(parent).add_module(name, at[path][0])
+            whole.append(path)
+        else:
+            into = nn.Module()
+            for module in at[path]:
+                _copy_direct(module, into, path + ".")
+            union.get_submodule(parent).add_module(name, into)
+    return union
+
+
+def _copy_direct(module: nn.Module, into: nn.Module, path: str) -> None:
+    """``module``'s own parameters and buffers (not its children's) into ``into``, as it keeps them."""
+    for name, param in module._parameters.items():
+        have = into._parameters.get(name)
+        if have is not None and have is not param:
+            raise RuntimeError(f"two local stages hold different parameters named {path}{name}")
+        if param is not None:
+            into.register_parameter(name, param)
+    for name, buf in module._buffers.items():
+        held = into._buffers.get(name)
+        if held is not None and held is not buf:
+            raise RuntimeError(f"two local stages hold different buffers named {path}{name}")
+        if buf is not None:
+            into.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
 
 
 def extra_text(extra: Any) -> str:
@@ -108,7 +164,7 @@ def collect(
 ) -> dict[str, Any]:
     """This rank's entries of the checkpoint (tensors are the live ones: write before changing them)."""
     flat: dict[str, Any] = {RECORD: json.dumps({"format": FORMAT, "step": step, "world_size": world})}
-    flat.update({f"{MODEL}{n}": t for n, t in get_model_state_dict(model).items()})
+    flat.update({f"{MODEL}{n}": t for n, t in _model_state(model).items()})
     flat.update(optim.flatten(optimizer, _param_names(model), rank))
     if lr_scheduler is not None:
         flat[_rank_key(SCHEDULER, rank)] = (lr_scheduler.state_dict(),)
@@ -119,6 +175,25 @@ def collect(
         flat[f"{RNG}/{rank}/cuda"] = torch.cuda.get_rng_state()
     flat[EXTRA] = extra
     return flat
+
+
+def _model_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict, each tensor once: a tied weight under its first name only."""
+    aliases = _aliases(model)
+    return {n: t for n, t in get_model_state_dict(model).items() if n not in aliases}
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """{later name: first name} of each parameter or buffer the model holds under several names
+    (``head.weight``: ``tok.weight``), in ``named_parameters`` order, which is the name a traced
+    stage gives it too."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if first.setdefault(id(tensor), name) != name:
+            aliases[name] = first[id(tensor)]
+    return aliases
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -141,7 +216,7 @@ def targets(
             "checkpointing.load(path, named_parameters, optimizer, extra_keys)"
         )
     want: dict[str, Any] = {RECORD: None, EXTRA: None}
-    params = get_model_state_dict(model)  # the live tensors: dcp loads in place
+    params = _model_state(model)  # the live tensors: dcp loads in place
     missing = [n for n in params if f"{MODEL}{n}" not in meta]
     if missing:
         raise ValueError(
@@ -205,7 +280,9 @@ def restore(
         raise ValueError(
             f"checkpoint format {record.get('format')!r} is not {FORMAT}; this stagewise reads {FORMAT}"
         )
-    set_model_state_dict(model, {k[len(MODEL) :]: v for k, v in loaded.items() if k.startswith(MODEL)})
+    entries = {k[len(MODEL) :]: v for k, v in loaded.items() if k.startswith(MODEL)}
+    entries.update({alias: entries[name] for alias, name in _aliases(model).items() if name in entries})
+    set_model_state_dict(model, entries)
     if optimizer is not None:
         optim.restore(optimizer, _param_names(model), loaded, rank)
     for obj, prefix in ((lr_scheduler, SCHEDULER), (grad_scaler, SCALER)):

@@ -31,13 +31,22 @@ from pipeline.reference.models import Block
 __all__ = ["DualBlock", "TiedGPT", "TwoStream", "UNet", "gpt_tied", "image_loss", "two_stream", "unet"]
 
 
+class _Embedding(nn.Embedding):
+    """GPT-2's initialisation, N(0, 0.02): with the head tied to it, the default N(0, 1) makes the
+    first logits ~ sqrt(width) wide and the first loss ~ 60 nats. ``reset_parameters`` (not an init
+    call in ``TiedGPT.__init__``) so that a model materialised from the meta device gets it too."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class TiedGPT(nn.Module):
     """(B, T) int64 -> (B, T, V) logits; ``head.weight`` is ``tok.weight``."""
 
     def __init__(self, vocab_size: int, width: int, n_layers: int, n_heads: int, max_seq_len: int) -> None:
         super().__init__()
-        self.tok = nn.Embedding(vocab_size, width)
-        self.pos = nn.Embedding(max_seq_len, width)
+        self.tok = _Embedding(vocab_size, width)
+        self.pos = _Embedding(max_seq_len, width)
         self.blocks = nn.ModuleList([Block(width, n_heads) for _ in range(n_layers)])
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)

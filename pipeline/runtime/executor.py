@@ -32,6 +32,11 @@ A compute's busy time starts once its input is there (clock.py: host times on
 CPU, CUDA events on a GPU). A receive also reaps the sends it proves done (see
 program.py); the rest are ordered at the step's end. A failed step drops its
 tensors and works, so that the next step starts clean.
+
+Memory: the rank's ``ActivationMeter`` (memory.py), shared with its stages, also counts each
+receive buffer from its posting to the end of the compute that takes it, and each sent tensor
+until its reap; a training step resets its peak at the start and keeps it at the end
+(``meter.last_peak``), the step's inputs, targets, parameters and buffers excepted.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch
 
 from pipeline.runtime import emulation, stream
 from pipeline.runtime.clock import StepClock
+from pipeline.runtime.memory import ActivationMeter
 from pipeline.runtime.metadata import (
     Signatures,
     check_sendable,
@@ -121,6 +127,15 @@ class Executor:
         self.compute_stream = stream.current_stream(device, self.emulated)
         self.copy_stream = stream.new_stream(device, self.emulated, "copy")
         self.clock = StepClock(device, self.compute_stream, rank)
+        # one meter per rank, shared by its stages (a hand-over between them is one storage) and by
+        # the evaluation executor, which runs on the same stages but keeps no step's peak
+        self.training = any(a.kind is not Kind.F for actions in sched.compute for a in actions)
+        first = next(iter(stages.values()), None)
+        self.meter: ActivationMeter = first.meter if first is not None else ActivationMeter()
+        for st in stages.values():
+            st.meter = self.meter
+        self._buffers: dict[Action, list[Any]] = {}  # the meter's tokens per posted message
+        self._consumed: list[Any] = []  # receive buffers' tokens, held until their compute ends
         # per-step state
         self.inputs: list[Batch] = []
         self.targets: list[Any] = []
@@ -198,6 +213,9 @@ class Executor:
             m.tensors = send_tensors(m)
         for m in recvs:
             m.tensors = [comm.empty(sh, dt) for sh, dt in m.spec]
+        for m in (*sends, *recvs):
+            assert m.action is not None
+            self._buffers[m.action] = self.meter.hold(m.tensors)
         start = time.perf_counter()
         works = comm.post([(m.tensors, m.peer) for m in sends], [(m.tensors, m.peer) for m in recvs], what)
         if sends:
@@ -220,10 +238,12 @@ class Executor:
         if self.nccl:
             self._ordered.append((m.what, works))
         m.works = None
+        self._consumed.append(self._buffers.pop(m.action, None))
         for done in m.reap:
             if done.works is not None:
                 comm.order(done.works, self.compute_stream, done.what)
                 done.works, done.tensors = None, []
+                self._buffers.pop(done.action, None)  # type: ignore[arg-type]
         # The compute that asked for this input starts now: waiting is not busy time.
         self.clock.input_ready(m.action, start)
         buffers, m.tensors = m.tensors, []
@@ -277,6 +297,11 @@ class Executor:
         for st in self.stages.values():
             st.losses = []
             st.reset_peak()
+        if self.training:  # parameters, buffers and the step's data are not activations
+            modules = [st.module for st in self.stages.values()]
+            owned = [t for mod in modules for t in (*mod.parameters(), *mod.buffers())]
+            owned += [t for batch in (*inputs, *targets) for t in _tensors(batch)]
+            self.meter.begin_step(owned)
         try:
             with emulation.strict_devices(self.emulated):
                 key = self._exchange_header()
@@ -301,9 +326,12 @@ class Executor:
                     clock.begin()
                     fn()  # may wait for its input first (clock.input_ready)
                     self._ends.append((a, clock.end(a)))
+                    self._consumed.clear()
                     if hooks is not None:
                         hooks[1]()
                 self._drain()
+            if self.training:
+                self.meter.end_step()
         except BaseException:
             self._reset()
             raise
@@ -335,6 +363,7 @@ class Executor:
                 self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
                 m.works, m.tensors = None, []
         self._sent = []
+        self._buffers.clear()
 
     def _reset(self) -> None:
         """After a failure: drop the step's tensors and works, so that the next step starts clean."""
@@ -345,3 +374,5 @@ class Executor:
         for m in msgs:
             m.value, m.tensors, m.works = None, [], None
         self._sent = []
+        self._buffers.clear()
+        self._consumed.clear()

@@ -13,7 +13,14 @@ on with a dtype, for the pipeline's device type) down the chain of ranks
 one tiny one-way message per link per step, which arrives while the previous
 rank computes its first forward, so it is off the critical path. Every rank
 must run the step under the same autocast state (it decides the dtypes between
-stages), and one that does not fails at once. When the header differs from the
+stages), and one that does not fails at once. The header's first word also
+says which call it belongs to, (kind, n): the n-th ``step`` / ``evaluate`` /
+``predict`` of this Pipeline (``begin_call``), so that ranks that call
+different methods, or one call more, fail at once, naming both calls, at no
+cost (no extra message), rather than wait out the timeout on keys that the
+other call never sets:
+
+    word 0:  autocast | kind << 8 | n << 10 When the header differs from the
 previous step's (or at the first step), every rank derives its stages' input
 and output signatures in stage order, with fake tensors (no compute, under the
 step's autocast), passing them on through the store: once per micro-batch size,
@@ -50,9 +57,11 @@ from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 
 __all__ = [
+    "CALLS",
     "HEADER_LEN",
     "Signatures",
     "autocast_mode",
+    "begin_call",
     "check_sendable",
     "decode",
     "derive_signatures",
@@ -70,6 +79,8 @@ _DTYPES = (
 )  # fmt: skip
 # autocast state as one header word: 0 off, else 1 + the index of its dtype here
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CALLS = ("step", "evaluate", "predict")  # the Pipeline calls that run a schedule, as the header numbers them
+_KIND_SHIFT, _COUNT_SHIFT = 8, 10
 
 
 # ---- the header
@@ -118,6 +129,27 @@ def autocast_mode(device: torch.device) -> int:
     return 1 + (_AUTOCAST_DTYPES.index(dtype) if dtype in _AUTOCAST_DTYPES else len(_AUTOCAST_DTYPES))
 
 
+def begin_call(comm: Comm | None, kind: str) -> None:
+    """A Pipeline call that runs a schedule starts: count it on ``comm`` for the step header."""
+    if comm is not None:
+        comm.call = (CALLS.index(kind), comm.call[1] + 1)
+
+
+def _call_word(mode: int, call: tuple[int, int]) -> int:
+    return mode | call[0] << _KIND_SHIFT | call[1] << _COUNT_SHIFT
+
+
+def _split_word(word: int) -> tuple[int, tuple[int, int]]:
+    """(autocast mode, (call kind, call number)) of a header's first word."""
+    return word & 0xFF, ((word >> _KIND_SHIFT) & 3, word >> _COUNT_SHIFT)
+
+
+def _fmt_call(call: tuple[int, int]) -> str:
+    kind, n = call
+    name = CALLS[kind] if kind < len(CALLS) else f"call kind {kind}"
+    return f"{name}() (its call number {n} on this Pipeline)"
+
+
 def exchange_header(
     comm: Comm | None, rank: int, p: int, device: torch.device, batch: Signature | None
 ) -> tuple[tuple[Signature, int], Msg | None]:
@@ -138,7 +170,14 @@ def exchange_header(
         what = f"the step's input signature header from rank {comm.name(rank - 1)}"
         (works,) = comm.post([], [([header], rank - 1)], what)
         comm.wait(works, what)
-        sig, theirs = decode(header)
+        sig, word = decode(header)
+        theirs, call = _split_word(word)
+        if call != comm.call:
+            raise ValueError(
+                f"rank {comm.me} is in {_fmt_call(comm.call)} but rank {comm.name(rank - 1)} in "
+                f"{_fmt_call(call)}; every rank must call step, evaluate and predict on the Pipeline "
+                "in the same order, as many times"
+            )
         if theirs != mode:
             raise ValueError(
                 f"rank {comm.me} runs the step with {_fmt_mode(mode, device)} but rank {comm.name(0)} with "
@@ -149,7 +188,7 @@ def exchange_header(
     if rank < p - 1:
         sent = Msg(None, rank + 1)
         sent.what = f"the input signature header to rank {comm.name(rank + 1)}"
-        sent.tensors = [comm.tensor(encode_words(sig, mode), torch.int64)]
+        sent.tensors = [comm.tensor(encode_words(sig, _call_word(mode, comm.call)), torch.int64)]
         (sent.works,) = comm.post([(sent.tensors, sent.peer)], [], sent.what)
     return (sig, mode), sent
 

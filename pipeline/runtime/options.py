@@ -14,8 +14,10 @@ Two ways in, one way out::
 
 ``Options`` is what comes out: the plan (None for a ``Schedule`` object, whose
 actions no plan describes), the balance, the schedule to run and the
-recomputation mode. The checks against the process group (``check_group``) and
-the model (``check_model``) come after, in ``Pipeline``, where both are known.
+recomputation mode: one for every stage, or one per stage (``recompute=("always",
+"never")``), which ``recompute_of(s)`` reads for stage s. The checks against the
+process group (``check_group``) and the model (``check_model``) come after, in
+``Pipeline``, where both are known.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime.recompute import check_mode
+from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.validate import validate
 
@@ -40,7 +42,11 @@ class Options:
     plan: Plan | None  # None when a Schedule object was given
     balance: list[int]
     schedule: Schedule
-    recompute: str
+    recompute: Recompute  # one mode, or one per stage
+
+    def recompute_of(self, stage: int) -> str:
+        """Stage ``stage``'s recomputation mode."""
+        return mode_of(self.recompute, stage)
 
 
 def resolve(
@@ -49,7 +55,7 @@ def resolve(
     schedule: str | Schedule | None,
     n_microbatches: int | None,
     n_virtual: int | None,
-    recompute: str | None,
+    recompute: Recompute | None,
     checkpoint: str | None,
 ) -> Options:
     """The plan and schedule that ``Pipeline(model, plan, ...)`` runs; ValueError on any contradiction."""
@@ -61,18 +67,19 @@ def resolve(
         return _from_plan(plan, schedule, n_microbatches, n_virtual, recompute)
     balance = _balance(plan)
     if isinstance(schedule, Schedule):
-        return _from_schedule(balance, schedule, n_microbatches, n_virtual, check_mode(recompute or "never"))
+        mode = check_recompute("never" if recompute is None else recompute, schedule.n_stages)
+        return _from_schedule(balance, schedule, n_microbatches, n_virtual, mode)
     made = Plan(
         balance=balance,
         schedule="1f1b" if schedule is None else schedule,
         n_microbatches=0 if n_microbatches is None else n_microbatches,  # 0: the plan's default
         n_virtual=0 if n_virtual is None else n_virtual,
-        recompute=recompute or "never",
+        recompute="never" if recompute is None else recompute,
     )
     return Options(made, made.balance, made.build_schedule(), made.recompute)
 
 
-def _recompute(recompute: str | None, checkpoint: str | None) -> str | None:
+def _recompute(recompute: Recompute | None, checkpoint: str | None) -> Recompute | None:
     """``recompute=``, or the old ``checkpoint=`` with a FutureWarning."""
     if checkpoint is None:
         return recompute
@@ -107,14 +114,14 @@ def _balance(balance: object) -> list[int]:
 
 
 def _from_plan(
-    plan: Plan, schedule: str | Schedule | None, m: int | None, v: int | None, recompute: str | None
+    plan: Plan, schedule: str | Schedule | None, m: int | None, v: int | None, recompute: Recompute | None
 ) -> Options:
     name = schedule.name if isinstance(schedule, Schedule) else schedule
     given: list[tuple[str, object, object]] = [
         ("schedule", name, plan.schedule),
         ("n_microbatches", m, plan.n_microbatches),
         ("n_virtual", v, plan.n_virtual),
-        ("recompute", recompute, plan.recompute),
+        ("recompute", _as_given(recompute), plan.recompute),
     ]
     for label, value, planned in given:
         if value is not None and value != planned:
@@ -135,8 +142,13 @@ def _from_plan(
     return Options(plan, plan.balance, plan.build_schedule(), plan.recompute)
 
 
+def _as_given(recompute: Recompute | None) -> Recompute | None:
+    """A list of modes compares equal to the plan's tuple."""
+    return tuple(recompute) if isinstance(recompute, list) else recompute
+
+
 def _from_schedule(
-    balance: list[int], schedule: Schedule, m: int | None, v: int | None, mode: str
+    balance: list[int], schedule: Schedule, m: int | None, v: int | None, mode: Recompute
 ) -> Options:
     if len(balance) != schedule.n_stages:
         raise ValueError(

@@ -31,7 +31,9 @@ watchdog. A failure anywhere reaches every rank within a fraction of a second:
 the failing rank publishes it in the store (``publish``; only the first
 failure is kept, so every rank names the root cause); a rank blocked in gloo
 is woken by its watchdog thread (watchdog.py); a rank polling on NCCL reads
-the key at most every 50 ms. After a failure the channels are aborted (on
+the key at most every 50 ms. A rank that dies without a word is named by the
+peer that notices (its process is gone: see watchdog.py), not that peer's own
+lost connection. After a failure the channels are aborted (on
 NCCL also the group), so that transfers in flight stop and exit never hangs;
 the group is then unusable, as after any failure.
 
@@ -52,7 +54,6 @@ signatures and when they travel) is metadata.py's.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import time
@@ -67,7 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from pipeline.runtime import emulation
 from pipeline.runtime.channels import Channels, Transfer, abort_nccl, channels_for
 from pipeline.runtime.emulation import EmuStream, EmuTransfer
-from pipeline.runtime.watchdog import CHECK_STORE_S, PeerFailure, PipelineTimeout, Watchdog
+from pipeline.runtime.watchdog import CHECK_STORE_S, Liveness, PeerFailure, PipelineTimeout, Watchdog
 
 __all__ = ["NCCL_DTYPES", "Comm", "PeerFailure", "PipelineTimeout", "world_store"]
 
@@ -180,10 +181,15 @@ class Comm:
             )
         pairs = [(self._be, q) for q in range(n) if q != self.rank] if self._be is not None else []
         pairs += self.channels.pairs() if self.channels is not None else []
-        self._watchdog = Watchdog(self.failure_store, self.failure_key, pairs)
+        self.liveness = Liveness(self.store, f"{key_prefix}/proc", self.rank, n)
+        self.liveness.register()
+        self._store_lost = False  # a store call failed: its host is gone, so never call it again
+        self._watchdog = Watchdog(self.failure_store, self.failure_key, pairs, self.liveness)
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
+        # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
+        self.call = (0, 0)
 
     def name(self, q: int) -> int:
         """How errors name group rank ``q``: its global rank in a mesh, else ``q``."""
@@ -338,33 +344,80 @@ class Comm:
     def wait_key(self, key: str, what: str) -> bytes:
         """A store value another rank sets, with the same timeout and failure watch."""
         start = time.monotonic()
-        while not self.store.check([key]):
-            if self.failure_store.check([self.failure_key]) or time.monotonic() - start > self.timeout:
-                self._raise(what, None)
-            time.sleep(0.002)
-        return bytes(self.store.get(key))
+        try:
+            while not self.store.check([key]):
+                if self.failure_store.check([self.failure_key]) or time.monotonic() - start > self.timeout:
+                    self._raise(what, None)
+                time.sleep(0.002)
+            return bytes(self.store.get(key))
+        except (PeerFailure, PipelineTimeout):
+            raise
+        except Exception as exc:  # the store is gone
+            self._store_lost = True
+            self._raise(what, exc)
+            raise
 
     def set_key(self, key: str, value: bytes) -> None:
-        self.store.set(key, value)
+        try:
+            self.store.set(key, value)
+        except Exception as exc:
+            self._store_lost = True
+            self._raise(f"the store to set {key}", exc)
+
+    def learn_peers(self) -> None:
+        """Read the peers' processes from the store (call once every rank has built its Comm)."""
+        if not self._store_lost:
+            self.liveness.learn()
 
     # ---- failure signalling
 
     def publish(self, message: str) -> None:
         """Record this rank's failure unless another rank's came first; stop transfers in flight."""
-        # a store that is gone already means the launcher is tearing the job down
-        with contextlib.suppress(Exception):
-            self.failure_store.compare_set(self.failure_key, "", f"{self.me}|{message}")
+        self._publish_as(self.me, message)
         self.abort()
+
+    def _publish_as(self, name: int, message: str) -> None:
+        if self._store_usable():  # a store that is gone: its host died, or the launcher tears down
+            try:
+                self.failure_store.compare_set(self.failure_key, "", f"{name}|{message}")
+            except Exception:
+                self._store_lost = True
+
+    def _store_usable(self) -> bool:
+        if not self._store_lost and self.liveness.store_lost():
+            self._store_lost = True
+        return not self._store_lost
 
     def failure(self) -> tuple[int, str] | None:
         """(rank, message) of the first published failure, if any."""
+        if not self._store_usable():
+            return None
         try:
             if not self.failure_store.check([self.failure_key]):
                 return None
             rank, message = bytes(self.failure_store.get(self.failure_key)).decode().split("|", 1)
         except Exception:
+            self._store_lost = True
             return None
         return int(rank), message
+
+    def _blame_dead(self) -> tuple[int, str] | None:
+        """A peer on this host whose process is gone, published in its name; the first failure
+        published, if another came first; None when every known peer lives."""
+        if self._store_usable():
+            self.liveness.learn()
+        dead = self.liveness.dead()
+        if not dead:
+            return None
+        q = dead[0]
+        message = (
+            f"rank {self.name(q)}'s process (pid {self.liveness.pids[q]}) is gone: it was killed or "
+            "crashed without a Python error (SIGKILL, the OOM killer, a native crash)"
+        )
+        if q == self.liveness.store_host:
+            message += "; the store it served went with it"
+        self._publish_as(self.name(q), message)
+        return self.failure() or (self.name(q), message)
 
     def abort(self) -> None:
         """Stop every transfer in flight (the channels; on NCCL also the group). Idempotent."""
@@ -380,14 +433,24 @@ class Comm:
         timed_out = exc is None or "Timed out" in str(exc)
         failed = self.failure()
         deadline = time.monotonic() + _LOST_GRACE_S
-        while failed is None and not timed_out and time.monotonic() < deadline:
-            time.sleep(0.01)  # a lost connection: give the failed peer's publish a moment to land
+        # a lost connection (or store): a peer whose process is gone is the cause; else give the
+        # failed peer's publish a moment to land
+        while failed is None and (not timed_out or self._store_lost):
+            failed = self._blame_dead()
+            if failed is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
             failed = self.failure()
         if failed is not None:
             q, message = failed
             if q != self.me:
                 self.abort()
             raise PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}") from exc
+        if self._store_lost:
+            raise RuntimeError(
+                f"rank {self.me}: lost the store while waiting for {what} (the process that served it "
+                f"died, or the launcher is tearing the job down): {exc}"
+            ) from exc
         if not timed_out:
             raise RuntimeError(f"rank {self.me}: error while waiting for {what}: {exc}") from exc
         note = ""

@@ -114,7 +114,12 @@ mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
-the failed rank and the action they were waiting for (see p2p.py).
+the failed rank and the action they were waiting for (see p2p.py). A rank
+killed without a word (SIGKILL, the OOM killer) is named by the peer that
+notices, from its process being gone (watchdog.py). Every rank must call
+``step`` / ``evaluate`` / ``predict`` in the same order: the step header
+carries each call's kind and number, so a rank in another call fails at once,
+naming both (metadata.py).
 
 Devices. The stages live on the communication device unless ``device`` says
 otherwise: this rank's CUDA device on NCCL, the CPU on gloo (a CPU run on a
@@ -132,7 +137,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import resource
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -141,11 +145,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads, replicas
+from pipeline.runtime import emulation, grads, memory, replicas
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.graph_stages import plan_stages
+from pipeline.runtime.metadata import begin_call
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
@@ -250,7 +255,7 @@ class Pipeline:
                 n_stages=n_stages,
                 n_microbatches=self.n_microbatches,
                 split_backward=self.schedule.split_backward,
-                recompute=self.recompute,
+                recompute=options.recompute_of(s),
                 loss_fn=loss_fn,
                 device=self.device,
             )
@@ -401,6 +406,7 @@ class Pipeline:
         measured timeline (see ``timeline`` and ``write_trace``).
         """
         _check_prefetch(prefetch)
+        begin_call(self.comm, "step")
         with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
@@ -458,6 +464,7 @@ class Pipeline:
     ) -> tuple[float | None, Batch | None]:
         """The forwards of one batch in eval mode: (the loss unless predicting, the outputs if asked)."""
         _check_prefetch(prefetch)
+        begin_call(self.comm, method)
         world = self.comm.world_size if self.comm is not None else 1
         dst = check_dst(dst, world) if outputs else None
         if self._eval_executor is None:
@@ -571,6 +578,7 @@ class Pipeline:
                         "and balance on every rank: make the plan once and give every rank that Plan "
                         "(e.g. partition before pipeline.launch(fn, p, plan)), rather than on each rank"
                     )
+            self.comm.learn_peers()  # every rank has built its Comm: their processes, to name a dead one
         self._agreed = True
 
     def _loss(self, sizes: Sequence[int]) -> float:
@@ -604,26 +612,16 @@ class Pipeline:
         on a GPU (a device synchronisation), host time on CPU."""
         return self.executor.busy
 
-    def memory_stats(self) -> dict[str, Any]:
-        """This rank's memory: bytes from the CUDA allocator on a GPU, the process's on CPU.
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """This rank's measured memory in the last ``step`` (bytes; see ``pipeline.runtime.memory``).
 
-        ``peak``: the most allocated during the last ``step`` (GPU; ``step`` resets the
-        allocator's peak counter) or the process's peak resident size (CPU, since it
-        started); ``allocated`` now (GPU; None on CPU); ``held``: per local stage, the
-        most micro-batches whose activations it held at once in the last step.
+        ``peak``: parameters + buffers + gradients + optimizer state (0 unless ``optimizer`` is
+        given) + ``activations``, the most bytes held for backward at once (saved tensors, kept
+        stage inputs and outputs, transfer buffers; each storage once); ``allocator_peak`` and
+        ``allocated``: the CUDA allocator's (None on CPU); ``held``: per local stage, the most
+        micro-batches whose activations it held at once.
         """
-        held = self.peak_activations()
-        if self.device.type == "cuda":
-            return {
-                "device": str(self.device),
-                "source": "CUDA allocator",
-                "peak": torch.cuda.max_memory_allocated(self.device),
-                "allocated": torch.cuda.memory_allocated(self.device),
-                "held": held,
-            }
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return {"device": str(self.device), "source": "process peak RSS", "peak": rss, "allocated": None,
-                "held": held}  # fmt: skip
+        return memory.memory_stats(self, optimizer)
 
     def peak_activations(self) -> dict[int, int]:
         """Per local stage: the most micro-batches whose activations it held at once in the last step."""

@@ -31,6 +31,10 @@ its outputs (``keep_outputs``, for ``predict``) and skip the loss (``want_loss``
 Recomputed micro-batches (see recompute.py) run F under ``no_grad`` keeping
 only the input and the RNG state, and rebuild the graphs at the start of B with
 that state restored, so dropout draws the same masks as in F.
+
+What a micro-batch keeps is counted by the rank's ``ActivationMeter`` (memory.py): autograd's
+saved tensors while its forward or replay runs, and the input, outputs (or layer chain) and
+kept output gradients as tokens in its ``_Saved``, released with it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.runtime.memory import ActivationMeter
 from pipeline.runtime.microbatch import Batch, Signature, as_tuple, from_tuple, weights
 from pipeline.runtime.recompute import RNGState, recomputes
 
@@ -60,6 +65,7 @@ class _Saved:
     outputs: Batch | None = None  # unsplit: the graph's roots (the scaled loss on the last stage)
     chain: list[tuple[Batch, Batch]] = field(default_factory=list)  # split: (a_l, o_l)
     grads: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = field(default_factory=list)
+    held: list[Any] = field(default_factory=list)  # the meter's tokens for what this keeps (memory.py)
 
 
 def _leaves(x: Batch) -> Batch:
@@ -107,6 +113,7 @@ class StageRuntime:
         self.outputs: dict[int, Batch] = {}
         self.live = 0  # micro-batches whose state is held
         self.peak = 0  # the most held at once since reset_peak()
+        self.meter = ActivationMeter()  # bytes held for backward; the executor shares its rank's
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -122,18 +129,20 @@ class StageRuntime:
     ) -> Batch:
         """The stage's layers for micro-batch ``i`` (and its weighted loss on the last stage);
         ``chain`` collects (a_l, o_l)."""
-        if chain is None:
-            out: Batch = self.module(x)
-        else:
-            out = x
-            for k, layer in enumerate(self.layers):
-                a = out if k == 0 else _leaves(out)
-                out = layer(a)
-                chain.append((a, out))
+        with self.meter.saving():
+            if chain is None:
+                out: Batch = self.module(x)
+            else:
+                out = x
+                for k, layer in enumerate(self.layers):
+                    a = out if k == 0 else _leaves(out)
+                    out = layer(a)
+                    chain.append((a, out))
         if self.is_last and self.keep_outputs:
             self.outputs[i] = _detached(out)
         if self.is_last and self.want_loss:
-            out = self._loss(out, target, record, self.weights[i])
+            with self.meter.saving():
+                out = self._loss(out, target, record, self.weights[i])
             if chain is not None:  # the loss closes the last layer's graph
                 chain[-1] = (chain[-1][0], out)
         return out
@@ -162,6 +171,8 @@ class StageRuntime:
             chain = saved.chain if self.split else None
             out = self._run(i, x, target, chain)
             saved.outputs = out if not self.split else None
+        saved.held = self.meter.hold(as_tuple(x))
+        self._hold_graph(saved)
         self._saved[i] = saved
         self.live += 1
         self.peak = max(self.peak, self.live)
@@ -187,6 +198,14 @@ class StageRuntime:
         for b, before in buffers:
             b.data.copy_(before)
         saved.outputs = None if self.split else out
+        self._hold_graph(saved)
+
+    def _hold_graph(self, saved: _Saved) -> None:
+        """Count the graph's roots (unsplit) or every layer's input and output (split) as held."""
+        if saved.outputs is not None:
+            saved.held += self.meter.hold(as_tuple(saved.outputs))
+        for a, o in saved.chain:
+            saved.held += self.meter.hold([*as_tuple(a), *as_tuple(o)])
 
     # ---- backward
 
@@ -222,6 +241,7 @@ class StageRuntime:
             a, o = saved.chain[k]
             outs, gs = _roots(o, g)
             saved.grads[k] = (outs, gs)
+            saved.held += self.meter.hold(gs)  # kept for W
             if k == 0 and self.is_first:
                 return None
             wanted = [t for t in as_tuple(a) if t.requires_grad]

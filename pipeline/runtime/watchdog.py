@@ -16,23 +16,60 @@ raises ``PeerFailure`` naming the failed rank::
             -> the wait raises -> PeerFailure("rank 1 failed while rank 0 waited for 0RECV_B2 ...")
 
 The thread holds no reference to its ``Comm`` (so that the ``Comm`` can be
-collected) and stops when closed. On NCCL nothing blocks in the backend (the
+collected) and stops when closed, and at the latest when the interpreter
+exits: an ``atexit`` hook stops every watchdog and waits for its thread. A
+daemon thread still inside a torch call when the interpreter finalizes (a
+pair's closing ``Work.wait``, a store read) is ended by CPython with
+``pthread_exit`` as it retakes the GIL; the unwinding meets pybind11's
+``noexcept`` ``~gil_scoped_release`` and std::terminate aborts the process
+("terminate called without an active exception", status -6) after a rank
+raised ``PeerFailure``, when the main thread outran its watchdog. On NCCL nothing blocks in the backend (the
 host polls), so no thread is needed there.
+
+A rank that dies without a word (SIGKILL, the OOM killer, a native crash)
+publishes nothing, and its neighbours only see a lost connection. So that the
+rank that died is named, not the first one that noticed, every rank records
+its process (host, pid namespace, pid) in the store (``Liveness``); a rank
+whose wait broke looks first for a peer on its own host whose process is gone,
+and publishes the failure in that peer's name::
+
+    rank 1: SIGKILL                                   (publishes nothing)
+    rank 2: recv from 1 -> connection reset -> rank 1's pid is gone
+            -> publish("1|rank 1's process (pid N) is gone ...") -> PeerFailure(rank 1 ...)
+    rank 3: blocked on rank 2 -> watchdog sees the key -> PeerFailure(rank 1 ...)
+
+When the dead rank hosted the store (rank 0 of a job started from MASTER_ADDR
+/ MASTER_PORT without torchrun's agent), the store is gone too: a rank then
+stops using it (each failing call prints a C++ trace), and its watchdog, which
+checks the host's process before each read, closes the pairs instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import os
+import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["CHECK_STORE_S", "PeerFailure", "PipelineTimeout", "Watchdog", "close_pairs"]
+__all__ = [
+    "CHECK_STORE_S",
+    "Liveness",
+    "PeerFailure",
+    "PipelineTimeout",
+    "Watchdog",
+    "close_pairs",
+    "process_alive",
+]
 
 CHECK_STORE_S = 0.05  # how often a waiting rank reads the failure key
+_EXIT_JOIN_S = 10.0  # at exit, how long to wait for a watchdog inside a torch call
 _CLOSE_TAG = 2**30 - 7  # never used by a message: a receive on it only ever times out
 
 
@@ -56,6 +93,94 @@ def close_pairs(pairs: Pairs) -> None:
             backend.recv([dummy], peer, _CLOSE_TAG).wait(datetime.timedelta(milliseconds=1))
 
 
+def _machine() -> str:
+    """This process's host and pid namespace: pids are comparable only within one."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}/{namespace}"
+
+
+def process_alive(pid: int) -> bool:
+    """False once ``pid`` has exited (a zombie that its parent has not reaped yet counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+
+
+def hosts_world_store() -> bool:
+    """True on the rank whose process serves the job's TCPStore: rank 0 under ``env://`` without
+    torchrun's agent store (torch's own rule), so that its death is known to take the store along."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        store = c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+    except Exception:
+        return False
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return type(store).__name__ == "TCPStore" and not agent and c10d.get_rank() == 0
+
+
+class Liveness:
+    """The processes of a group's ranks, recorded in the store, checked on this host without it.
+
+    ``register`` sets this rank's entry (no wait); ``learn`` reads the peers'
+    entries once they are all there (after the first step's agreement; a
+    failure before that reads what is there). ``dead`` needs no store.
+    """
+
+    def __init__(self, store: Any, key: str, rank: int, n: int) -> None:
+        self.store, self.key, self.rank, self.n = store, key, rank, n
+        self.machine = _machine()
+        self.pids: dict[int, int] = {}  # rank -> pid, for the peers on this host
+        self.store_host: int | None = None  # the rank whose process serves the store, if any
+
+    def register(self) -> None:
+        mine = f"{self.machine}|{os.getpid()}|{int(hosts_world_store())}"
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.key}/{self.rank}", mine)
+
+    def learn(self) -> None:
+        """Read every peer's entry that is set (a store that is gone: keep what is known)."""
+        for q in range(self.n):
+            if q == self.rank or q in self.pids:
+                continue
+            try:
+                k = f"{self.key}/{q}"
+                if not self.store.check([k]):
+                    continue
+                machine, pid, hosts = bytes(self.store.get(k)).decode().rsplit("|", 2)
+            except Exception:
+                return
+            if machine == self.machine:
+                self.pids[q] = int(pid)
+                if hosts == "1":
+                    self.store_host = q
+
+    def dead(self) -> list[int]:
+        """The peers on this host whose process is gone."""
+        return [q for q, pid in sorted(self.pids.items()) if not process_alive(pid)]
+
+    def store_lost(self) -> bool:
+        """The rank that served the store is known and its process is gone."""
+        q = self.store_host
+        return q is not None and not process_alive(self.pids[q])
+
+
 class Watchdog:
     """A daemon thread, started at the first blocking wait, that closes ``pairs`` on a published failure.
 
@@ -63,9 +188,9 @@ class Watchdog:
     a stale read costs at most one extra store read).
     """
 
-    def __init__(self, store: Any, key: str, pairs: Pairs) -> None:
+    def __init__(self, store: Any, key: str, pairs: Pairs, liveness: Liveness | None = None) -> None:
         self.blocked = 0
-        self._args = (store, key, list(pairs))
+        self._args = (store, key, list(pairs), liveness)
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -74,20 +199,36 @@ class Watchdog:
             target=_watch, args=(self, *self._args), name="stagewise-p2p-watchdog", daemon=True
         )
         self.thread.start()
+        _running.add(self)
 
     def close(self) -> None:
         self._stop.set()
 
 
-def _watch(dog: Watchdog, store: Any, key: str, pairs: Pairs) -> None:
-    """The watchdog's loop, until closed: on a published failure, close the pairs once."""
+_running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Before the interpreter finalizes: stop every watchdog and let it leave its torch call."""
+    dogs = list(_running)
+    for dog in dogs:
+        dog.close()
+    for dog in dogs:
+        if dog.thread is not None:
+            dog.thread.join(_EXIT_JOIN_S)
+
+
+def _watch(dog: Watchdog, store: Any, key: str, pairs: Pairs, liveness: Liveness | None) -> None:
+    """The watchdog's loop, until closed: on a published failure, or once the store is gone (its
+    host died, or the launcher is tearing the job down), close the pairs once."""
     while not dog._stop.wait(CHECK_STORE_S):
         if dog.blocked <= 0:
             continue
         try:
-            failed = store.check([key])
-        except Exception:  # the store is gone: the launcher is tearing the job down
-            return
+            failed = (liveness is not None and liveness.store_lost()) or store.check([key])
+        except Exception:
+            failed = True
         if failed:
             close_pairs(pairs)
             return

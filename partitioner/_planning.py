@@ -1,0 +1,215 @@
+"""What ``partition`` and the auto search share: the memory model's rows, grouping of layers that no
+cut splits, and a plan's predictions (stage times, memory, simulated step).
+
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer
+
+``memory_rows`` (and ``least_memory``, the auto search's bound) are the only callers of
+``partitioner.memory`` (``in_flight``, ``held``, ``layer_memory``): a change of the memory
+model's API is fixed here. ``recompute`` is one mode
+for every stage or one per stage (``Plan.recompute``); each stage's rows and kept inputs follow its
+own mode, and so do its recomputed forward time (``predicted``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from partitioner._options import Options
+from partitioner.costs import (
+    backward_time,
+    cut_problems,
+    cut_rows,
+    layer_costs,
+    recomputed_share,
+    transfer,
+    with_loss,
+)
+from partitioner.figures import LayerProfile, Profile
+from partitioner.graph import cut_bytes
+from partitioner.memory import held, in_flight, layer_memory, stage_bytes
+from partitioner.memory import rank_peaks as walked_peaks
+from partitioner.solve import stage_costs, stage_memory
+from partitioner.timing import predict
+from pipeline.plan import Plan, StagePlan
+from pipeline.runtime.recompute import Recompute, mode_of
+from pipeline.schedules.schedule import Schedule
+
+__all__ = [
+    "expand",
+    "grouped",
+    "grouped_cut",
+    "largest_input",
+    "least_memory",
+    "memory_rows",
+    "predicted",
+    "ties_of",
+]
+
+
+def grouped(values: Sequence[float], sizes: list[int]) -> list[float]:
+    """Per group of layers that no cut splits: the members' sum."""
+    if len(sizes) == len(values):
+        return list(values)
+    out, start = [], 0
+    for size in sizes:
+        out.append(math.fsum(values[start : start + size]))
+        start += size
+    return out
+
+
+def grouped_cut(row: Sequence[float], sizes: list[int]) -> list[float]:
+    """Per group: the cut after its last layer."""
+    if len(sizes) == len(row):
+        return list(row)
+    ends = itertools.accumulate(sizes)
+    return [row[end - 1] for end in ends]
+
+
+def expand(group_balance: list[int], sizes: list[int]) -> list[int]:
+    out, g = [], 0
+    for count in group_balance:
+        out.append(sum(sizes[g : g + count]))
+        g += count
+    return out
+
+
+def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> Plan:
+    """``shape`` (balance and options, already checked) with the predictions of its balance."""
+    balance, k, m, p = shape.balance, shape.n_stages, shape.n_microbatches, shape.n_ranks
+    split = sched.split_backward
+    layers = with_loss(profile)
+    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth)
+    speeds = net.stage_speeds(k) or [1.0] * k
+    modes = [shape.recompute_of(s) for s in range(k)]
+    by_mode = {  # each stage's cost under its own mode
+        mode: stage_costs(
+            layer_costs(profile, net.cost, recompute=mode, n_microbatches=m, split_backward=split),
+            balance,
+            cut_costs=cuts,
+            speeds=net.stage_speeds(k),
+        )
+        for mode in set(modes)
+    }
+    per_stage = [by_mode[mode][s] for s, mode in enumerate(modes)]
+    rows, inputs = memory_rows(profile, sched, shape.recompute, net.optimizer_state_factor)
+    mem = stage_memory(rows, balance)
+    sent = cut_bytes(profile.graph)
+    stages, start = [], 0
+    for s, size in enumerate(balance):
+        stop = start + size
+        out = sent[stop - 1] if s < k - 1 else 0
+        link = transfer(out, s, p, net.latency, net.bandwidth) if s < k - 1 else 0.0  # each way
+        if s > 0:
+            link += transfer(sent[start - 1], s - 1, p, net.latency, net.bandwidth)
+        stage_input = profile.input_bytes if start == 0 else sent[start - 1]
+        lps = layers[start:stop]
+        rho = recomputed_share(modes[s], m)
+        forward = math.fsum(lp.forward_time for lp in lps) / speeds[s]
+        backward = math.fsum(backward_time(lp, split) for lp in lps) / speeds[s]
+        weight = math.fsum(lp.weight_time for lp in lps) / speeds[s]
+        if not split:  # the weight share of the whole backward (W and B were timed apart from it)
+            parts = math.fsum(backward_time(lp, True) for lp in lps) / speeds[s]
+            weight = backward * (weight / parts) if parts > 0 else 0.0
+        stages.append(
+            StagePlan(
+                start=start,
+                stop=stop,
+                names=[lp.name for lp in lps],
+                forward_time=forward + link,
+                backward_time=backward + rho * forward + link,
+                cost=per_stage[s],
+                memory_bytes=mem[s] + float(stage_input * inputs[s]),
+                sent_bytes=out,
+                weight_time=min(weight, backward),
+            )
+        )
+        start = stop
+    step, bubble = predict(
+        sched,
+        [st.forward_time for st in stages],
+        [st.backward_time for st in stages],
+        [st.weight_time for st in stages],
+    )
+    extra: dict[str, Any] = {"autocast": profile.autocast, "loss": profile.loss is not None}
+    problems = cut_problems(profile.layers, balance, profile.cut_reasons)
+    if problems:
+        extra["problems"] = problems
+    if profile.traced is not None:  # what Pipeline checks the model against, and where it cuts
+        extra["graph"] = dict(profile.traced, layers=[lp.name for lp in profile.layers])
+        extra["cuts"] = [st.names[0] for st in stages[1:]]
+    ties = ties_of(profile.layers, balance)
+    if ties:
+        extra["ties"] = ties
+    # per rank: the schedule walked action by action, each storage once (what memory_stats measures);
+    # the stages' memory_bytes above are the solver's per-stage rows, summed at each stage's own peak
+    bytes_ = stage_bytes(profile, balance, net.optimizer_state_factor)
+    extra["rank_peaks"] = walked_peaks(sched, bytes_, shape.recompute)
+    return shape.replace(
+        stages=stages,
+        bottleneck=max(per_stage),
+        step_time=step,
+        bubble=bubble,
+        cost=net.cost,
+        prediction="simulator",
+        extra=extra,
+    )
+
+
+def memory_rows(
+    profile: Profile, sched: Schedule, recompute: Recompute, optimizer_state_factor: float
+) -> tuple[list[list[float]], list[int]]:
+    """The memory rows ``solve`` takes (row s: what each layer costs on stage s) and, per stage,
+    how many stage inputs it keeps on top (recomputation), both from the schedule's in-flight peaks;
+    ``recompute``: one mode, or one per stage. The one place the memory model is called."""
+    peaks = in_flight(sched)
+    k = sched.n_stages
+    modes = [mode_of(recompute, s) for s in range(k)]
+    per_mode = {mode: held(mode, sched.n_microbatches, peaks) for mode in set(modes)}
+    sets = [per_mode[mode][0][s] for s, mode in enumerate(modes)]
+    inputs = [per_mode[mode][1][s] for s, mode in enumerate(modes)]
+    layers = with_loss(profile)
+    rows = layer_memory(
+        [lp.param_bytes for lp in layers],
+        [lp.saved_bytes for lp in layers],
+        sets,
+        optimizer_state_factor,
+        buffer_bytes=[lp.buffer_bytes for lp in layers],
+        cache_bytes=[lp.cache_bytes for lp in layers],
+    )
+    return rows, inputs
+
+
+def least_memory(profile: Profile, optimizer_state_factor: float) -> list[float]:
+    """Per layer, the least bytes it costs on any stage under any schedule and mode: its static
+    share and one activation set (every stage holds at least one micro-batch at its peak)."""
+    layers = with_loss(profile)
+    return layer_memory(
+        [lp.param_bytes for lp in layers],
+        [lp.saved_bytes for lp in layers],
+        [1],
+        optimizer_state_factor,
+        buffer_bytes=[lp.buffer_bytes for lp in layers],
+        cache_bytes=[lp.cache_bytes for lp in layers],
+    )[0]
+
+
+def ties_of(layers: list[LayerProfile], balance: list[int]) -> dict[str, list[int]]:
+    """Parameter name -> the stages holding it, for those more than one stage holds."""
+    held: dict[str, list[int]] = {}
+    start = 0
+    for s, size in enumerate(balance):
+        for lp in layers[start : start + size]:
+            for name in lp.params:
+                stages = held.setdefault(name, [])
+                if not stages or stages[-1] != s:
+                    stages.append(s)
+        start += size
+    return {name: stages for name, stages in held.items() if len(stages) > 1}
+
+
+def largest_input(profile: Profile) -> int:
+    """The most bytes any stage's input can be: the sample, or what crosses any cut."""
+    return max([profile.input_bytes, *cut_bytes(profile.graph)])

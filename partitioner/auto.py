@@ -1,0 +1,435 @@
+"""``schedule="auto"``: the schedule, m, v, recomputation per stage and balance chosen together.
+
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, B: rows of one step, s: stage
+
+The grid, for a profile taken at any rows (``partitioner.scaling`` prices each m at B / m rows)::
+
+    group  = (schedule, v, m)    gpipe, 1f1b, zb-h1 (v = 1) and interleaved-1f1b (v = 2 .. as many
+                                 as the cuttable places allow); m divides B and passes
+                                 ``schedule_options``
+    config = group x recompute   "never", "except_last" (m >= 2), "always" for every stage, or
+                                 "per stage": each stage's mode chosen with the balance by the joint
+                                 DP (``partitioner._joint``: the least bottleneck over all 3^k)
+
+Each config gets its exact balance (``partitioner._balance``, memory model included) and its step
+time from the simulator (F, B and W per stage from the profile, plus the links' latency and
+bandwidth); the answer is the fastest config whose every rank's predicted peak fits its limit.
+
+Pruning, with bounds that never cut off a config that could be faster than the best found::
+
+    every rank runs all its actions in turn, so  step >= m * (busiest rank's work per micro-batch)
+    group bound    m * max(least bottleneck of any balance, total compute / sum of speeds), with
+                   no recomputation and no memory limit: <= every config of the group. Groups go
+                   likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
+                   a group whose bound reaches the best step found is skipped unsimulated
+    fit            a group where no balance fits even one activation set per stage is skipped
+                   before its schedule is built; a config no balance fits (an O(k n) numpy pass)
+                   is skipped before solving
+    balance bound  m * (busiest rank's work under the solved balance), plus for v = 1 the fill
+                   and drain in front of and behind each rank (``_balance_bound``): a config at or
+                   above the best step found is not simulated
+
+Both bounds are compared with the best step found times 1 + ``within`` (default 0.1), so every
+config predicted within 10 % of the best is simulated: ``extra["candidates"]`` lists exactly those
+(the fastest ``keep`` of them), the runners-up a user may prefer. ``search(..., prune=False)``
+evaluates the whole grid: the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from partitioner._balance import Modes, balance_of
+from partitioner._fit import fits, smallest
+from partitioner._inputs import _prefix
+from partitioner._options import Options
+from partitioner._planning import grouped, grouped_cut, least_memory, predicted
+from partitioner.costs import cut_groups, cut_rows, layer_costs, with_loss
+from partitioner.figures import Profile
+from partitioner.scaling import scale_profile
+from partitioner.solve import solve, stage_costs
+from pipeline.plan import Plan
+from pipeline.runtime.recompute import RECOMPUTE_MODES, Recompute
+from pipeline.schedules import generators
+from pipeline.schedules.schedule import SCHEDULES, Schedule, schedule_options
+
+__all__ = ["PER_STAGE", "check_search", "rank_peaks", "search"]
+
+PER_STAGE = "per stage"  # the config whose stages choose their modes
+
+
+@dataclass
+class _Group:
+    schedule: str
+    v: int
+    m: int
+    bound: float  # step >= bound for every config of the group
+    guess: float  # the bound with the schedule's usual bubble: the order to try groups in
+
+
+@dataclass
+class _Stats:
+    grid: int = 0  # configs in the grid
+    simulated: int = 0
+    pruned_group: int = 0  # configs skipped with their group
+    pruned_fit: int = 0  # configs no balance fits
+    pruned_balance: int = 0  # configs whose balance bound reached the best step
+
+    def as_dict(self, seconds: float) -> dict[str, Any]:
+        return dict(self.__dict__, seconds=seconds)
+
+
+def search(
+    profile: Profile,
+    n_ranks: int,
+    *,
+    batch_size: int,
+    sample_rows: int,
+    memory_limit: float | Sequence[float] | None,
+    schedules: Sequence[str] = SCHEDULES,
+    n_microbatches: int | None = None,
+    n_virtual: int | None = None,
+    dp: int = 1,
+    cost: str = "time",
+    speeds: Sequence[float] | None = None,
+    bandwidth: float | Sequence[float] | None = None,
+    latency: float | Sequence[float] | None = None,
+    optimizer_state_factor: float = 2.0,
+    second: tuple[Profile, int] | None = None,
+    keep: int = 10,
+    within: float = 0.1,
+    prune: bool = True,
+) -> Plan:
+    """The fastest plan that fits (see the module docstring); ``extra["candidates"]`` holds the
+    fastest ``keep`` configs within ``within`` of it and ``extra["search"]`` what the search did.
+    ``profile`` was taken at ``sample_rows`` rows (``second``: another profile at other rows, for
+    the per-call overhead)."""
+    start = time.perf_counter()
+    p = n_ranks
+    check_search(batch_size, memory_limit, schedules, keep)
+    if isinstance(within, bool) or not within >= 0:
+        raise ValueError(f"within ({within!r}) must be a fraction >= 0 (0.1: candidates within 10 %)")
+    sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
+    ms = _microbatch_counts(batch_size, n_microbatches)
+    scaled: dict[int, Profile] = {}
+    nets: dict[int, Options] = {}
+    groups: list[_Group] = []
+    bounds: dict[tuple[int, bool, int], float] = {}
+    skipped: list[str] = []
+    unfit: list[_Group] = []  # groups that no balance fits, whatever the schedule's order
+    for name in schedules:
+        for v in _virtual_range(name, p, len(sizes), n_virtual):
+            if p * v > len(sizes):
+                skipped.append(f"{name} v={v}: {p * v} stages but only {len(sizes)} cuttable layer groups")
+                continue
+            if v not in nets:
+                try:
+                    nets[v] = Options.make(
+                        cost,
+                        p,
+                        v,
+                        speeds,
+                        _links(bandwidth, p, v),
+                        _links(latency, p, v),
+                        memory_limit,
+                        optimizer_state_factor,
+                    )
+                except ValueError as err:  # e.g. p - 1 links given: no interleaving
+                    skipped.append(f"{name} v={v}: {err}")
+                    continue
+            for m in ms:
+                try:
+                    schedule_options(name, p, m, v)
+                except ValueError as err:
+                    skipped.append(f"{name} v={v} m={m}: {err}")
+                    continue
+                if m not in scaled:
+                    scaled[m] = scale_profile(profile, sample_rows, batch_size // m, second)
+                split = name == "zb-h1"
+                key = (m, split, p * v)
+                if key not in bounds:
+                    bounds[key] = m * _least_work(scaled[m], nets[v], p * v, m, split, sizes)
+                if memory_limit is not None and not _may_fit(scaled[m], nets[v], p * v, sizes):
+                    skipped.append(f"{name} v={v} m={m}: even one activation set per stage does not fit")
+                    unfit.append(_Group(name, v, m, math.inf, math.inf))
+                    continue
+                guess = bounds[key] * (1.0 + (p - 1) / (m * v))  # ~ (m v + p - 1) / (m v): the bubble
+                groups.append(_Group(name, v, m, bounds[key], guess))
+    if not groups and not unfit:
+        raise ValueError(
+            f"no schedule runs batch_size={batch_size} on {p} ranks: {'; '.join(skipped[:4])}; choose a "
+            "batch size with a divisor that the schedule accepts (e.g. a multiple of the number of ranks)"
+        )
+    groups.sort(key=lambda g: (g.guess, g.bound))  # likely fast first: the best found prunes the rest
+    stats = _Stats()
+    found: list[Plan] = []
+    best = [math.inf]  # the best step found so far (a box: _evaluate updates it)
+    slack = 1.0 + within if prune else math.inf
+    for group in unfit:
+        stats.grid += 4 if group.m >= 2 else 3
+        stats.pruned_fit += 4 if group.m >= 2 else 3
+    for group in groups:
+        n_configs = 4 if group.m >= 2 else 3
+        stats.grid += n_configs
+        if group.bound >= best[0] * slack:
+            stats.pruned_group += n_configs
+            continue
+        found += _evaluate(group, scaled[group.m], nets[group.v], p, dp, sizes, best, slack, stats)
+    if not found:
+        raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, dp, sizes, memory_limit))
+    found.sort(key=lambda plan: plan.step_time)
+    winner = found[0]
+    winner.build_schedule()  # validated (the search ran the generators' schedules unchecked)
+    extra = dict(winner.extra)
+    kept = [plan for plan in found if plan.step_time <= winner.step_time * (1.0 + within)][:keep]
+    extra["candidates"] = [_candidate(plan) for plan in kept]
+    extra["search"] = stats.as_dict(time.perf_counter() - start)
+    extra["batch_size"], extra["micro_batch_rows"] = batch_size, batch_size // winner.n_microbatches
+    return winner.replace(extra=extra)
+
+
+def _evaluate(
+    group: _Group,
+    profile: Profile,
+    net: Options,
+    p: int,
+    dp: int,
+    sizes: list[int],
+    best: list[float],
+    slack: float,
+    stats: _Stats,
+) -> list[Plan]:
+    """The plans of the group's configs that fit and may be within ``slack`` times the best step
+    (``best[0]``, updated here)."""
+    shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
+                 n_virtual=group.v, dp=dp)  # fmt: skip
+    sched = _unchecked(group.schedule, p, group.m, group.v)
+    k = shape.n_stages
+    per_stage = Modes.build(profile, sched, net, sizes, [list(RECOMPUTE_MODES)] * k)
+    uniform = [mode for mode in RECOMPUTE_MODES if group.m >= 2 or mode != "except_last"]
+    out: list[Plan] = []
+    seen: set[tuple[tuple[int, ...], Recompute]] = set()
+    for config in [*uniform, PER_STAGE]:
+        if net.memory_limit is not None:
+            allowed = None if config == PER_STAGE else [[per_stage.modes.index(config)]] * k
+            if not per_stage.fits(allowed):
+                stats.pruned_fit += 1
+                continue
+        if config == PER_STAGE:
+            solved = per_stage.solve()
+            assert solved is not None  # it fits (checked above)
+            balance, modes = solved
+            plan = shape.replace(balance=balance, recompute=modes[0] if len(set(modes)) == 1 else modes)
+        else:
+            plan = balance_of(profile, shape.replace(recompute=config), sched, net, sizes)
+        if (tuple(plan.balance), plan.recompute) in seen:
+            continue  # the per-stage choice came out as a uniform config already evaluated
+        seen.add((tuple(plan.balance), plan.recompute))
+        if _balance_bound(profile, plan, net, sched.split_backward) >= best[0] * slack:
+            stats.pruned_balance += 1
+            continue
+        plan = predicted(profile, plan, sched, net)
+        stats.simulated += 1
+        peaks = rank_peaks(plan)
+        if net.memory_limit is not None and any(
+            peak > limit for peak, limit in zip(peaks, net.memory_limit, strict=True)
+        ):
+            continue  # cannot happen: each stage fits its rank's limit / v
+        out.append(plan)
+        best[0] = min(best[0], plan.step_time)
+    return out
+
+
+def _unchecked(name: str, p: int, m: int, v: int) -> Schedule:
+    """The named schedule straight from its generator: ``schedule()`` validates every one it builds
+    (seconds for k = 96 stages and m = 64), the search builds dozens and reads only their order of
+    actions, and the generators are validated for every shape in their own tests."""
+    if name == "gpipe":
+        return Schedule(name, p, p, m, False, generators.gpipe(p, m))
+    if name == "1f1b":
+        return Schedule(name, p, p, m, False, generators.one_f_one_b(p, m))
+    if name == "interleaved-1f1b":
+        return Schedule(name, p * v, p, m, False, generators.interleaved_1f1b(p, v, m))
+    return Schedule(name, p, p, m, True, generators.zb_h1(p, m))
+
+
+def rank_peaks(plan: Plan) -> list[float]:
+    """Per rank, the predicted peak bytes: the sum of its stages' (each at its own peak)."""
+    p = plan.n_ranks
+    return [math.fsum(st.memory_bytes for st in plan.stages[r::p]) for r in range(p)]
+
+
+def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> float:
+    """A lower bound on the simulated step of ``plan`` from its balance alone.
+
+    Rank r runs m x its stages' F, B and W (cuts included) one after another: step >= m * work_r.
+    With one stage per rank it also starts only once micro-batch 0's forward has crossed stages
+    0 .. r-1, and (unsplit backward: its last action is a B) ends only after that micro-batch's
+    backward has crossed them again; those are at least their compute time (links left out)."""
+    k, p, m = plan.n_stages, plan.n_ranks, plan.n_microbatches
+    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth)
+    modes = [plan.recompute_of(s) for s in range(k)]
+    speeds = net.stage_speeds(k)
+
+    def per_stage(with_cuts: bool, forward_only: bool = False) -> list[float]:
+        out = []
+        for mode in set(modes):
+            if forward_only:
+                costs = [lp.forward_time for lp in with_loss(profile)]
+            else:
+                costs = layer_costs(profile, net.cost, recompute=mode, n_microbatches=m, split_backward=split)
+            out.append(
+                (mode, stage_costs(costs, plan.balance, cut_costs=cuts if with_cuts else None, speeds=speeds))
+            )
+        table = dict(out)
+        return [table[mode][s] for s, mode in enumerate(modes)]
+
+    work = per_stage(True)
+    ranks = [m * math.fsum(work[r::p]) for r in range(p)]
+    if k == p and net.cost == "time":  # one stage per rank: the fill (and drain) in front of each
+        path = per_stage(False, forward_only=split)
+        ranks = [ranks[r] + math.fsum(path[:r]) for r in range(p)]
+    return max(ranks)
+
+
+def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
+    """False when no balance fits even with one activation set per stage and no inputs kept: then
+    no schedule, m or mode can fit (each stage holds at least that), and no schedule is built."""
+    assert net.memory_limit is not None
+    row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
+    v, p = k // net.n_ranks, net.n_ranks
+    return fits([row], [net.memory_limit[s % p] / v for s in range(k)], k)
+
+
+def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
+    """A lower bound on the smallest limit (or factor) that fits k stages: ``_may_fit``'s rows."""
+    row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
+    v, p = k // net.n_ranks, net.n_ranks
+    base = [1.0] * p if net.scalar_limit or net.memory_limit is None else net.memory_limit
+    scale = [base[s % p] / v for s in range(k)]
+    return smallest([row], k, lambda x: [x * c for c in scale], scale, [0.0] * k)
+
+
+def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, sizes: list[int]) -> float:
+    """Per micro-batch, the least work of the busiest rank over every balance into k stages, with no
+    recomputation and no memory limit: at least the least bottleneck of a stage, and the whole
+    model's compute spread over the ranks' speeds."""
+    costs = grouped(layer_costs(profile, net.cost, n_microbatches=m, split_backward=split), sizes)
+    cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth)
+    cut = None if cuts is None else [grouped_cut(row, sizes) for row in cuts]
+    balance = solve(costs, k, cut_costs=cut, speeds=net.stage_speeds(k))
+    bottleneck = max(stage_costs(costs, balance, cut_costs=cut, speeds=net.stage_speeds(k)))
+    speeds = net.speeds or [1.0] * net.n_ranks
+    return max(bottleneck, math.fsum(costs) / math.fsum(speeds))
+
+
+def _candidate(plan: Plan) -> dict[str, Any]:
+    mode = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
+    return {
+        "schedule": plan.schedule,
+        "n_microbatches": plan.n_microbatches,
+        "n_virtual": plan.n_virtual,
+        "recompute": mode,
+        "balance": list(plan.balance),
+        "step_time": plan.step_time,
+        "bubble": plan.bubble,
+        "peak_bytes": rank_peaks(plan),
+    }
+
+
+def _nothing_fits(
+    groups: list[_Group],
+    scaled: dict[int, Profile],
+    nets: dict[int, Options],
+    p: int,
+    dp: int,
+    sizes: list[int],
+    memory_limit: float | Sequence[float] | None,
+) -> str:
+    """The error when no config fits: the smallest limit (or factor) that would, and for which config.
+
+    Groups go in order of a schedule-free lower bound (one activation set per stage, no inputs
+    kept), and one whose bound reaches the least limit found is not built."""
+    least, where = math.inf, ""
+    floors = [(_least_floor(scaled[g.m], nets[g.v], p * g.v, sizes), i) for i, g in enumerate(groups)]
+    for floor, i in sorted(floors):
+        group = groups[i]
+        if floor >= least:
+            break
+        sched = _unchecked(group.schedule, p, group.m, group.v)
+        modes = Modes.build(
+            scaled[group.m], sched, nets[group.v], sizes, [list(RECOMPUTE_MODES)] * (p * group.v)
+        )
+        x = modes.smallest()
+        if x < least:
+            least, where = x, f"schedule={group.schedule!r}, n_microbatches={group.m}, n_virtual={group.v}"
+    net = nets[groups[0].v]
+    if net.scalar_limit:
+        need = (
+            f"the smallest memory_limit that fits is {least!r} bytes per rank ({where}, recompute per stage)"
+        )
+    else:
+        need = f"the limits must grow by a factor of at least {least!r} ({where}, recompute per stage)"
+    return (
+        f"memory_limit ({memory_limit!r}) is too small for every configuration searched (schedules, "
+        f"micro-batch counts, recomputation per stage, balances); {need}; raise memory_limit or use more "
+        "ranks"
+    )
+
+
+def check_search(
+    batch_size: int,
+    memory_limit: float | Sequence[float] | None,
+    schedules: Sequence[str] = SCHEDULES,
+    keep: int = 1,
+) -> None:
+    """The search's own arguments, checked (a ValueError naming the value and the fix)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size!r}) must be an integer >= 1: the rows of one step")
+    limits = [memory_limit] if isinstance(memory_limit, (int, float)) else list(memory_limit or [])
+    for r, x in enumerate(limits):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or math.isinf(x):
+            where = (
+                "memory_limit"
+                if len(limits) == 1 and not isinstance(memory_limit, Sequence)
+                else f"memory_limit[{r}]"
+            )
+            raise ValueError(f"{where} ({x!r}) must be a finite number of bytes > 0 per rank")
+    unknown = [name for name in schedules if name not in SCHEDULES]
+    if unknown or not schedules:
+        raise ValueError(f"schedules {list(schedules)!r} must be some of {', '.join(SCHEDULES)}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep ({keep!r}) must be an integer >= 1: how many candidates to keep")
+
+
+def _links(value: float | Sequence[float] | None, p: int, v: int) -> float | Sequence[float] | None:
+    """p figures (every link, p - 1 -> 0 included) serve v = 1 too: its p - 1 links are the first."""
+    if v == 1 and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == p:
+        return list(value)[: p - 1]
+    return value
+
+
+def _microbatch_counts(batch_size: int, n_microbatches: int | None) -> list[int]:
+    if n_microbatches is None:
+        return [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches ({n_microbatches!r}) must be an integer >= 1 or 'auto'")
+    if batch_size % n_microbatches != 0:
+        raise ValueError(
+            f"n_microbatches ({n_microbatches}) does not divide batch_size ({batch_size}); pass a divisor "
+            "of the batch size, or n_microbatches='auto'"
+        )
+    return [n_microbatches]
+
+
+def _virtual_range(name: str, p: int, n_groups: int, n_virtual: int | None) -> list[int]:
+    """The v to try: 1, or 2 up to what the cuttable places allow for interleaved-1f1b."""
+    if name != "interleaved-1f1b":
+        return [1] if n_virtual in (None, 1) else []
+    if n_virtual is not None:
+        return [n_virtual] if n_virtual >= 2 and p * n_virtual <= n_groups else []
+    return list(range(2, n_groups // p + 1))

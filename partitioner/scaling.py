@@ -1,0 +1,114 @@
+"""A profile taken at one batch size, scaled to another: what the auto search prices each m with.
+
+    # l: layer, r: rows of a micro-batch (its batch size), B: rows of one step, m: micro-batches
+
+The auto search profiles one ``sample`` (any number of rows r0) and needs every layer's figures
+at r = B / m rows for each candidate m. The model, per layer and figure::
+
+    time(r)  = c + s * r        c >= 0: a fixed per-call overhead (kernel launches, Python)
+    bytes(r) = bytes(r0) * r / r0       (activations, saved tensors, cut and input bytes: per row)
+    flops(r) = flops(r0) * r / r0        (forward, backward and its input and weight parts)
+    timing estimates (spread, prior): kept as measured at r0, describing the measurement
+    parameters, buffers and autocast's weight copies: unchanged
+
+With one profile, c = 0 (simply linear). Given a second profile of the same model at r1 != r0
+rows, c and s come from the two points (s clamped at >= 0, then c at >= 0), which keeps a tiny
+layer's overhead from shrinking with the micro-batch: the reason a small m is not free on a GPU.
+
+``batch_rows`` reads r0 from a sample: the leading size of its first tensor (a tuple, list or dict
+of tensors: all leading sizes must agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import networkx as nx
+
+from partitioner._trees import tensors
+from partitioner.figures import LayerProfile, Profile
+
+__all__ = ["batch_rows", "scale_profile"]
+
+_TIMES = ("forward_time", "backward_time", "input_time", "weight_time")
+_PER_ROW = (
+    "activation_bytes", "saved_bytes", "saved_input_bytes", "saved_output_bytes", "saved_target_bytes",
+    "flops", "backward_flops", "input_flops", "weight_flops",
+)  # fmt: skip
+
+
+def batch_rows(sample: Any) -> int:
+    """The rows (leading size) of ``sample``; a ValueError when it has none or they disagree."""
+    leaves = [t for t in tensors(sample) if t.dim() > 0]
+    if not leaves:
+        raise ValueError(
+            "sample has no tensor with a batch dimension; pass an example input whose tensors have the "
+            "rows (batch) as their first dimension"
+        )
+    sizes = {int(t.shape[0]) for t in leaves}
+    if len(sizes) > 1:
+        raise ValueError(f"sample's tensors disagree on their rows (first dimension): {sorted(sizes)}")
+    return sizes.pop()
+
+
+def scale_profile(
+    profile: Profile, rows: int, to_rows: int, second: tuple[Profile, int] | None = None
+) -> Profile:
+    """``profile`` (taken at ``rows``) as it would be at ``to_rows`` (see the module docstring);
+    ``second``: the same model profiled at other rows, for the per-call overhead."""
+    for name, value in (("rows", rows), ("to_rows", to_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an integer >= 1: rows of a micro-batch")
+    if second is not None:
+        other, other_rows = second
+        if len(other) != len(profile) or other_rows == rows:
+            raise ValueError(
+                f"second profile has {len(other)} layers at {other_rows} rows; it must profile the same "
+                f"{len(profile)} layers at a different number of rows than {rows}"
+            )
+    if to_rows == rows:
+        return profile
+    factor = to_rows / rows
+
+    def scaled(lp: LayerProfile, at: LayerProfile | None, at_rows: int) -> LayerProfile:
+        changes: dict[str, Any] = {f: _per_row(getattr(lp, f), factor) for f in _PER_ROW}
+        for f in _TIMES:
+            t0 = getattr(lp, f)
+            if at is None:
+                changes[f] = t0 * factor
+            else:
+                slope = max((getattr(at, f) - t0) / (at_rows - rows), 0.0)
+                fixed = max(t0 - slope * rows, 0.0)
+                changes[f] = fixed + slope * to_rows
+        if lp.output_shape:
+            changes["output_shape"] = (round(lp.output_shape[0] * factor), *lp.output_shape[1:])
+        return dataclasses.replace(lp, **changes)
+
+    others = [None] * len(profile) if second is None else list(second[0].layers)
+    at_rows = 0 if second is None else second[1]
+    layers = [scaled(lp, at, at_rows) for lp, at in zip(profile.layers, others, strict=True)]
+    loss = profile.loss
+    if loss is not None:
+        loss = scaled(loss, None if second is None else second[0].loss, at_rows)
+    return dataclasses.replace(
+        profile,
+        layers=layers,
+        graph=_scaled_graph(profile.graph, factor),
+        input_bytes=_per_row(profile.input_bytes, factor),
+        loss=loss,
+    )
+
+
+def _per_row(value: int, factor: float) -> int:
+    return round(value * factor)
+
+
+def _scaled_graph(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
+    """The layer graph with every edge's bytes (and named tensors') scaled by ``factor``."""
+    out = graph.copy()
+    for _, _, data in out.edges(data=True):
+        data["bytes"] = _per_row(int(data.get("bytes", 0)), factor)
+        if "tensors" in data:
+            data["tensors"] = {name: _per_row(size, factor) for name, size in data["tensors"].items()}
+    return out
