@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from pipeline import checkpointing
 from pipeline.plan import Plan
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job
 
 N, SAVE, ROWS = 5, 2, 16  # steps, the step saved, global batch rows
 
@@ -83,10 +83,12 @@ def _run(root: str) -> dict[str, Any]:
     return out
 
 
+_RUN = job(4, _run, make_args=lambda factory: (str(factory.mktemp("ckptdp")),), timeout=240.0, batch="dp")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("ckptdp")
-    return run_ranks(root / "store", _run, 4, str(root), timeout=240.0)
+    return _RUN.results(tmp_path_factory)
 
 
 def test_every_layout_trains_alike(results: list[dict[str, Any]]) -> None:

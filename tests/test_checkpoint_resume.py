@@ -3,7 +3,8 @@
 The loop is the one a user writes: an nn.Sequential with BatchNorm and Dropout, AdamW
 with two param groups (weights: weight decay; biases and BatchNorm: none, another lr),
 a warm-up LambdaLR, fp32 or bf16 autocast with a GradScaler, a validation pass. Three
-launches, each checking many things (later ones resume what earlier ones saved):
+runs, each checking many things (later ones resume what earlier ones saved); the first two are
+jobs of the shared launches (tests/dist.py):
 
     2 ranks, 1f1b        fp32 and bf16: N steps; again, saving at k = 0, 2, 5 (no side effect);
                          for every k a new Pipeline, optimizer, scheduler and scaler (other seeds)
@@ -33,7 +34,7 @@ from torch.nn import functional as F
 
 from pipeline import checkpointing
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process dcp
 
@@ -198,10 +199,13 @@ def _two_ranks(root: str) -> dict[str, Any]:
     return out
 
 
+_TWO = job(2, _two_ranks, make_args=lambda factory: (str(factory.mktemp("ckpt")),), timeout=200.0, batch="b")
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return root, run_ranks(root, _two_ranks, 2, str(root), timeout=200.0)
+    results = _TWO.results(tmp_path_factory)
+    return Path(_TWO.args[0]), results  # the folder of the run that gave the results
 
 
 @pytest.mark.parametrize("tag", ["fp32", "bf16"])
@@ -296,10 +300,20 @@ def _four_ranks(root: str) -> dict[str, Any]:
     return out
 
 
+def _after_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[str]:
+    _TWO.results(tmp_path_factory)  # the 2-rank checkpoints first (their launch, if not run yet)
+    return (_TWO.args[0],)
+
+
+# last in its launch: its failed saves and loads (caught) stay behind
+_FOUR = job(4, _four_ranks, make_args=_after_two, timeout=200.0, batch="dp", last=True)
+
+
 @pytest.fixture(scope="module")
-def four(two: Any) -> list[dict[str, Any]]:
-    root, _ = two
-    return run_ranks(root / "store4", _four_ranks, 4, str(root), timeout=200.0)
+def four(two: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    results = _FOUR.results(tmp_path_factory)
+    assert _FOUR.args[0] == str(two[0])  # it resumed the checkpoints of the results the tests compare
+    return results
 
 
 def test_two_rank_checkpoint_resumes_at_four_ranks(two: Any, four: list[dict[str, Any]]) -> None:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pipeline import checkpointing
-from tests.dist import run_ranks
+from tests.dist import job
 
 N, SAVE = 5, 3  # steps, the step saved
 
@@ -83,14 +83,17 @@ def _run(root: str) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("zero")
+_RUN = job(2, _run, make_args=lambda factory: (str(factory.mktemp("zero")),), timeout=90.0, batch="b")
 
 
 @pytest.fixture(scope="module")
-def results(folder: Path) -> list[dict[str, Any]]:
-    return run_ranks(folder / "store", _run, 2, str(folder), timeout=90.0)
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _RUN.results(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def folder(results: list[dict[str, Any]]) -> Path:
+    return Path(_RUN.args[0])  # where the job that made the results saved
 
 
 def test_zero_and_plain_optimizers_train_alike(results: list[dict[str, Any]]) -> None:

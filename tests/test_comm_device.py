@@ -8,9 +8,9 @@ allocation without an explicit device would be refused), and equal one process.
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +22,7 @@ from pipeline.runtime.executor import Executor
 from pipeline.runtime.p2p import Comm
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.schedule import schedule
-from tests.dist import run_ranks
+from tests.dist import job
 
 
 def _error(fn: Any) -> str:
@@ -70,8 +70,13 @@ def _gloo_checks() -> dict[str, Any]:
     return out
 
 
-def test_gloo_refuses_foreign_tensors_and_runs_a_step_under_a_meta_default(tmp_path: Path) -> None:
-    results = run_ranks(tmp_path, _gloo_checks, 2)
+_GLOO_CHECKS = job(2, _gloo_checks, timeout=60.0, batch="b")
+
+
+def test_gloo_refuses_foreign_tensors_and_runs_a_step_under_a_meta_default(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    results = _GLOO_CHECKS.results(tmp_path_factory)
     r0 = results[0]
     cpu = torch.device("cpu")
     assert r0["device"] == (cpu, False, "gloo", cpu)
@@ -124,8 +129,14 @@ def _int16_under_emulation() -> str:
     return _error(lambda: pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
 
 
-def test_a_dtype_nccl_cannot_send_is_refused_at_the_first_step(tmp_path: Path) -> None:
-    r0, r1 = run_ranks(tmp_path, _int16_under_emulation, 2, backend="nccl-emulated")
+# last in its launch: the refused step fails the world group's pipeline (and its channels)
+_INT16 = job(2, _int16_under_emulation, timeout=60.0, backend="nccl-emulated", batch="b", last=True)
+
+
+def test_a_dtype_nccl_cannot_send_is_refused_at_the_first_step(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    r0, r1 = _INT16.results(tmp_path_factory)
     assert r0 == (
         "ValueError: stage 0's outputs for stage 1 include a int16 tensor, which NCCL cannot send; "
         "convert it in the model (e.g. .to(torch.int32)) to one of ['bfloat16', 'bool', 'float16', "

@@ -19,7 +19,7 @@ from pipeline.runtime.dp import (
 from pipeline.runtime.mesh import build_mesh, layout_of
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import schedule
-from tests.dist import run_ranks
+from tests.dist import job
 
 ROWS = (3, 5)  # replica d's batch rows: uneven, so that weighting by rows matters
 
@@ -110,10 +110,13 @@ def _expected(s: int) -> dict[str, torch.Tensor | None]:
     return out
 
 
+_REDUCE = {cap: job(4, _reduce, cap, timeout=60.0) for cap in (1 << 30, 64)}
+
+
 @pytest.fixture(scope="module", params=[1 << 30, 64])
 def reduced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Any]:
     cap: int = request.param
-    return cap, run_ranks(tmp_path_factory.mktemp("reduce"), _reduce, 4, cap, timeout=60.0)
+    return cap, _REDUCE[cap].results(tmp_path_factory)
 
 
 def test_gradients_are_the_row_weighted_mean_over_replicas(reduced: tuple[int, Any]) -> None:

@@ -6,9 +6,9 @@
     A == B + C, every training loss, gradient norm, learning rate, validation loss and accuracy
 
 The plan is A's, copied into B's folder (the script reuses a folder's plan): the same stages on
-the same ranks, so the same dropout streams. Sizes are small: 90 training rows in batches of 16
-(the last has 10: uneven micro-batches), 46 validation rows (the last batch 14). One bf16 run
-checks the autocast flag end to end.
+the same ranks, so the same dropout streams. Sizes are small: 42 training rows in batches of 16
+(3 steps an epoch, the last of 10 rows: uneven micro-batches), 30 validation rows (the last batch
+14). One bf16 run checks the autocast flag end to end.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "own_loop.py"
 SMALL = [
-    "--epochs", "2", "--train-size", "90", "--val-size", "46", "--batch-size", "16",
+    "--epochs", "2", "--train-size", "42", "--val-size", "30", "--batch-size", "16",
     "--microbatches", "4", "--width", "4", "--image-size", "8", "--warmup", "3",
 ]  # fmt: skip
 
@@ -57,7 +57,7 @@ def test_the_own_loop_example_resumes_bit_for_bit_under_torchrun(tmp_path: Path)
     full = _history(a)
     steps = [r for r in full if r["kind"] == "step"]
     epochs = [r for r in full if r["kind"] == "epoch"]
-    assert [r["step"] for r in steps] == list(range(1, 13)) and [r["epoch"] for r in epochs] == [1, 2]
+    assert [r["step"] for r in steps] == list(range(1, 7)) and [r["epoch"] for r in epochs] == [1, 2]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["val_loss"] > 0 for r in epochs)
     assert "accuracy" in printed  # the report a user reads
     assert steps[0]["lr"] < steps[2]["lr"] > steps[-1]["lr"]  # warm-up, then decay
@@ -67,7 +67,7 @@ def test_the_own_loop_example_resumes_bit_for_bit_under_torchrun(tmp_path: Path)
     _run(b, "--stop-after", "1", torchrun=True)
     stopped = _history(b)
     assert stopped == full[: len(stopped)] and stopped[-1] == epochs[0]  # epoch 1, as in A
-    assert sorted(p.name for p in b.iterdir() if p.name.startswith("step-")) == ["step-00000006"]
+    assert sorted(p.name for p in b.iterdir() if p.name.startswith("step-")) == ["step-00000003"]
 
     _run(b)  # resumes from B's checkpoint (launch this time)
     assert _history(b) == full  # B + C: every float equal, bit for bit
@@ -77,7 +77,7 @@ def test_the_own_loop_example_runs_in_bf16(tmp_path: Path) -> None:
     folder = tmp_path / "bf16"
     _run(folder, "--bf16", "--epochs", "1")
     history = _history(folder)
-    assert [r["kind"] for r in history] == ["step"] * 6 + ["epoch"]
+    assert [r["kind"] for r in history] == ["step"] * 3 + ["epoch"]
     assert all(r["loss"] > 0 for r in history[:-1]) and 0.0 <= history[-1]["accuracy"] <= 1.0
     plan = json.loads((folder / "plan.json").read_text())
     assert plan["n_microbatches"] == 4 and len(plan["balance"]) == 2

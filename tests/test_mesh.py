@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipeline.runtime.mesh import build_mesh, check_mesh, check_world, layout_of, layout_table
-from tests.dist import run_ranks
+from tests.dist import job
 
 
 def _error(fn: Any, *args: Any) -> str:
@@ -43,9 +43,12 @@ def _on_four_ranks() -> dict[str, Any]:
     return out
 
 
+_ON_FOUR_RANKS = job(4, _on_four_ranks, timeout=60.0)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tmp_path_factory.mktemp("mesh"), _on_four_ranks, 4, timeout=60.0)
+    return _ON_FOUR_RANKS.results(tmp_path_factory)
 
 
 def test_pp_is_innermost_so_a_pipeline_s_ranks_are_adjacent(results: list[dict[str, Any]]) -> None:

@@ -1,9 +1,9 @@
 """The NCCL code path under the strict emulation: every schedule equals one process; failures are named.
 
 The emulation's own rules first (one process, stand-in works), then the runtime
-under it on 2 and 4 gloo ranks, each world size running all its configurations
-in one launch: every schedule (interleaved with m = p and m > p) x recomputation
-off and on, step and evaluate, on an MLP and on a model that passes an integer
+under it on 2 and 4 gloo ranks, each world size running all its configurations as
+one job of the shared launch (tests/dist.py): every schedule (interleaved with m = p
+and m > p) x recomputation off and on, step and evaluate, on an MLP and on a model that passes an integer
 tensor between every pair of stages (a poisoned integer is an index out of
 range). Then a rank that raises, a rank too slow for the timeout and a killed rank.
 """
@@ -28,7 +28,7 @@ from pipeline.reference.models import mlp
 from pipeline.runtime import emulation, stream
 from pipeline.runtime.emulation import DEFAULT, EmuStream, EmuTransfer
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job, run_ranks
 from tests.pipe_common import CarriesIds
 
 BATCH, WIDTH, DEPTH = 8, 8, 8
@@ -183,9 +183,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+_MATRIX = {p: job(p, _emulated_matrix, timeout=120.0, backend="nccl-emulated") for p in (2, 4)}
+
+
 @pytest.mark.parametrize("p", [2, 4])
-def test_every_schedule_equals_one_process_under_the_emulation(tmp_path: Path, p: int) -> None:
-    results = run_ranks(tmp_path, _emulated_matrix, p, timeout=120.0, backend="nccl-emulated")
+def test_every_schedule_equals_one_process_under_the_emulation(
+    tmp_path_factory: pytest.TempPathFactory, p: int
+) -> None:
+    results = _MATRIX[p].results(tmp_path_factory)
     for (model_name, name, _, m), ckpt in itertools.product(_configs(p), CHECKPOINTS):
         key = f"{model_name}/{name}/m={m}/{ckpt}"
         loss_ref, ev_ref, grads_ref = _reference(model_name, m)
@@ -271,8 +276,14 @@ def _failures() -> dict[str, list[Any]]:
     return out
 
 
-def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(tmp_path: Path) -> None:
-    results = run_ranks(tmp_path, _failures, 2, timeout=60.0, backend="nccl-emulated")[0]
+# last in its launch: the failed pipelines stay behind (on groups of their own)
+_FAILURES = job(2, _failures, timeout=60.0, backend="nccl-emulated", last=True)
+
+
+def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    results = _FAILURES.results(tmp_path_factory)[0]
     (k0, m0, t0), (k1, m1, _) = results["raise"]
     assert (k1, m1) == ("RuntimeError", "boom in a stage")
     assert k0 == "PeerFailure" and t0 < 5.0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job
 from tests.pipe_common import BATCH, MODELS, M, assert_close, balance_of, build, grads_of, reference
 
 
@@ -73,9 +73,12 @@ def _autocast_and_threads() -> dict[str, Any]:
     return out
 
 
+_AUTOCAST_AND_THREADS = job(2, _autocast_and_threads, timeout=60.0)
+
+
 @pytest.fixture(scope="module")
 def autocast_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tmp_path_factory.mktemp("autocast"), _autocast_and_threads, 2, timeout=60.0)
+    return _AUTOCAST_AND_THREADS.results(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -1,7 +1,7 @@
 """Pipeline end to end: every schedule x recompute mode x model against one process and torchgpipe.
 
-Ranks are slow to spawn, so each world size runs all its configurations inside
-one launch and returns losses, gradients and measurements to the parent. The
+Ranks are slow to spawn, so each world size runs all its configurations as one job of
+the shared launch (tests/dist.py) and returns losses, gradients and measurements to the parent. The
 configurations come both ways in: a balance list with keywords, and a ``Plan``
 with its defaults (m = p, v = 2 for interleaved-1f1b).
 """
@@ -24,7 +24,7 @@ from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.schedule import SCHEDULES, schedule
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
-from tests.dist import run_ranks
+from tests.dist import job
 from tests.pipe_common import (
     BATCH,
     CONFIGS,
@@ -110,10 +110,13 @@ def _adamw_reference() -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in model.named_parameters()}
 
 
+_JOBS = {p: job(p, _matrix, timeout=120.0) for p in (2, 4)}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[Any]]:
     p: int = request.param
-    return p, run_ranks(tmp_path_factory.mktemp(f"w{p}"), _matrix, p, timeout=120.0)
+    return p, _JOBS[p].results(tmp_path_factory)
 
 
 def _check_equal(results: list[Any], key: str, loss_ref: float, grads_ref: dict[str, torch.Tensor]) -> None:

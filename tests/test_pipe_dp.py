@@ -1,8 +1,8 @@
 """Pipeline replicas (dp = 2 x 2 pipeline ranks, 4 gloo processes) against one process on the global batch.
 
-Each launch runs every configuration in turn and returns losses and gradients: every schedule, with and
-without recomputation, uneven local batches, several AdamW and ZeRO-1 steps, clipping, evaluation, the
-overlap seen in recorded timelines, and the NCCL emulation.
+Each job (of the shared launch, tests/dist.py) runs every configuration in turn and returns losses and
+gradients: every schedule, with and without recomputation, uneven local batches, several AdamW and
+ZeRO-1 steps, clipping, evaluation, the overlap seen in recorded timelines, and the NCCL emulation.
 
     global rank g = d * 2 + r: replica d = g // 2 holds rows [d * B, (d + 1) * B) of the global batch
 """
@@ -10,7 +10,6 @@ overlap seen in recorded timelines, and the NCCL emulation.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss, mlp
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.actions import Kind
-from tests.dist import run_ranks
+from tests.dist import job
 from tests.pipe_common import assert_close, balance_of
 
 M, LOCAL, P, DP = 4, 8, 2, 2  # micro-batches, rows per replica, ranks per pipeline, replicas
@@ -136,9 +135,12 @@ def _check(results: list[dict[str, Any]], key: str, name: str) -> None:
         assert_close(merged, grads_ref, f"{key} replica {d}")
 
 
+_MATRIX = job(P * DP, _matrix, timeout=240.0, batch="dp")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tmp_path_factory.mktemp("dp"), _matrix, P * DP, timeout=240.0)
+    return _MATRIX.results(tmp_path_factory)
 
 
 @pytest.mark.parametrize(("sched", "v"), CONFIGS)
@@ -229,9 +231,14 @@ def _emulated() -> dict[str, Any]:
     return out
 
 
-def test_the_nccl_code_path_under_the_emulation_equals_one_process(tmp_path: Path) -> None:
+_EMULATED = job(P * DP, _emulated, timeout=240.0, backend="nccl-emulated", batch="dp")
+
+
+def test_the_nccl_code_path_under_the_emulation_equals_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     # per-pair channels for both replicas' pipelines, polled collectives on the "dp" group
-    results = run_ranks(tmp_path, _emulated, P * DP, timeout=240.0, backend="nccl-emulated")
+    results = _EMULATED.results(tmp_path_factory)
     for sched in ("1f1b", "interleaved-1f1b", "zb-h1"):
         _check(results, f"mlp/{sched}/never", "mlp")
     model, x, y, loss_fn = _build("mlp")

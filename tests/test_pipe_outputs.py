@@ -1,6 +1,7 @@
 """Outputs, uneven batches and prefetched inputs, against one process, on gloo and the NCCL emulation.
 
-One launch per (ranks, backend) runs every configuration and returns, per rank:
+One job per (ranks, backend) of the shared launch (tests/dist.py) runs every configuration and
+returns, per rank:
 
     evaluate(x, y, return_outputs=True)   -> (loss, outputs)    == one process, eval mode
     predict(x), predict(x, dst=d)         -> outputs / None     == model(x) in eval mode
@@ -27,7 +28,7 @@ from torch import nn
 from pipeline.plan import Plan
 from pipeline.reference.models import mlp
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job
 from tests.pipe_common import CarriesIds, assert_close, balance_of, grads_of
 
 WIDTH, DEPTH = 8, 8
@@ -127,13 +128,18 @@ def _matrix() -> dict[str, Any]:
     return out
 
 
+_JOBS = {
+    (p, b): job(p, _matrix, timeout=180.0, backend=b, batch="a" if p == 2 else "b")
+    for p, b in itertools.product((2, 4), BACKENDS)
+}
+
+
 @pytest.fixture(
     scope="module", params=list(itertools.product((2, 4), BACKENDS)), ids=lambda c: f"{c[0]}-{c[1]}"
 )
 def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[Any]]:
     p, backend = request.param
-    folder = tmp_path_factory.mktemp(f"out{p}{backend}")
-    return p, run_ranks(folder, _matrix, p, timeout=180.0, backend=backend)
+    return p, _JOBS[p, backend].results(tmp_path_factory)
 
 
 def _reference(name: str, rows: int, seed: int = 1) -> tuple[float, dict[str, torch.Tensor], Any, float]:

@@ -1,7 +1,7 @@
 """The library's step companions against one process: clip_grad_norm_, grads_finite, gather_state_dict.
 
-One launch of 4 ranks runs every configuration: the 2-rank ones on a group of
-ranks 0 and 1 (ranks 2 and 3 skip them), the 4-rank ones on the world. Each
+One job of 4 ranks (in the shared launch, tests/dist.py) runs every configuration: the 2-rank
+ones on a group of ranks 0 and 1 (ranks 2 and 3 skip them), the 4-rank ones on the world. Each
 configuration runs the same sequence as a single process does on the whole
 model, micro-batch by micro-batch (so BatchNorm's statistics match):
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from pipeline.plan import Plan
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job
 from tests.pipe_common import BATCH, M, assert_close, grads_of, microbatched_reference
 
 CLIPS = [(1e-2, 2.0), (1e-3, math.inf), (1e6, 2.0)]  # (max_norm, norm_type): clip, clip, leave
@@ -107,9 +107,12 @@ def _everything() -> dict[str, Any]:
     return out
 
 
+_EVERYTHING = job(4, _everything, timeout=120.0, batch="b")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tmp_path_factory.mktemp("step"), _everything, 4, timeout=120.0)
+    return _EVERYTHING.results(tmp_path_factory)
 
 
 def _reference() -> dict[str, Any]:

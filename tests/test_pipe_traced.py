@@ -10,7 +10,7 @@ with gradient clipping (which counts the tied weight once).
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 from typing import Any
 
 import pytest
@@ -22,7 +22,7 @@ from pipeline.plan import Plan
 from pipeline.reference.graph_models import gpt_tied, image_loss, two_stream, unet
 from pipeline.reference.models import gpt_loss
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import job
 from tests.pipe_common import BATCH, assert_close
 
 ALL = [
@@ -47,8 +47,8 @@ def _build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
 MODELS = ("gpt_tied", "unet", "two_stream")
 
 
-@pytest.fixture(scope="module")
-def profiles() -> dict[str, Any]:
+@functools.cache
+def _profiles() -> dict[str, Any]:
     """One profile per model (one micro-batch of 2 ranks; the batch dimension is free in the trace)."""
     out = {}
     for name in MODELS:
@@ -57,9 +57,10 @@ def profiles() -> dict[str, Any]:
     return out
 
 
-def _plan(name: str, p: int, profiles: dict[str, Any]) -> Plan:
+@functools.cache
+def _plan(name: str, p: int) -> Plan:
     model, x, _, _ = _build(name)
-    return partition(model, p, x[: BATCH // p], profile=profiles[name])
+    return partition(model, p, x[: BATCH // p], profile=_profiles()[name])
 
 
 def _reference(name: str) -> tuple[float, dict[str, torch.Tensor]]:
@@ -102,17 +103,28 @@ def _rank(plans: dict[str, str], configs: list[tuple[str, str]], adamw_steps: in
     return out
 
 
+def _configs(p: int) -> list[tuple[str, str]]:
+    return ALL if p == 2 else ALL[:3]
+
+
+def _rank_args(p: int) -> tuple[dict[str, str], list[tuple[str, str]], int]:
+    return {name: _plan(name, p).to_json() for name in MODELS}, _configs(p), 4
+
+
+# 4 ranks in a launch of their own: the tie's group of ranks 0 and 3 (dist.new_group with local
+# synchronization) hung after other jobs in a shared launch
+_RAN = {
+    p: job(p, _rank, make_args=lambda _, p=p: _rank_args(p), timeout=400.0, batch="b" if p == 2 else "ties")
+    for p in (2, 4)
+}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
-def ran(
-    request: pytest.FixtureRequest, profiles: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> Any:
-    """(p, configs, plans, every rank's results): one launch of p ranks for every check below."""
+def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(p, configs, plans, every rank's results): one job of p ranks for every check below."""
     p = request.param
-    plans = {name: _plan(name, p, profiles) for name in MODELS}
-    configs = ALL if p == 2 else ALL[:3]
-    payload = {name: plan.to_json() for name, plan in plans.items()}
-    results = run_ranks(tmp_path_factory.mktemp(f"p{p}"), _rank, p, payload, configs, 4, timeout=400.0)
-    return p, configs, plans, results
+    results = _RAN[p].results(tmp_path_factory)
+    return p, _configs(p), {name: _plan(name, p) for name in MODELS}, results
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -161,9 +173,9 @@ def test_tied_copies_stay_identical_through_adamw(ran: Any) -> None:
     assert torch.equal(state["tok.weight"], first)
 
 
-def test_one_rank_refuses_another_model_and_other_shapes(profiles: dict[str, Any]) -> None:
+def test_one_rank_refuses_another_model_and_other_shapes() -> None:
     model, x, y, loss_fn = _build("gpt_tied")
-    plan = _plan("gpt_tied", 1, profiles)
+    plan = _plan("gpt_tied", 1)
     pipe = Pipeline(model, plan, loss_fn=loss_fn)
     assert pipe.step(x, y) == pytest.approx(float(loss_fn(model(x), y).detach()), rel=1e-5)
     with pytest.raises(ValueError, match=r"stage 0 was traced for inputs of shapes \[\[any, 8\]\]"):
@@ -196,11 +208,20 @@ def _replicated(plan_json: str) -> tuple[list[float], list[float], Grads, torch.
     return losses, norms, first, weight
 
 
-def test_tied_weights_with_pipeline_replicas(tmp_path: Path, profiles: dict[str, Any]) -> None:
+def _tied_plan(_: Any, **changes: Any) -> tuple[str]:
+    """(the tied GPT's 2-rank plan with ``changes``, as JSON): a job's arguments."""
+    return (_plan("gpt_tied", 2).replace(**changes).to_json(),)
+
+
+_REPLICATED = job(
+    4, _replicated, make_args=functools.partial(_tied_plan, dp=2), timeout=240.0, batch="ties-dp"
+)
+
+
+def test_tied_weights_with_pipeline_replicas(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tied copies and data parallelism together: each replica sums its copies' gradients after the
     replicas' mean; every rank ends with one process's gradient on the global batch."""
-    plan = _plan("gpt_tied", 2, profiles).replace(dp=2)
-    results = run_ranks(tmp_path, _replicated, 4, plan.to_json(), timeout=240.0)
+    results = _REPLICATED.results(tmp_path_factory)
     model, x, y, loss_fn = _build("gpt_tied")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     want_losses, want_norms, ref = [], [], {}
@@ -230,10 +251,15 @@ def _emulated(plan_json: str) -> tuple[float, Grads]:
     return loss, grads
 
 
-def test_tied_weights_on_the_nccl_path(tmp_path: Path, profiles: dict[str, Any]) -> None:
+_EMULATED = job(
+    2, _emulated, make_args=functools.partial(_tied_plan, schedule="zb-h1"), backend="nccl-emulated",
+    timeout=240.0, batch="b",
+)  # fmt: skip
+
+
+def test_tied_weights_on_the_nccl_path(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The NCCL code path (emulated on gloo: strict devices and streams) sums the tied copies too."""
-    plan = _plan("gpt_tied", 2, profiles).replace(schedule="zb-h1")
-    results = run_ranks(tmp_path, _emulated, 2, plan.to_json(), backend="nccl-emulated", timeout=240.0)
+    results = _EMULATED.results(tmp_path_factory)
     ref_loss, ref = _reference("gpt_tied")
     for r, (loss, grads) in enumerate(results):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
@@ -273,11 +299,17 @@ def _checkpointed(folder: str, plan_json: str) -> tuple[list[float], list[float]
     return runs[0], runs[1], keys
 
 
+def _checkpointed_args(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return str(tmp_path_factory.mktemp("tied") / "ckpt"), *_tied_plan(None)
+
+
+_CHECKPOINTED = job(2, _checkpointed, make_args=_checkpointed_args, timeout=240.0, batch="b")
+
+
 def test_a_tied_weight_is_saved_once_and_restored_on_every_copy(
-    tmp_path: Path, profiles: dict[str, Any]
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    plan = _plan("gpt_tied", 2, profiles)
-    results = run_ranks(tmp_path, _checkpointed, 2, str(tmp_path / "ckpt"), plan.to_json(), timeout=240.0)
+    results = _CHECKPOINTED.results(tmp_path_factory)
     for saved, loaded, keys in results:
         assert loaded == saved  # the loaded run continues exactly: every copy of tok.weight restored
         assert [k for k in keys if k.startswith("model/") and "weight" in k and "tok" in k] == [
