@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,10 +30,14 @@ from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
 
 __all__ = [
+    "NAN_ENV",
+    "BadSteps",
     "Precision",
     "Progress",
+    "RunStopped",
     "StepLog",
     "generate",
+    "injected_nan",
     "load_gathered",
     "predicted_timeline",
     "report_busy",
@@ -60,19 +65,64 @@ class Precision:
         if self.scaler is not None:  # scale() also makes the scale tensor that unscale_() needs
             self.scale = float(self.scaler.scale(torch.ones((), device=self.device)))
 
-    def update(self, pipe: Pipeline, opt: torch.optim.Optimizer, max_norm: float) -> None:
-        """Clip by the norm over every stage, then step (under fp16: unless some rank overflowed)."""
+    def update(self, pipe: Pipeline, opt: torch.optim.Optimizer, max_norm: float) -> bool:
+        """Clip by the norm over every stage, then step, unless some rank's gradients are not finite
+        (the same answer on every rank: all step, or all skip). False: skipped for bad numbers (under
+        fp16 an overflow is the scaler's routine and counts as a step taken: its scale backs off)."""
         if self.scaler is None:
+            if not pipe.grads_finite():
+                return False
             pipe.clip_grad_norm_(max_norm)
             opt.step()
-            return
+            return True
         self.scaler.unscale_(opt)
-        if pipe.grads_finite():  # the same answer on every rank: all step, or all skip
+        if pipe.grads_finite():
             pipe.clip_grad_norm_(max_norm)
             self.scaler.step(opt)
             self.scaler.update()
         else:
             self.scaler.update(new_scale=self.scaler.get_scale() * self.scaler.get_backoff_factor())
+        return True
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (decided on every rank alike); the message says why and what was kept."""
+
+
+class BadSteps:
+    """Counts updates skipped in a row for a non-finite loss or gradient; at ``limit`` a RunStopped."""
+
+    def __init__(self, limit: int, say: Any) -> None:
+        self.limit, self.say, self.streak, self.last_good = limit, say, 0, 0
+
+    def step(self, done: int, stepped: bool) -> None:
+        if stepped:
+            self.streak, self.last_good = 0, done
+            return
+        self.streak += 1
+        if self.say is not None:
+            self.say(f"step {done}: a loss or gradient is not finite on some rank: update skipped on every "
+                     f"rank ({self.streak} in a row, at most {self.limit})")  # fmt: skip
+        if self.streak >= self.limit:
+            raise RunStopped(
+                f"{self.streak} consecutive steps ({done - self.streak + 1}-{done}) had a non-finite loss or "
+                f"gradient; stopped. The newest checkpoint is from before them (the last good update was "
+                f"step {self.last_good}); lower the learning rate or check the data, then restart"
+            )
+
+
+NAN_ENV = "STAGEWISE_TEST_NAN"  # test-only: "RANK:STEP,STEP" (global rank, 1-based steps)
+
+
+def injected_nan(pipe: Pipeline, rank: int, step: int) -> None:
+    """Test-only: a NaN in this rank's first gradient when NAN_ENV names this rank and ``step``."""
+    spec = os.environ.get(NAN_ENV)
+    if not spec:
+        return
+    who, _, steps = spec.partition(":")
+    if int(who) == rank and str(step) in steps.split(","):
+        grad = next(p.grad for p in pipe.parameters() if p.grad is not None)
+        grad.view(-1)[0] = float("nan")
 
 
 class Progress:
@@ -127,25 +177,41 @@ class StepLog:
 def save(folder: str, step: int, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
          config: dict[str, Any]) -> None:  # fmt: skip
     """Checkpoint ``step``: parameters and buffers, optimizer, scaler, RNG and the run's configuration."""
-    extra = {"step": step, "config": json.loads(json.dumps(config))}  # batches are drawn by step
-    checkpointing.save(folder, step, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler, extra=extra)
+    extra = {"step": step}  # batches are drawn by step
+    checkpointing.save(folder, step, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler, extra=extra,
+                       config=config)  # fmt: skip
 
 
-def resume(folder: str, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
-           model: dict[str, Any]) -> int:  # fmt: skip
-    """Load the latest checkpoint in ``folder``; its step. ``model``: the settings it must have been
-    saved with (a checkpoint of another model is an error naming the differences)."""
-    path = checkpointing.latest(folder)
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint in {folder!r} to resume from")
-    extra = checkpointing.load(path, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler)
-    saved = {"model": "gpt", **extra["config"]}  # checkpoints from before --model were of the gpt
-    differ = {k: (saved[k], v) for k, v in model.items() if saved[k] != v}
-    if differ:
-        raise ValueError(f"checkpoint {str(path)!r} has a different model (saved, now): {differ}")
+_PLAN_KEYS = {
+    "stages": "plan.n_stages",
+    "dp": "plan.dp",
+    "schedule": "plan.schedule",
+    "virtual": "plan.n_virtual",
+    "microbatches": "plan.n_microbatches",
+    "recompute": "plan.recompute",
+}
+
+
+def resume(folder: str | None, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
+           config: dict[str, Any], allow: tuple[str, ...]) -> int:  # fmt: skip
+    """Load the newest sound checkpoint in ``folder`` (None, or none there: 0, a fresh start) and
+    return its step; rank 0 says which (and any damaged newer one passed over). A checkpoint of a run
+    with another ``config`` is a ConfigMismatch listing the differences, unless ``allow`` names them
+    (config keys; a flag that shapes the plan allows its plan entry too)."""
+    if folder is None:
+        return 0
+    allow_changes = set(allow) | {_PLAN_KEYS[k] for k in allow if k in _PLAN_KEYS}
+    resumed = checkpointing.resume(
+        folder,
+        pipe=pipe,
+        optimizer=opt,
+        grad_scaler=precision.scaler,
+        config=config,
+        allow_changes=allow_changes,
+    )
     if dist.get_rank() == 0:
-        print(f"resumed from {path} at step {extra['step']}", flush=True)
-    return int(extra["step"])
+        print(f"no checkpoint in {folder}: a new run" if resumed is None else str(resumed), flush=True)
+    return 0 if resumed is None else resumed.step
 
 
 def predicted_timeline(plan: Plan) -> Timeline:

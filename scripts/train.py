@@ -2,7 +2,8 @@
 
     python scripts/train.py     # 2 ranks, 1F1B, 1500 steps: ~2.5 min on 2 idle cores, 6-12 on busy ones
     python scripts/train.py --stages 4 --schedule zb-h1 --microbatches 8 --trace runs/zb.json
-    python scripts/train.py --checkpoint-dir runs/ckpt --checkpoint-every 100   # later: add --resume
+    python scripts/train.py --checkpoint-dir runs/ckpt --checkpoint-every 100   # the same command resumes
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 scripts/train.py --checkpoint-dir runs/ckpt
     python scripts/train.py --model gpt-tied --schedule interleaved-1f1b   # a module split on its graph
     python scripts/train.py --dp 2 --stages 2 --zero    # 2 replicas of a 2-rank pipeline: 4 ranks, ZeRO-1
     torchrun --nproc-per-node 4 scripts/train.py --device cuda --dtype bf16
@@ -30,6 +31,19 @@ library's own source (``pipeline.reference.data``) unless ``--data`` names a
 text file or folder. The progress bar needs tqdm
 (``pip install -e ".[train]"``); without it, or when stderr is not a terminal,
 plain progress lines are printed instead, and ``--quiet`` prints none.
+
+Faults. With ``--checkpoint-dir D`` every start resumes from the newest sound
+checkpoint in D (a damaged one is passed over, named) and says which, so the
+one command both starts a run and restarts it (``torchrun --max-restarts``
+reruns it as it is; ``--resume`` is accepted and changes nothing). Each
+checkpoint records the run's configuration (``run_config``); a start whose
+configuration differs is refused with the list of differences, unless
+``--allow-config-change stages,dp`` names the deliberate ones. An update
+whose loss or gradients are not finite on any rank is skipped on every rank
+(and no checkpoint is written until a good step); ``--max-bad-steps`` in a
+row stop the run with the last good checkpoint intact. Test-only:
+STAGEWISE_TEST_NAN="RANK:STEP,STEP" puts a NaN into a gradient of global
+rank RANK at those 1-based steps (see ``_train_support.injected_nan``).
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -53,10 +67,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from _train_support import (
+    BadSteps,
     Precision,
     Progress,
+    RunStopped,
     StepLog,
     generate,
+    injected_nan,
     load_gathered,
     predicted_timeline,
     report_busy,
@@ -78,8 +95,8 @@ from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
 _N_HEADS, _EVAL_BATCHES, _CLIP = 4, 4, 1.0
 MODELS = {"gpt": gpt, "gpt-tied": gpt_tied}  # the Sequential; the traced module with a tied head
-_TIMEOUT_S = float(os.environ.get("STAGEWISE_TIMEOUT", "300"))  # bound on every wait for another rank
-_MODEL_KEYS = ("model", "layers", "width", "seq_len")  # what a checkpoint must agree on to be loaded
+_TIMEOUT_S = float(os.environ.get("STAGEWISE_TIMEOUT", "300"))  # bound on every wait for another rank,
+# the pipeline's and the process group's (a checkpoint's collectives): a hung rank becomes a failure
 
 
 @dataclass(frozen=True)
@@ -107,7 +124,9 @@ class Config:
     data: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool = False
+    resume: bool = False  # accepted, changes nothing: a --checkpoint-dir holding a checkpoint resumes
+    allow_config_change: tuple[str, ...] = ()
+    max_bad_steps: int = 3
     trace: str | None = None
     eval_every: int = 100
     seed: int = 0
@@ -172,7 +191,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--data", help="text file or folder (default: the standard library's sources)")
     add("--checkpoint-dir", help="folder of checkpoints (made if missing)")
     add("--checkpoint-every", type=more, default=d.checkpoint_every, help="steps; 0: only at the end")
-    add("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    add("--resume", action="store_true", help="accepted, changes nothing: --checkpoint-dir resumes by itself")
+    add("--allow-config-change", metavar="FLAGS", default="",
+        help="comma-separated flags that may differ from the checkpoint's run, e.g. stages,dp")  # fmt: skip
+    add("--max-bad-steps", type=count, default=d.max_bad_steps,
+        help="stop after this many updates in a row skipped for a non-finite loss or gradient")  # fmt: skip
     add("--trace", metavar="PATH", help="write one step's measured timeline (Chrome trace); folders are made")
     add("--eval-every", type=count, default=d.eval_every)
     add("--seed", type=int, default=d.seed)
@@ -209,8 +232,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         a.balance = None if a.balance is None else tuple(int(x) for x in a.balance.split(","))
     except ValueError:
         _fail(f"--balance {a.balance!r} must be comma-separated layer counts, e.g. 3,4")
-    if a.resume and (a.checkpoint_dir is None or checkpointing.latest(a.checkpoint_dir) is None):
-        _fail(f"--resume needs --checkpoint-dir holding a complete checkpoint; {a.checkpoint_dir!r} has none")
+    if a.resume and a.checkpoint_dir is None:
+        _fail("--resume needs --checkpoint-dir (which resumes by itself when it holds a checkpoint)")
+    a.allow_config_change = tuple(
+        x.strip().lstrip("-").replace("-", "_") for x in a.allow_config_change.split(",") if x.strip()
+    )
+    unknown = [x for x in a.allow_config_change if x not in CONFIG_KEYS]
+    if unknown:
+        _fail(f"--allow-config-change {','.join(unknown)}: not a recorded setting; use flags among "
+              f"{', '.join(k.replace('_', '-') for k in CONFIG_KEYS)}")  # fmt: skip
     try:
         if a.data is not None:
             CharDataset.load(a.data).check(a.seq_len)
@@ -307,7 +337,16 @@ def learning_rate(cfg: Config, step: int) -> float:
 
 
 def train(cfg: Config, plan: Plan) -> dict[str, Any]:
-    """One rank's whole run; returns its per-step losses and evaluations."""
+    """One rank's whole run; returns its per-step losses and evaluations, or ``{"error": why}`` when
+    the run was refused or stopped (every rank decides that together, so every rank returns it)."""
+    try:
+        return _train(cfg, plan)
+    except (RunStopped, checkpointing.ConfigMismatch) as exc:
+        hint = " (flags: --allow-config-change KEY,... for deliberate changes)"
+        return {"rank": dist.get_rank(), "error": str(exc) + (hint if isinstance(exc, ValueError) else "")}
+
+
+def _train(cfg: Config, plan: Plan) -> dict[str, Any]:
     rank, device = dist.get_rank(), _device(cfg)
     replica, pp_rank = divmod(rank, cfg.stages)  # the mesh's layout: pp innermost
     first, last = pp_rank == 0, pp_rank == cfg.stages - 1  # stage 0 on pipeline rank 0, the last on p - 1
@@ -321,8 +360,8 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
     precision = Precision(cfg.dtype, device)
     pipe = Pipeline(model, plan, loss_fn=precision.loss_fn, device=device, timeout=_TIMEOUT_S)
     opt = optimizer(cfg, pipe)
-    model_keys = {k: getattr(cfg, k) for k in _MODEL_KEYS}
-    start = resume(cfg.checkpoint_dir or "", pipe, opt, precision, model_keys) if cfg.resume else 0
+    config = run_config(cfg, plan)
+    start = resume(cfg.checkpoint_dir, pipe, opt, precision, config, cfg.allow_config_change)
 
     def batch(split_name: str, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if data is None:  # inputs go to the first rank, targets to the last
@@ -339,6 +378,7 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
     progress = Progress(cfg.steps, start, cfg.batch_size * cfg.seq_len, show=shown and not cfg.quiet)
     log = StepLog(cfg.loss_log if rank == 0 else None, start)
     losses, evals, busy, window = [], [], [], []
+    bad = BadSteps(cfg.max_bad_steps, say=progress.write if rank == 0 else None)
     t_run = t_window = time.perf_counter()
     for step in range(start, cfg.steps):
         for group in opt.param_groups:
@@ -352,13 +392,15 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
             pipe.write_trace(cfg.trace, predicted_timeline(plan))
             if rank == 0:
                 progress.write(f"wrote the measured timeline of step {step} to {cfg.trace}")
-        precision.update(pipe, opt, _CLIP)
+        injected_nan(pipe, rank, step + 1)  # test-only, STAGEWISE_TEST_NAN
+        stepped = precision.update(pipe, opt, _CLIP)  # every rank the same: all step, or all skip
         opt.zero_grad(set_to_none=True)
         losses.append(loss)
         window.append(loss)
         done = step + 1
         progress.step(done, loss)
         log.step(done, loss)
+        bad.step(done, stepped)  # a RunStopped after too many skipped in a row
         if done % cfg.eval_every == 0 or done == cfg.steps:
             val = sum(loss_of(pipe.evaluate, "val", k) for k in range(_EVAL_BATCHES)) / _EVAL_BATCHES
             tok_s = len(window) * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t_window)
@@ -367,10 +409,14 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
                 progress.write(f"step {done} | train loss {evals[-1][1]:.4f} | val loss {val:.4f} | "
                                f"tokens/s {tok_s:,.0f}")  # fmt: skip
             window, t_window = [], time.perf_counter()
-        if cfg.checkpoint_dir and (
-            done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+        if (
+            cfg.checkpoint_dir
+            and not bad.streak
+            and (  # a skipped update leaves the last good one newest
+                done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+            )
         ):
-            save(cfg.checkpoint_dir, done, pipe, opt, precision, asdict(cfg))
+            save(cfg.checkpoint_dir, done, pipe, opt, precision, config)
     seconds = time.perf_counter() - t_run
     report_busy(pipe, plan, busy)
     state, text = pipe.gather_state_dict(dst=0) if cfg.sample_chars else None, ""  # in every replica
@@ -383,9 +429,36 @@ def train(cfg: Config, plan: Plan) -> dict[str, Any]:
             "sample": text}  # fmt: skip
 
 
+CONFIG_KEYS = ("model", "layers", "width", "seq_len", "stages", "dp", "zero", "schedule", "virtual",
+               "microbatches", "batch_size", "steps", "lr", "balance", "recompute", "dtype", "data", "seed",
+               "plan", "optimizer")  # fmt: skip  # what a checkpoint's run records (see run_config)
+
+
+_ADAMW: dict[str, Any] = dict(betas=[0.9, 0.99], weight_decay=0.1)  # besides lr, set per step
+
+
+def run_config(cfg: Config, plan: Plan) -> dict[str, Any]:
+    """What each checkpoint records of its run and a resume compares, one entry per CONFIG_KEYS: the
+    flags, the plan's shape (its balance only when given: a fresh profile may balance otherwise, and a
+    checkpoint loads at any balance), the optimizer and the data (an absolute path)."""
+    out: dict[str, Any] = {k: getattr(cfg, k) for k in CONFIG_KEYS if k not in ("plan", "optimizer", "data")}
+    out["balance"] = None if cfg.balance is None else list(cfg.balance)
+    out["data"] = "python-stdlib" if cfg.data is None else str(Path(cfg.data).resolve())
+    out["optimizer"] = {"name": "AdamW", **_ADAMW, "clip": _CLIP, "schedule": "warmup-cosine-0.1"}
+    out["plan"] = {
+        "schedule": plan.schedule,
+        "n_stages": plan.n_stages,
+        "n_virtual": plan.n_virtual,
+        "n_microbatches": plan.n_microbatches,
+        "recompute": plan.recompute,
+        "dp": plan.dp,
+    }
+    return out
+
+
 def optimizer(cfg: Config, pipe: Pipeline) -> torch.optim.Optimizer:
     """AdamW over this rank's parameters; with ``--zero`` its state sharded over the replicas (ZeRO-1)."""
-    kw: dict[str, Any] = dict(lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    kw: dict[str, Any] = dict(lr=cfg.lr, betas=tuple(_ADAMW["betas"]), weight_decay=_ADAMW["weight_decay"])
     if not cfg.zero:
         return torch.optim.AdamW(pipe.parameters(), **kw)
     return ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, process_group=pipe.dp_group, **kw)
@@ -396,6 +469,16 @@ def _device(cfg: Config) -> torch.device:
 
 
 # ---------------------------------------------------------------------------- entry
+
+
+def _stopped(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results, or exit 2 with the error every rank returned."""
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        if results[0]["rank"] == 0:  # under torchrun each process returns its own rank's
+            print(f"train.py: error: {errors[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -411,8 +494,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             _fail(str(exc))
         finally:
             torch.set_num_threads(threads)
-        return launch(train, cfg.dp * cfg.stages, cfg, plan, backend=backend, timeout=600.0)
-    init_distributed(backend)
+        return _stopped(launch(train, cfg.dp * cfg.stages, cfg, plan, backend=backend, timeout=_TIMEOUT_S))
+    init_distributed(backend, timeout=_TIMEOUT_S)  # dcp's collectives in a save wait this long at most
     try:
         box: list[Any] = [None]
         if dist.get_rank() == 0:  # one profile, so that every rank runs the same plan
@@ -423,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
             _fail(box[0])
-        return [train(cfg, box[0])]
+        return _stopped([train(cfg, box[0])])
     finally:
         dist.destroy_process_group()
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -57,6 +58,7 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
         (["--balance", "3,1,1,1,1"], "--balance gives 5 stages, 5 ranks x 1, but --stages is 2"),
         (["--balance", "a,b"], "must be comma-separated layer counts"),
         (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--allow-config-change", "stages,colour"], "--allow-config-change colour: not a recorded setting"),
         (["--width", "30"], "--width 30 --layers 4: width (30) must be divisible by n_heads (4)"),
         (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
         (["--lr", "-1"], "argument --lr: must be >= 0.0, got -1"),
@@ -86,9 +88,10 @@ def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, capsys: A
 
 
 def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys: Any) -> None:
-    with pytest.raises(SystemExit):
-        train.parse_args(["--resume", "--checkpoint-dir", str(tmp_path)])
-    assert f"holding a complete checkpoint; {str(tmp_path)!r} has none" in capsys.readouterr().err
+    cfg = train.parse_args(
+        ["--resume", "--checkpoint-dir", str(tmp_path), "--allow-config-change", "stages,--dp"]
+    )
+    assert cfg.resume and cfg.allow_config_change == ("stages", "dp")  # an empty folder: a fresh start
     if not train.torch.cuda.is_available():
         with pytest.raises(SystemExit):
             train.parse_args(["--device", "cuda"])
@@ -217,26 +220,70 @@ def test_without_tqdm_the_script_still_runs(tmp_path: Path) -> None:
         assert ("2/2 steps | loss " in proc.stderr) == (not extra), proc.stderr
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path) -> None:
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, capfd: Any) -> None:
     ckpt = ["--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "3"]
     straight = _run(tmp_path, "--steps", "6", *ckpt)
     losses = straight[0]["losses"]
     assert len(losses) == 6 and all(r["losses"] == losses for r in straight)  # every rank has the loss
     assert losses[-1] < losses[0]
     _copy_checkpoint(tmp_path / "a", 3, tmp_path / "b")
-    resumed = _run(tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    # the very command that started a run restarts it: no --resume needed
+    resumed = _run(
+        tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every", "3"
+    )
     assert resumed[0]["start"] == 3
     assert resumed[0]["losses"] == losses[3:]  # exactly, not approximately
     assert resumed[0]["evals"][-1][2] == straight[0]["evals"][-1][2]  # the same final validation loss
+    out = capfd.readouterr()
+    assert f"from {str(tmp_path / 'b' / 'step-00000003')!r} at step 3" in out.out, out.out  # said which
+    # another --steps changes the learning-rate schedule: named, not applied
+    with pytest.raises(SystemExit) as exc:
+        _run(tmp_path, "--steps", "7", "--checkpoint-dir", str(tmp_path / "b"))
+    err = capfd.readouterr().err
+    assert exc.value.code == 2 and "steps: 6 -> 7" in err and "--allow-config-change" in err, err
 
 
-def test_four_stage_checkpoint_resumes_on_two_stages(tmp_path: Path) -> None:
+def test_four_stage_checkpoint_resumes_on_two_stages(tmp_path: Path, capfd: Any) -> None:
     four = _run(tmp_path, "--stages", "4", "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"),
                 "--checkpoint-every", "2")  # fmt: skip
     _copy_checkpoint(tmp_path / "a", 2, tmp_path / "b")
-    two = _run(tmp_path, "--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    with pytest.raises(SystemExit):  # a deliberate change must be said
+        _run(tmp_path, "--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"))
+    err = capfd.readouterr().err
+    assert "stages: 4 -> 2" in err and "plan.n_stages: 4 -> 2" in err, err
+    two = _run(tmp_path, "--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+               "--allow-config-change", "stages")  # fmt: skip
     assert two[0]["start"] == 2
     assert two[0]["losses"] == pytest.approx(four[0]["losses"][2:], rel=1e-6)
+
+
+def test_non_finite_updates_are_skipped_on_every_rank_and_a_streak_stops_the_run(
+    tmp_path: Path, capfd: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 1 (the last stage's) gets a NaN gradient at step 2, then at 4, 5, 6: rank 0's own gradients
+    # stay finite, so only the all-ranks check can make it skip too
+    monkeypatch.setenv(_train_support.NAN_ENV, "1:2,4,5,6")
+    ckpt = tmp_path / "ckpt"
+    args = ["--steps", "8", "--balance", "3,2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    args += ["--max-bad-steps", "3"]
+    with pytest.raises(SystemExit) as exc:
+        _run(tmp_path, *args, "--loss-log", str(tmp_path / "loss.jsonl"))
+    out = capfd.readouterr()
+    assert exc.value.code == 2, out.err
+    assert (
+        "step 2: a loss or gradient is not finite on some rank: update skipped on every rank (1 in a row"
+        in out.out
+    )
+    assert "3 consecutive steps (4-6) had a non-finite loss or gradient; stopped" in out.err, out.err
+    assert "last good update was step 3" in out.err
+    steps = sorted(int(p.name[5:]) for p in ckpt.glob("step-*"))
+    assert steps[-1] == 3  # no checkpoint after a skipped update: the last good one is the newest
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)  # the NaN was in a gradient only
+    # the same command without the fault resumes from step 3 and finishes
+    monkeypatch.delenv(_train_support.NAN_ENV)
+    done = _run(tmp_path, *args)
+    assert done[0]["start"] == 3 and len(done[0]["losses"]) == 5
 
 
 def test_fp16_with_grad_scaler_trains(tmp_path: Path) -> None:
