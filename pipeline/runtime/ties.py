@@ -27,6 +27,7 @@ which copy a global gradient norm includes (one per tie: the lowest rank's).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,10 @@ class TiedGrads:
         self._groups: list[tuple[Comm, tuple[int, ...], list[int]]] = []
         for ranks, members in sets.items():
             global_ranks = [dist.get_global_rank(group, q) if group is not None else q for q in ranks]
-            sub = dist.new_group(global_ranks, use_local_synchronization=True)
+            # only the members meet here; bounded like every other wait (torch's default is 30 min)
+            sub = dist.new_group(
+                global_ranks, timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True
+            )
             prefix = f"{key_prefix}/{'-'.join(map(str, ranks))}"
             comm = Comm(sub, prefix, timeout, failure=failure, p2p=False, global_names=True)
             self._groups.append((comm, ranks, members))
