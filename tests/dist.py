@@ -46,7 +46,8 @@ from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV
 
 __all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs"]
 
-_SETTLE_S = 5.0  # how long a rank waits for a finished job's threads (watchdogs) to stop
+_SETTLE_S = 0.5  # how long a rank waits for a finished job's watchdog threads to stop (a Pipeline never
+# closed keeps its watchdog thread, idle, until exit: waiting longer for those buys nothing)
 
 
 def run_ranks(
