@@ -41,6 +41,7 @@ from pipeline.plan import Plan, StagePlan  # noqa: E402
 from pipeline.runtime.recompute import RECOMPUTE_MODES  # noqa: E402
 
 
+@pytest.mark.slow
 def test_quick_run_measures_every_fitting_plan_and_reports_both_limits(tmp_path: Path) -> None:
     out = tmp_path / "autoplan.json"
     proc = subprocess.run(

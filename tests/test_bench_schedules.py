@@ -29,6 +29,7 @@ TIMED_KEYS = {f.name for f in fields(TimedRow)}
 REAL_KEYS = {f.name for f in fields(RealRow)}
 
 
+@pytest.mark.slow
 def test_quick_run_prints_both_tables_with_plausible_efficiencies(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(

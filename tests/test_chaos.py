@@ -112,6 +112,7 @@ def test_truncated_and_bit_flipped_shards_are_named_and_skipped(
     assert chaos.losses_of(tmp_path / "loss.jsonl") == losses
 
 
+@pytest.mark.slow
 def test_a_second_run_with_another_seed_in_the_same_folder_is_refused(
     base: tuple[Path, Path, dict[int, float]], tmp_path: Path
 ) -> None:

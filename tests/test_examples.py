@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "own_loop.py"
 SMALL = [
     "--epochs", "2", "--train-size", "42", "--val-size", "30", "--batch-size", "16",
@@ -73,6 +75,7 @@ def test_the_own_loop_example_resumes_bit_for_bit_under_torchrun(tmp_path: Path)
     assert _history(b) == full  # B + C: every float equal, bit for bit
 
 
+@pytest.mark.slow
 def test_the_own_loop_example_runs_in_bf16(tmp_path: Path) -> None:
     folder = tmp_path / "bf16"
     _run(folder, "--bf16", "--epochs", "1")

@@ -221,6 +221,7 @@ def test_the_ranks_end_with_launchs_parent(tmp_path: Path, how: str) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_torchrun_restart_after_sigkill_comes_back_quickly(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)

@@ -12,6 +12,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host the script runs its CUDA checks")
 def test_the_check_runs_on_cpu_with_its_cuda_rows_skipped() -> None:
     proc = subprocess.run(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +208,7 @@ def test_end_to_end_two_stages_partitioned_with_trace_and_sample(tmp_path: Path)
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_without_tqdm_the_script_still_runs(tmp_path: Path) -> None:
     blocker = tmp_path / "site"
     blocker.mkdir()
@@ -306,11 +309,20 @@ def test_seed_lr_and_recompute_steer_the_run(tmp_path: Path) -> None:
 # ---- replicas (data parallel), ZeRO-1, and two torchrun "nodes" on this host
 
 
+_DP_FLAGS = ["--steps", "3", "--balance", "3,2", "--microbatches", "2", "--dp", "2", "--stages", "2"]
+
+
+@functools.cache
+def _replicas_run() -> tuple[list[dict[str, Any]], Path]:
+    """One single-node run of dp = 2 x 2 stages, with its loss log: two tests read it."""
+    log = Path(tempfile.mkdtemp(prefix="stagewise-dp2-")) / "logs" / "dp2.jsonl"
+    return train.main([*TINY, *QUIET, *_DP_FLAGS, "--loss-log", str(log)]), log
+
+
 def test_replicas_train_like_one_pipeline_on_the_whole_batch(tmp_path: Path) -> None:
     args = ("--steps", "3", "--balance", "3,2", "--microbatches", "2")
     one = _run(tmp_path, *args)[0]["losses"]
-    log = tmp_path / "logs" / "dp2.jsonl"
-    two = _run(tmp_path, *args, "--dp", "2", "--loss-log", str(log))
+    two, log = _replicas_run()
     assert len(two) == 4 and all(r["losses"] == two[0]["losses"] for r in two)  # the global mean everywhere
     assert two[0]["losses"] == pytest.approx(one, rel=1e-5)  # each replica half of the same batch
     assert [json.loads(line) for line in log.read_text().splitlines()] == [
@@ -327,9 +339,8 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_nodes_on_this_host_give_the_single_node_losses(tmp_path: Path) -> None:
-    flags = [*TINY, *QUIET, "--steps", "3", "--balance", "3,2", "--microbatches", "2", "--dp", "2",
-             "--stages", "2"]  # fmt: skip
-    single = train.main(flags)[0]["losses"]
+    flags = [*TINY, *QUIET, *_DP_FLAGS]
+    single = _replicas_run()[0][0]["losses"]  # the same flags on one node (and a loss log)
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent), "GLOO_SOCKET_IFNAME": "lo"}
     nodes = []
