@@ -77,6 +77,7 @@ def test_worker_killed_mid_step_under_torchrun_restarts_to_the_uninterrupted_los
     assert chaos.losses_of(tmp_path / "loss.jsonl") == losses  # bit for bit
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_the_previous_checkpoint_loadable(
     base: tuple[Path, Path, dict[int, float]], tmp_path: Path
 ) -> None:

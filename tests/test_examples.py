@@ -53,6 +53,7 @@ def _history(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_own_loop_example_resumes_bit_for_bit_under_torchrun(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     printed = _run(a)

@@ -245,6 +245,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, capfd: 
     assert exc.value.code == 2 and "steps: 6 -> 7" in err and "--allow-config-change" in err, err
 
 
+@pytest.mark.slow
 def test_four_stage_checkpoint_resumes_on_two_stages(tmp_path: Path, capfd: Any) -> None:
     four = _run(tmp_path, "--stages", "4", "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"),
                 "--checkpoint-every", "2")  # fmt: skip
@@ -294,6 +295,7 @@ def test_fp16_with_grad_scaler_trains(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_seed_lr_and_recompute_steer_the_run(tmp_path: Path) -> None:
     base = _run(tmp_path, "--steps", "3", "--balance", "3,2")[0]["losses"]  # deterministic: see below
     other_seed = _run(tmp_path, "--steps", "3", "--balance", "3,2", "--seed", "7")[0]["losses"]
