@@ -155,10 +155,11 @@ def _after(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
     reducer = _reducer(cfg, pipe, groups)
 
     def step() -> None:
-        inner()
         reducer.begin_step(False)
+        inner()  # the gradients land in the buckets, as in (a)
+        reducer.start_rows(cfg.m * cfg.rows)
         for s in pipe.stages:
-            reducer.arm(s, cfg.m * cfg.rows)
+            reducer.arm(s)
             reducer.launch(s)
         reducer.wait(pipe.stages)
 
@@ -167,17 +168,20 @@ def _after(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
 
 def _allreduce(cfg: Config, groups: Any) -> tuple[Step, list[nn.Parameter]]:
     inner, _, pipe = _ours(cfg, 1, groups)
-    inner()  # gradients to reduce
     reducer = _reducer(cfg, pipe, groups)
+    inner()  # gradients in the buckets
+    flats = []
+    for b in (b for s in pipe.stages for b in reducer.buckets[s]):
+        b.view(0)  # allocates the flat buffer
+        assert b.flat is not None
+        flats.append(b.flat)
 
-    def step() -> None:
-        reducer.begin_step(False)
-        for s in pipe.stages:
-            reducer.arm(s, cfg.m * cfg.rows)
-            reducer.launch(s)
-        reducer.wait(pipe.stages)
+    def step() -> None:  # the same buckets, all-reduced with nothing else running
+        works = [reducer.comm.start_all_reduce(f, dist.ReduceOp.SUM, "the all-reduce alone") for f in flats]
+        for w in works:
+            reducer.comm.finish(w, "the all-reduce alone")
 
-    return step, []  # keeps its gradients
+    return step, []
 
 
 def _torch(cfg: Config, ddp: bool, groups: Any) -> tuple[Step, list[nn.Parameter]]:

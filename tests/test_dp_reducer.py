@@ -1,5 +1,5 @@
-"""The data-parallel gradient reducer on its own: weights by rows, buckets, missing gradients, and where
-in a schedule each stage's reduction starts."""
+"""The data-parallel gradient reducer on its own: weights by rows, buckets that hold the gradients,
+missing gradients, gradients kept across steps, and where in a schedule each stage's reduction starts."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pipeline.schedules.schedule import schedule
 from tests.dist import job
 
 ROWS = (3, 5)  # replica d's batch rows: uneven, so that weighting by rows matters
+STEPS = 3  # step 0 after zero_grad(set_to_none), step 1 after zero_grad(set_to_none=False), 2 without
 
 
 class _Collectives:
@@ -29,6 +30,7 @@ class _Collectives:
 
     def __init__(self, group: Any) -> None:
         self.group, self.device = group, torch.device("cpu")
+        self.world_size = dist.get_world_size(group)
 
     def start_all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> Any:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
@@ -49,18 +51,19 @@ def _stage(seed: int) -> nn.Sequential:
     )
 
 
-def _earlier(d: int, s: int, module: nn.Module) -> None:
-    """Replica d's gradients before the stage's last backward: distinct per replica."""
+def _earlier(d: int, s: int, module: nn.Module, weight: float) -> None:
+    """Replica d's earlier micro-batches of the step, their loss weighted by ``weight`` (B_d / B)."""
     g = torch.Generator().manual_seed(100 * d + s)
-    for p in module[1:].parameters():
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-    module[1].bias.grad = None if d == 0 else module[1].bias.grad
+    x = torch.randn(ROWS[d], 6, generator=g)
+    lin = module[1]  # replica 0 does not use its bias: no gradient there
+    h = nn.functional.linear(x, lin.weight, lin.bias if d else None)
+    (module[3](module[2](h.double())).square().mean() * weight).backward()
 
 
-def _last_backward(d: int, s: int, module: nn.Module) -> None:
+def _last_backward(d: int, s: int, module: nn.Module, weight: float) -> None:
     g = torch.Generator().manual_seed(1000 + 100 * d + s)
     x = torch.randn(ROWS[d], 5, generator=g, dtype=torch.float64)
-    module[3](module[2](x)).square().mean().backward()
+    (module[3](module[2](x)).square().mean() * weight).backward()
 
 
 def _reduce(bucket_bytes: int) -> dict[str, Any]:
@@ -71,20 +74,28 @@ def _reduce(bucket_bytes: int) -> dict[str, Any]:
     early = [lay.pp_rank + 2]  # stage r + 2 launches during its last backward, stage r after it
     reducer = GradReducer(params, _Collectives(mesh.get_group("dp")), bucket_bytes, dist.get_rank(),
                           lay.replicas, early=early)  # fmt: skip
-    out: dict[str, Any] = {"early": {}}
-    for _ in range(2):  # a second step reuses the buckets
-        for s, mod in stages.items():
-            mod.zero_grad(set_to_none=True)
-            _earlier(lay.replica, s, mod)
+    out: dict[str, Any] = {"early": {}, "views": True}
+    for step in range(STEPS):
+        for mod in stages.values():
+            if step < 2:
+                mod.zero_grad(set_to_none=step == 0)
         reducer.begin_step(record=True)
+        reducer.start_rows(ROWS[lay.replica])
+        share = float(reducer.share())
+        for s, mod in stages.items():
+            _earlier(lay.replica, s, mod, share)
+        out["views"] &= _in_buckets(reducer)  # autograd's fresh tensors moved in at once, not at launch
         for s in sorted(stages, reverse=True):  # as interleaved: stage r + 2's last backward first
-            reducer.arm(s, ROWS[lay.replica])
-            _last_backward(lay.replica, s, stages[s])
+            reducer.arm(s)
+            _last_backward(lay.replica, s, stages[s], share)
             out["early"][s] = [b.launched > 0 for b in reducer.buckets[s]]
             reducer.launch(s)
+        out["views"] &= _in_buckets(reducer, reduced=True)
         reducer.wait(stages)
-    for s, m in stages.items():
-        out.update({f"{s}/{n}": None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()})
+        for s, m in stages.items():
+            out.update({f"{step}/{s}/{n}": None if p.grad is None else p.grad.clone()
+                        for n, p in m.named_parameters()})  # fmt: skip
+        out["views"] &= _in_buckets(reducer)  # nothing was copied out
     out["buckets"] = {s: len(b) for s, b in reducer.buckets.items()}
     out["events"] = [(e.stage, e.bucket) for e in reducer.events]
     try:
@@ -95,18 +106,32 @@ def _reduce(bucket_bytes: int) -> dict[str, Any]:
     return out
 
 
-def _expected(s: int) -> dict[str, torch.Tensor | None]:
+def _in_buckets(reducer: GradReducer, reduced: bool = False) -> bool:
+    """Every gradient of a bucket of several is a view of its flat buffer; ``reduced``: and a bucket of
+    one parameter all-reduced that parameter's ``.grad`` itself (no copy either way)."""
+    return all(
+        p.grad is None
+        or (b.single and (not reduced or b.reduced is p.grad))
+        or (not b.single and b.flat is not None and p.grad.data_ptr() == b.views[k].data_ptr())
+        for bs in reducer.buckets.values()
+        for b in bs
+        for k, p in enumerate(b.params)
+    )
+
+
+def _one_step(s: int) -> dict[str, torch.Tensor | None]:
+    """What one process computes on both replicas' rows: each replica's part weighted by B_d / B."""
     total = sum(ROWS)
     parts: list[dict[str, torch.Tensor | None]] = []
     for d in range(2):
         mod = _stage(s)
-        _earlier(d, s, mod)
-        _last_backward(d, s, mod)
+        _earlier(d, s, mod, ROWS[d] / total)
+        _last_backward(d, s, mod, ROWS[d] / total)
         parts.append({n: p.grad for n, p in mod.named_parameters()})
     out: dict[str, torch.Tensor | None] = {}
     for n in parts[0]:
-        got = [(ROWS[d], parts[d][n]) for d in range(2) if parts[d][n] is not None]
-        out[n] = sum(w * g for w, g in got) / total if got else None  # type: ignore[misc]
+        got = [g for part in parts if (g := part[n]) is not None]
+        out[n] = sum(got[1:], got[0]) if got else None
     return out
 
 
@@ -123,14 +148,19 @@ def test_gradients_are_the_row_weighted_mean_over_replicas(reduced: tuple[int, A
     cap, results = reduced
     for g, res in enumerate(results):
         r = g % 2
+        assert res["views"], g  # DDP's gradient_as_bucket_view: every .grad lives in its bucket
         for s in (r, r + 2):
-            for n, want in _expected(s).items():
-                got = res[f"{s}/{n}"]
-                if want is None:  # no replica had one: None, as one process leaves an unused parameter
-                    assert got is None, (g, s, n)
-                    continue
-                err = float((got - want).abs().max() / want.abs().max())
-                assert got.dtype == want.dtype and err < 1e-6, (g, s, n, err)
+            one = _one_step(s)
+            for step in range(STEPS):
+                # steps 0 and 1 start from no gradient; step 2 adds to step 1's (no zero_grad): counted once
+                times = 2 if step == 2 else 1
+                for n, want in one.items():
+                    got = res[f"{step}/{s}/{n}"]
+                    if want is None:  # no replica had one: None, as one process leaves an unused parameter
+                        assert got is None, (g, step, s, n)
+                        continue
+                    err = float((got - times * want).abs().max() / want.abs().max())
+                    assert got.dtype == want.dtype and err < 1e-6, (g, step, s, n, err)
         # reverse order, one bucket per dtype: [3.bias 3.weight 2.bias 2.weight] (float64),
         # [1.bias 1.weight 0.weight] (float32); with a 64-byte cap one per parameter
         big = cap > 1000

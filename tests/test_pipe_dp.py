@@ -89,6 +89,8 @@ def _matrix() -> dict[str, Any]:
     pipe.step(x[_rows()], y[_rows()])
     norm = pipe.clip_grad_norm_(0.05)
     out["clip"] = (norm, pipe.grads_finite(), _grads(pipe))
+    pipe.step(x[_rows()], y[_rows()])  # no zero_grad: the clipped gradients accumulate, counted once
+    out["accumulated"] = _grads(pipe)
     # several optimizer steps: AdamW, and ZeRO-1 over the replicas
     for zero in (False, True):
         model, x, y, loss_fn = _build("mlp")
@@ -187,6 +189,17 @@ def test_clipping_and_finiteness_cover_the_whole_world_once(results: list[dict[s
     for d in range(DP):
         merged = {k: t for res in results[d * P : (d + 1) * P] for k, t in res["clip"][2].items()}
         assert_close(merged, grads_ref, f"clipped, replica {d}")
+
+
+def test_gradients_accumulate_across_steps_without_zero_grad(results: list[dict[str, Any]]) -> None:
+    model, x, y, loss_fn = _build("mlp")
+    loss_fn(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    loss_fn(model(x), y).backward()
+    grads_ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    for d in range(DP):
+        merged = {k: t for res in results[d * P : (d + 1) * P] for k, t in res["accumulated"].items()}
+        assert_close(merged, grads_ref, f"accumulated, replica {d}")
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["adamw", "zero-1"])

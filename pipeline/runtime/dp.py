@@ -8,6 +8,11 @@ one process computes on their concatenation:
 
     g = sum_d (B_d / B) g_d          B = sum_d B_d,  g_d: replica d's gradient of its mean loss
 
+The weights cost nothing: once the step's rows are known, one small float64
+all-reduce gives B (``start_rows``), and the last stage multiplies each
+micro-batch's loss by ``share()`` = B_d / B, so that autograd itself produces
+(B_d / B) g_d and a plain SUM all-reduce leaves g.
+
 A stage's gradients are final during its last weight-gradient action of the
 step (its last W on a split-backward schedule such as zb-h1, else its last B;
 ``reduction_points`` reads it off the rank's part of the schedule). The stage is
@@ -23,19 +28,28 @@ ends. The step goes on, and ``wait`` collects them before ``step`` returns::
                    ^ launched while B(2, 3) runs, overlapping it and the pipeline's drain
 
 Each bucket (about ``bucket_bytes``, like DistributedDataParallel's 25 MB; one
-dtype each, parameters in reverse order as backward produces them) is one flat
-buffer: the stage's gradients multiplied by B_d, then one flag per parameter,
-1 where this rank has a gradient::
+dtype each, parameters in reverse order as backward produces them) of several
+parameters is one flat buffer, and each parameter's ``.grad`` is a view of it
+(DDP's gradient_as_bucket_view); a parameter as large as a bucket is a bucket
+of its own, and its ``.grad`` is all-reduced as it is::
 
-    flat = [ B_d * g(p_1) | B_d * g(p_2) | ... | has(p_1), has(p_2), ... ]   all-reduce SUM
+    bucket 0   flat = [ g(p_1) | g(p_2) | g(p_3) ]    all-reduce SUM, in place
+                        ^ p_1.grad (a view)
+    bucket 1   p_4.grad                             all-reduce SUM, in place
+    stage s    has = [ 1, 1, 0, 1 ]                 after its buckets: who has a gradient
 
-and one small float64 all-reduce of B_d gives B. ``wait`` divides by B, so the
-weights B_d / B sum to 1 (with equal batches, the mean over the dp replicas).
+Autograd accumulates into the views, so a bucket is launched without a copy
+and the reduced gradients are in ``.grad`` when its all-reduce ends. After
+``zero_grad()`` (set_to_none, torch's default) the first accumulation of a step
+makes a fresh tensor: in a bucket of several, the hook copies it into the view
+once and points ``.grad`` back at it; a bucket of one keeps it. Gradients that
+``.grad`` already holds when a step begins (accumulation across steps without
+``zero_grad``) are the same on every replica, the previous step's reduction:
+they are divided by the number of replicas, so that the SUM counts them once.
+
 A parameter without a gradient on every replica keeps ``.grad`` None, as one
 process leaves an unused parameter; one that has a gradient on any replica
-gets the reduced one. Gradients that accumulate across steps (no
-``zero_grad``) reduce correctly too: the part from earlier steps is the same
-on every replica, and the weights sum to 1.
+gets the reduced one (the stage's small ``has`` all-reduce tells).
 
 The collectives go through the pipeline's ``Comm`` for the "dp" group: every
 wait is bounded by the pipeline's timeout and watches the failure key that the
@@ -77,6 +91,7 @@ class Collectives(Protocol):
     the pipeline's timeout and failure watch."""
 
     device: torch.device
+    world_size: int
 
     def start_all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> Any: ...
 
@@ -129,15 +144,32 @@ class _Bucket:
     stage: int
     index: int  # within the stage: launched in this order
     params: list[nn.Parameter]
-    numel: int  # of the gradients; the flags follow
+    numel: int
     dtype: torch.dtype
     device: torch.device
     itemsize: int
-    flat: torch.Tensor | None = None  # allocated at the first launch, reused
+    flat: torch.Tensor | None = None  # allocated at the first use, kept: the gradients live in it
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's part of ``flat``
+    reduced: torch.Tensor | None = None  # what this step's all-reduce works on
     work: Any = None
     ready: int = 0  # parameters whose gradient is final (while the stage is armed)
     launched: float = 0.0  # wall time; 0: not launched this step
     missing: list[int] = field(default_factory=list)  # params (by index) without a local gradient
+
+    @property
+    def single(self) -> bool:
+        """A bucket of one parameter all-reduces its ``.grad`` itself (when contiguous)."""
+        return len(self.params) == 1
+
+    def view(self, k: int) -> torch.Tensor:
+        """Parameter k's gradient slot in the flat buffer (allocated, zeroed, at the first call)."""
+        if self.flat is None:
+            self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            off = 0
+            for p in self.params:
+                self.views.append(self.flat[off : off + p.numel()].view(p.shape))
+                off += p.numel()
+        return self.views[k]
 
 
 @dataclass(frozen=True)
@@ -179,9 +211,12 @@ class GradReducer:
     "dp" group's; ``rank``: this rank's global rank and ``replicas`` its "dp" group's
     global ranks, for records and errors. ``early``: the stages whose buckets may
     start during their last gradient action, each once its parameters' gradients
-    are accumulated (a post-accumulate-grad hook per parameter; fires once per
-    backward). A stage whose layers share a parameter is left out: a split
+    are accumulated. A stage whose layers share a parameter is left out: a split
     backward accumulates such a parameter once per layer.
+
+    Per step: ``begin_step``; ``start_rows`` once the replica's rows are known
+    (``share`` then weighs the loss); per stage ``arm`` before its last gradient
+    action and ``launch`` after it; ``wait``.
     """
 
     def __init__(
@@ -195,47 +230,83 @@ class GradReducer:
     ) -> None:
         self.comm, self.rank = comm, rank
         self.buckets = {s: _buckets(s, ps, bucket_bytes) for s, ps in params.items()}
+        self._early = set(early)
         self._group = f"replicas {list(replicas)}"
-        self._rows: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # (1,) float64: this replica's rows, then B
         self._rows_work: Any = None
-        self._row_count = 0.0
+        self._own_rows = 0
+        self._share: torch.Tensor | None = None  # B_d / B, once the rows' all-reduce is done
         self._armed: int | None = None  # the stage in its last gradient action
+        self._has: dict[int, tuple[torch.Tensor, Any]] = {}  # stage -> its "has a gradient" flags, work
         self._pending: list[int] = []  # stages whose buckets were all launched this step, in order
         self.record = False
         self.events: list[Reduction] = []
         self.exposed = 0.0  # seconds the last step's wait blocked the host
-        self._hooks = [
+        self._hooks = [  # every accumulation: into the bucket's view; while armed, launch what is final
             p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                functools.partial(self._accumulated, b)
+                functools.partial(self._accumulated, b, k)
             )
-            for s in early
-            for b in self.buckets.get(s, [])
-            for p in b.params
+            for buckets in self.buckets.values()
+            for b in buckets
+            for k, p in enumerate(b.params)
         ]
 
     # ---- the step
 
     def begin_step(self, record: bool) -> None:
+        """A step begins: gradients ``.grad`` holds already move into the buckets, divided by the
+        number of replicas (they are the same on every replica: see the module docstring)."""
         self.abandon()
         self.record, self.events, self.exposed = record, [], 0.0
+        scale = 1.0 / self.comm.world_size
+        with torch.no_grad():
+            for buckets in self.buckets.values():
+                for b in buckets:
+                    for k, p in enumerate(b.params):
+                        g = p.grad
+                        if g is None:
+                            continue
+                        if b.single or g.data_ptr() == b.view(k).data_ptr():
+                            g.mul_(scale)
+                        else:
+                            torch.mul(g, scale, out=b.view(k))
+                            p.grad = b.view(k)
 
-    def arm(self, stage: int, rows: int) -> None:
-        """Stage ``stage`` starts its last gradient action (``rows``: this replica's B_d): its buckets
-        launch as their gradients become final."""
+    def start_rows(self, rows: int) -> None:
+        """This replica's rows in the step (B_d): launch their all-reduce, which gives B."""
+        if self._rows_work is not None:
+            raise RuntimeError(f"rank {self.rank}: the batch rows were all-reduced twice in one step")
+        self._own_rows, self._share = rows, None
+        self._rows = torch.full((1,), float(rows), dtype=torch.float64, device=self.comm.device)
+        self._rows_work = self.comm.start_all_reduce(
+            self._rows, dist.ReduceOp.SUM, f"the batch rows' all-reduce over {self._group}"
+        )
+
+    def share(self) -> torch.Tensor:
+        """B_d / B (a float64 scalar on the group's device): the weight of this replica's loss."""
+        if self._share is None:
+            if self._rows_work is None or self._rows is None:
+                raise RuntimeError(f"rank {self.rank}: share() before start_rows() in this step")
+            self.comm.finish(self._rows_work, f"the batch rows' all-reduce over {self._group}")
+            self._share = self._own_rows / self._rows[0]
+        return self._share
+
+    def arm(self, stage: int) -> None:
+        """Stage ``stage`` starts its last gradient action: its buckets launch as their gradients
+        become final."""
         if stage in self._pending:
             raise RuntimeError(f"rank {self.rank}: stage {stage}'s gradients were reduced twice in one step")
-        if self._rows_work is None:  # the first stage of the step: the weights' denominator B
-            self._rows = torch.full((1,), float(rows), dtype=torch.float64, device=self.comm.device)
-            self._rows_work = self.comm.start_all_reduce(
-                self._rows, dist.ReduceOp.SUM, f"the batch rows' all-reduce over {self._group}"
-            )
-        self._row_count = float(rows)
         for b in self.buckets[stage]:
             b.ready, b.launched = 0, 0.0
         self._armed = stage
 
-    def _accumulated(self, b: _Bucket, _param: torch.Tensor) -> None:
-        if self._armed != b.stage:
+    def _accumulated(self, b: _Bucket, k: int, param: torch.Tensor) -> None:
+        g = param.grad
+        if not b.single and g is not None and g.data_ptr() != b.view(k).data_ptr():  # a fresh tensor
+            with torch.no_grad():
+                b.view(k).copy_(g)
+            param.grad = b.view(k)
+        if self._armed != b.stage or b.stage not in self._early:
             return
         b.ready += 1
         self._launch_ready(b.stage)
@@ -256,33 +327,34 @@ class GradReducer:
         for b in self.buckets[stage]:
             if not b.launched:
                 self._start(b)
+        flags = [float(p.grad is not None) for b in self.buckets[stage] for p in b.params]
+        has = torch.tensor(flags, device=self.comm.device)
+        self._has[stage] = (has, self.comm.start_all_reduce(has, dist.ReduceOp.SUM, self._what_has(stage)))
         self._armed = None
         self._pending.append(stage)
 
     def _start(self, b: _Bucket) -> None:
-        n = len(b.params)
-        if b.flat is None:
-            b.flat = torch.empty(b.numel + n, dtype=b.dtype, device=b.device)
-        flat, rows = b.flat, self._row_count
         b.missing = []
-        off = 0
-        for k, p in enumerate(b.params):
-            part = flat[off : off + p.numel()]
-            off += p.numel()
-            if p.grad is None:
-                part.zero_()
-                b.missing.append(k)
-            else:
-                torch.mul(p.grad.reshape(-1), rows, out=part)
-        flags = flat[b.numel :]
-        flags.fill_(1)
-        for k in b.missing:
-            flags[k] = 0
+        with torch.no_grad():
+            for k, p in enumerate(b.params):
+                g = p.grad
+                if g is None:  # none here: zeros (the stage's flags say so)
+                    b.view(k).zero_()
+                    b.missing.append(k)
+                elif (not b.single or not g.is_contiguous()) and g.data_ptr() != b.view(k).data_ptr():
+                    b.view(k).copy_(g)  # set outside autograd during the step, or strided
+                    p.grad = b.view(k)
+        g = b.params[0].grad
+        b.reduced = g if b.single and g is not None and not b.missing else b.flat
+        assert b.reduced is not None
         b.launched = time.time()
-        b.work = self.comm.start_all_reduce(flat, dist.ReduceOp.SUM, self._what(b))
+        b.work = self.comm.start_all_reduce(b.reduced, dist.ReduceOp.SUM, self._what(b))
+
+    def _what_has(self, stage: int) -> str:
+        return f"the gradient flags of stage {stage} over {self._group}"
 
     def _what(self, b: _Bucket) -> str:
-        mb = (b.numel + len(b.params)) * b.itemsize / 1e6
+        mb = b.numel * b.itemsize / 1e6
         return (
             f"the gradient all-reduce of stage {b.stage} (bucket {b.index}, {mb:.1f} MB) over {self._group}"
         )
@@ -294,44 +366,41 @@ class GradReducer:
         if unlaunched:
             raise RuntimeError(f"rank {self.rank}: stages {unlaunched} finished the step without launching "
                                "their gradient all-reduce")  # fmt: skip
-        if not self._pending:
-            return
         start = time.perf_counter()
-        assert self._rows is not None
-        self.comm.finish(self._rows_work, f"the batch rows' all-reduce over {self._group}")
-        total = float(self._rows.item())
+        if self._rows_work is not None and self._share is None:  # every collective ends in its step
+            self.share()
         for s in self._pending:
             for b in self.buckets[s]:
                 self.comm.finish(b.work, self._what(b))
-                b.work = None
-                self._unpack(b, total)
+                b.work, b.reduced = None, None  # a zero_grad must be able to free the gradient
                 if self.record:
-                    assert b.flat is not None
-                    nbytes = b.flat.numel() * b.flat.element_size()
+                    nbytes = b.numel * b.itemsize
                     self.events.append(Reduction(self.rank, s, b.index, nbytes, b.launched, time.time()))
+            has, work = self._has.pop(s)
+            self.comm.finish(work, self._what_has(s))
+            self._adopt(s, has)
         self.exposed = time.perf_counter() - start
         self._pending, self._rows_work = [], None
 
-    def _unpack(self, b: _Bucket, total: float) -> None:
-        assert b.flat is not None
-        flat = b.flat
-        lacking = b.missing or any(p.grad is None for p in b.params)
-        has = flat[b.numel :].tolist() if lacking else []  # a host sync only when some grad is None
-        off = 0
-        for k, p in enumerate(b.params):
-            part = flat[off : off + p.numel()].view_as(p)
-            off += p.numel()
-            if p.grad is not None:
-                torch.div(part, total, out=p.grad)
-            elif has[k] > 0:  # another replica has a gradient for it
-                p.grad = part / total
+    def _adopt(self, stage: int, has: torch.Tensor) -> None:
+        """A parameter without a gradient here gets the reduced one when another replica had one."""
+        if not any(b.missing for b in self.buckets[stage]):
+            return
+        flags = has.tolist()  # a host sync, only when some gradient was missing here
+        k0 = 0
+        for b in self.buckets[stage]:
+            for k in b.missing:
+                if flags[k0 + k] > 0:
+                    b.params[k].grad = b.view(k)
+            k0 += len(b.params)
 
     def abandon(self) -> None:
         """After a failed step: forget the launched works (the group is unusable after a failure)."""
         for buckets in self.buckets.values():
             for b in buckets:
                 b.work, b.launched, b.ready = None, 0.0, 0
-        self._pending, self._rows_work, self._armed = [], None, None
+        self._pending, self._rows_work, self._armed, self._share = [], None, None, None
+        self._has = {}
 
     def close(self) -> None:
         """Remove the gradient hooks."""

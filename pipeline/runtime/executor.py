@@ -152,6 +152,8 @@ class Executor:
         compiled = compile_rank(sched, rank, stages, self, self.lookahead, comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
         self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
+        # data parallelism: told the step's rows, gives the replica's share of the global batch (B_d / B)
+        self.on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None = None
         self._program = compiled.program
         self._msgs = compiled.msgs
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
@@ -309,8 +311,9 @@ class Executor:
                     self._setup(key[0])
                     self._input_key = key
                 self._check_targets()
+                share = self.on_rows(self.sizes) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
-                    st.set_rows(self.sizes)
+                    st.set_rows(self.sizes, share)
                 if self._first_recvs:
                     self.post([], self._first_recvs, self._first_recvs[0].what)
                 bound = self.nccl

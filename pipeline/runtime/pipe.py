@@ -414,9 +414,9 @@ class Pipeline:
                 torch.cuda.reset_peak_memory_stats(self.device)
             xs, ys = self._microbatches(inputs, targets, "step")
             self._prefetch(prefetch)
+            self.tied.begin()  # first: a tied weight's earlier gradient is put aside, not in a bucket
             if self._replicas is not None:
                 self._replicas.begin_step(record)
-            self.tied.begin()
             self.executor.run(xs, ys, record)
             if self._replicas is not None:  # every stage's buckets, launched during the step
                 self._replicas.wait(self.stages)

@@ -15,15 +15,17 @@ pipeline's ``Comm``) and the gradient reducer (dp.py), and does, at:
                    that differ; then broadcast every parameter and buffer of the
                    local stages from replica 0 (one flat tensor per dtype), so
                    that differently seeded or initialised replicas start identical
-    every step     arm and launch each stage's buckets around its last gradient
-                   action (hooks in the executor), wait before ``step`` returns
+    every step     all-reduce the replicas' rows once the executor knows them, which
+                   weighs the last stage's loss by B_d / B; arm and launch each
+                   stage's buckets around its last gradient action (hooks in the
+                   executor); wait before ``step`` returns
     the loss       the global mean: sum_d B_d loss_d / sum_d B_d, on every rank
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,17 +118,16 @@ class Replicas:
         self.reducer = GradReducer(
             owned, self.comm, int(bucket_mb * 1e6), self.comm.me, self.layout.replicas, early
         )
-        self._executor = executor
+        executor.on_rows = self._rows_known
+        reducer = self.reducer
         for a, s in points.items():
-            executor.hook(a, functools.partial(self._arm, s), functools.partial(self.reducer.launch, s))
+            executor.hook(a, functools.partial(reducer.arm, s), functools.partial(reducer.launch, s))
 
-    def _arm(self, stage: int) -> None:
-        self.reducer.arm(stage, self.rows)
-
-    @property
-    def rows(self) -> int:
-        """This replica's rows in the running step (the executor read them off the header)."""
-        return sum(self._executor.sizes)
+    def _rows_known(self, sizes: Sequence[int]) -> Callable[[], torch.Tensor]:
+        """The executor has read this step's micro-batch rows off the header: their all-reduce starts,
+        and the last stage weighs its loss by the replica's share of the global batch."""
+        self.reducer.start_rows(sum(sizes))
+        return self.reducer.share
 
     def _broadcast(self, by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]) -> None:
         """Every parameter and buffer from replica 0: one flat tensor per (dtype, device)."""

@@ -106,6 +106,7 @@ class StageRuntime:
         self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
         self.weights = [1.0 / n_microbatches] * n_microbatches  # each micro-batch loss's (set_rows)
+        self.share: Callable[[], torch.Tensor] | None = None  # with replicas: B_d / B (set_rows)
         self._saved: dict[int, _Saved] = {}
         self.losses: list[torch.Tensor] = []  # last stage: unscaled micro-batch losses of this step
         # last stage, forward-only passes: keep each micro-batch's output (predict), compute the loss
@@ -118,9 +119,10 @@ class StageRuntime:
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def set_rows(self, sizes: list[int]) -> None:
-        """The rows of this step's micro-batches: micro-batch i's loss weighs rows_i / B."""
-        self.weights = weights(sizes)
+    def set_rows(self, sizes: list[int], share: Callable[[], torch.Tensor] | None = None) -> None:
+        """The rows of this step's micro-batches: micro-batch i's loss weighs rows_i / B; with
+        replicas also ``share()``, this replica's B_d / B of the global batch (dp.py)."""
+        self.weights, self.share = weights(sizes), share
 
     # ---- forward
 
@@ -157,6 +159,8 @@ class StageRuntime:
             )
         if record:
             self.losses.append(loss.detach())
+        if self.share is not None:
+            return loss * (self.share() * weight).to(loss.device, loss.dtype)
         return loss * weight
 
     def forward(self, i: int, x: Batch, target: Any = None) -> Batch | None:
