@@ -31,6 +31,16 @@ LIMIT = "200KB"
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Profile as ``main`` does (one thread, as each rank runs): on shared cores more threads make
+    the profile noisy, and its adaptive repeats slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [("300MB", 300_000_000), ("1.5GB", 1_500_000_000), ("512MiB", 512 * 2**20), ("300000000", 300_000_000),
