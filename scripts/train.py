@@ -5,6 +5,7 @@
     python scripts/train.py --checkpoint-dir runs/ckpt --checkpoint-every 100   # the same command resumes
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 scripts/train.py --checkpoint-dir runs/ckpt
     python scripts/train.py --model gpt-tied --schedule interleaved-1f1b   # a module split on its graph
+    python scripts/train.py --schedule auto --memory-limit 300MB   # schedule, m, v, recompute searched
     python scripts/train.py --dp 2 --stages 2 --zero    # 2 replicas of a 2-rank pipeline: 4 ranks, ZeRO-1
     torchrun --nproc-per-node 4 scripts/train.py --device cuda --dtype bf16
     torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
@@ -32,6 +33,19 @@ text file or folder. The progress bar needs tqdm
 (``pip install -e ".[train]"``); without it, or when stderr is not a terminal,
 plain progress lines are printed instead, and ``--quiet`` prints none.
 
+Auto. ``--schedule auto`` (and/or ``--microbatches auto``, the default with
+``--schedule auto``; an integer keeps m fixed) has the partitioner search the
+schedule, micro-batch count, stages per rank, recomputation per stage and
+balance together, the fastest predicted configuration whose every rank's
+predicted peak fits ``--memory-limit`` (bytes per rank: 300MB, 1.5GB, 512MiB
+or plain bytes; without auto it bounds the partitioner's balance).
+Recomputation is then searched, so ``--recompute`` and ``--balance`` are
+refused. Rank 0 prints the choice and the runners-up. Everything after the
+search runs the plan's values; the checkpoints record what was asked
+("auto", the limit) and the plan chosen, and a restart of the same command
+reuses that recorded plan instead of searching again (a new profile could
+choose another plan, and the run would no longer continue the same way).
+
 Faults. With ``--checkpoint-dir D`` every start resumes from the newest sound
 checkpoint in D (a damaged one is passed over, named) and says which, so the
 one command both starts a run and restarts it (``torchrun --max-restarts``
@@ -52,6 +66,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -83,6 +98,8 @@ from _train_support import (
 
 from partitioner import COSTS, partition, plan_for, profile
 from pipeline import checkpointing
+from pipeline.checkpoint.folder import candidates, read_manifest
+from pipeline.checkpoint.manifest import Manifest
 from pipeline.launch import init_distributed, launch
 from pipeline.plan import Plan
 from pipeline.reference.data import VOCAB_SIZE, CharDataset
@@ -107,9 +124,10 @@ class Config:
     stages: int = 2
     dp: int = 1
     zero: bool = False
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # or "auto": searched with m, v and recompute
     virtual: int | None = None
-    microbatches: int = 4
+    microbatches: int | str = 4  # or "auto" (the default with --schedule auto)
+    memory_limit: int | None = None  # bytes per rank
     batch_size: int = 16
     seq_len: int = 128
     steps: int = 1500
@@ -135,6 +153,11 @@ class Config:
     loss_log: str | None = None
 
     @property
+    def auto(self) -> bool:
+        """The partitioner searches the configuration (schedule and/or micro-batch count)."""
+        return self.schedule == AUTO or self.microbatches == AUTO
+
+    @property
     def local_batch(self) -> int:
         """Sequences per replica and step."""
         return self.batch_size // self.dp
@@ -147,6 +170,36 @@ class Config:
 
 
 # ---------------------------------------------------------------------------- flags and plan
+
+AUTO = "auto"
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE_FORMS = ("300MB, 1.5GB, 512MiB or plain bytes (300000000, 3e8); units B, KB, MB, GB, TB (powers of "
+               "1000) and KiB, MiB, GiB, TiB (powers of 1024)")  # fmt: skip
+
+
+def memory_size(text: str) -> int:
+    """``--memory-limit``: "300MB", "1.5GB", "512MiB", "3e8" -> bytes (an int >= 1)."""
+    found = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = found.group(2).lower() if found else ""
+    if found is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give bytes per rank: {_SIZE_FORMS}")
+    value = float(found.group(1)) * _SIZE_UNITS[unit]
+    if not 1 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is {value:g} bytes: a limit must be at least 1 byte")
+    return round(value)
+
+
+def _microbatches(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        m = int(text)
+    except ValueError:
+        m = 0
+    if m < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}")
+    return m
 
 
 def _at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
@@ -173,9 +226,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--stages", type=int, help=f"pipeline ranks (default {d.stages}; under torchrun: the world / --dp)")
     add("--dp", type=int, help="pipeline replicas, data-parallel (default 1; torchrun: world / --stages)")
     add("--zero", action="store_true", help="shard the optimizer state over the replicas (ZeRO-1)")
-    add("--schedule", choices=SCHEDULES, default=d.schedule)
+    add("--schedule", choices=(*SCHEDULES, AUTO), default=d.schedule,
+        help="auto: schedule, micro-batches, stages per rank, recomputation searched together")  # fmt: skip
     add("--virtual", type=int, help="stages per rank (default 2 for interleaved-1f1b, else 1)")
-    add("--microbatches", type=int, default=d.microbatches)
+    add("--microbatches", type=_microbatches,
+        help=f"per replica, or auto (default: auto if --schedule auto, else {d.microbatches})")  # fmt: skip
+    add("--memory-limit", metavar="SIZE", type=memory_size,
+        help="predicted peak bytes per rank the plan must fit: 300MB, 1.5GB, 512MiB or bytes")  # fmt: skip
     add("--batch-size", type=count, default=d.batch_size,
         help="sequences per step over all replicas, each replica's split into micro-batches")  # fmt: skip
     add("--seq-len", type=count, default=d.seq_len)
@@ -185,7 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--width", type=count, default=d.width, help=f"model width, a multiple of {_N_HEADS} (heads)")
     add("--balance", help="layer counts per stage, e.g. 3,4 (default: the partitioner's)")
     add("--cost", choices=COSTS, default=d.cost, help="what the partitioner balances")
-    add("--recompute", choices=RECOMPUTE_MODES, default=d.recompute, help="activation recomputation")
+    add("--recompute", choices=RECOMPUTE_MODES,
+        help=f"activation recomputation (default {d.recompute}; searched per stage with auto)")  # fmt: skip
     add("--device", choices=("cpu", "cuda"), default=d.device)
     add("--dtype", choices=("fp32", "bf16", "fp16"), default=d.dtype, help="autocast dtype")
     add("--data", help="text file or folder (default: the standard library's sources)")
@@ -232,6 +290,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         a.balance = None if a.balance is None else tuple(int(x) for x in a.balance.split(","))
     except ValueError:
         _fail(f"--balance {a.balance!r} must be comma-separated layer counts, e.g. 3,4")
+    if a.microbatches is None:
+        a.microbatches = AUTO if a.schedule == AUTO else Config.microbatches
+    if AUTO in (a.schedule, a.microbatches):
+        given = f"--schedule {a.schedule} --microbatches {a.microbatches}"
+        if a.recompute is not None:
+            _fail(f"{given} --recompute {a.recompute}: the search chooses recomputation per stage; omit "
+                  "--recompute (or give a --schedule and an integer --microbatches)")  # fmt: skip
+        if a.balance is not None:
+            _fail(f"{given} --balance {','.join(map(str, a.balance))}: the search chooses the balance; omit "
+                  "--balance (or give a --schedule and an integer --microbatches)")  # fmt: skip
+    a.recompute = a.recompute or Config.recompute
     if a.resume and a.checkpoint_dir is None:
         _fail("--resume needs --checkpoint-dir (which resumes by itself when it holds a checkpoint)")
     a.allow_config_change = tuple(
@@ -284,41 +353,120 @@ def _blame(cfg: Config, *names: str) -> Iterator[None]:
         raise FlagError(f"{cfg.flags(*names)}: {exc}") from exc
 
 
-def build_model(cfg: Config) -> tuple[nn.Module, torch.Tensor]:
-    """The same model on every rank: seeded right before it is built. Sample: one micro-batch."""
+def build_model(cfg: Config, n_microbatches: int) -> tuple[nn.Module, torch.Tensor]:
+    """The same model on every rank: seeded right before it is built. Sample: one micro-batch of
+    ``n_microbatches`` (the plan's; the sample's rows do not change the model)."""
     torch.manual_seed(cfg.seed)
-    rows = max(1, cfg.local_batch // cfg.microbatches)  # one replica's micro-batch
+    rows = max(1, cfg.local_batch // n_microbatches)  # one replica's micro-batch
     return MODELS[cfg.model](
         VOCAB_SIZE, cfg.width, cfg.layers, _N_HEADS, max_seq_len=cfg.seq_len, batch_size=rows
     )
 
 
 def make_plan(cfg: Config, device: torch.device) -> Plan:
-    """Profile and partition the model (or predict ``--balance``). Every check is the library's."""
-    with _blame(cfg, "schedule", "stages", "virtual", "microbatches"):
-        schedule_options(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)  # before profiling
-    with _blame(cfg, "batch_size", *(("dp",) if cfg.dp > 1 else ()), "microbatches"):  # one replica's batch
-        split(torch.empty(cfg.local_batch, 0, device="meta"), cfg.microbatches)
-    with _blame(cfg, "width", "layers"):
-        model, sample = build_model(cfg)
-    # profiled one layer (gpt-tied: one group of its traced graph) at a time on the run's device, in its
-    # precision, with the loss: never the whole model on one device (a model that needs pipelining
-    # does not fit there)
+    """Profile and partition the model (or predict ``--balance``; or search with ``--schedule auto``).
+    Every check is the library's. Downstream of this, the plan's schedule, m, v and recomputation
+    are the run's, whatever the flags asked."""
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    plan = _auto_plan(cfg, device, amp) if cfg.auto else _fixed_plan(cfg, device, amp)
+    with _blame(cfg, "batch_size", *(("dp",) if cfg.dp > 1 else ()), "microbatches"):  # one replica's batch
+        split(torch.empty(cfg.local_batch, 0, device="meta"), plan.n_microbatches)
+    return plan
+
+
+def _profiled(cfg: Config, n_microbatches: int, device: torch.device, amp: torch.dtype | None) -> Any:
+    """(model, sample, target, profile): profiled one layer (gpt-tied: one group of its traced graph)
+    at a time on the run's device, in its precision, with the loss: never the whole model on one
+    device (a model that needs pipelining does not fit there)."""
+    with _blame(cfg, "width", "layers"):
+        model, sample = build_model(cfg, n_microbatches)
     target = torch.randint(0, VOCAB_SIZE, sample.shape, generator=torch.Generator().manual_seed(cfg.seed))
     prof = profile(model, sample, device=device, autocast=amp, loss_fn=gpt_loss, target=target)
+    return model, sample, target, prof
+
+
+def _fixed_plan(cfg: Config, device: torch.device, amp: torch.dtype | None) -> Plan:
+    assert isinstance(cfg.microbatches, int)  # not auto
+    with _blame(cfg, "schedule", "stages", "virtual", "microbatches"):
+        schedule_options(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)  # before profiling
+    with _blame(cfg, "batch_size", *(("dp",) if cfg.dp > 1 else ()), "microbatches"):  # before profiling too
+        split(torch.empty(cfg.local_batch, 0, device="meta"), cfg.microbatches)
+    model, sample, _, prof = _profiled(cfg, cfg.microbatches, device, amp)
     opts: dict[str, Any] = dict(schedule=cfg.schedule, n_microbatches=cfg.microbatches, n_virtual=cfg.virtual,
                                 recompute=cfg.recompute, dp=cfg.dp, cost=cfg.cost)  # fmt: skip
-    with _blame(cfg, "stages", "balance", "virtual", "layers"):
+    with _blame(cfg, "stages", "balance", "virtual", "layers", "memory_limit"):
         if cfg.balance is None:
-            return partition(model, cfg.stages, sample, profile=prof, **opts)
+            return partition(model, cfg.stages, sample, profile=prof, memory_limit=cfg.memory_limit, **opts)
         plan = plan_for(prof, list(cfg.balance), **opts)
     if plan.n_ranks != cfg.stages:
         raise FlagError(
             f"--balance gives {plan.n_stages} stages, {plan.n_ranks} ranks x {plan.n_virtual}, but --stages "
             f"is {cfg.stages}: give {cfg.stages * plan.n_virtual} layer counts"
         )
+    over = [(r, peak) for r, peak in enumerate(plan.extra.get("rank_peaks", [])) if
+            cfg.memory_limit is not None and peak > cfg.memory_limit]  # fmt: skip
+    if over:
+        peaks = ", ".join(f"rank {r} {peak / 1e6:.2f} MB" for r, peak in over)
+        raise FlagError(
+            f"{cfg.flags('balance', 'memory_limit')}: the predicted peak exceeds the limit ({peaks}); raise "
+            "--memory-limit, give another --balance, or omit --balance to have the partitioner fit the limit"
+        )
     return plan
+
+
+def _auto_plan(cfg: Config, device: torch.device, amp: torch.dtype | None) -> Plan:
+    """The searched plan; or, when ``--checkpoint-dir`` holds a checkpoint of this very request, the plan
+    that run chose (recorded in the checkpoint), so that a restart continues the same run."""
+    recorded = _recorded_plan(cfg)
+    if recorded is not None:
+        shape, path = recorded
+        m = int(shape["n_microbatches"])
+        mode = shape["recompute"] if isinstance(shape["recompute"], str) else tuple(shape["recompute"])
+        *_, prof = _profiled(cfg, m, device, amp)
+        with _blame(cfg, "stages", "layers"):
+            v = int(shape["n_virtual"])
+            plan = plan_for(prof, list(shape["balance"]), schedule=shape["schedule"], n_microbatches=m,
+                            n_virtual=v, recompute=mode, dp=cfg.dp, cost=cfg.cost)  # fmt: skip
+        return plan.replace(extra={**plan.extra, "recorded_in": str(path)})
+    # the sample may have any rows (the profile is scaled to each m searched): the fixed m, or the
+    # default's rows
+    given_m = cfg.microbatches if isinstance(cfg.microbatches, int) else 4
+    with _blame(cfg, "width", "layers"):
+        model, sample = build_model(cfg, given_m)
+    target = torch.randint(0, VOCAB_SIZE, sample.shape, generator=torch.Generator().manual_seed(cfg.seed))
+    with _blame(cfg, "schedule", "microbatches", "stages", "virtual", "batch_size", "dp", "memory_limit"):
+        return partition(model, cfg.stages, sample, schedule=cfg.schedule, n_microbatches=cfg.microbatches,
+                         n_virtual=cfg.virtual, dp=cfg.dp, cost=cfg.cost, memory_limit=cfg.memory_limit,
+                         batch_size=cfg.local_batch, autocast=amp, loss_fn=gpt_loss, target=target,
+                         device=device)  # fmt: skip
+
+
+# what shapes the plan among the recorded settings: a checkpoint whose values of these are the current
+# ones holds the plan to reuse
+_PLAN_SHAPERS = ("model", "layers", "width", "seq_len", "stages", "dp", "schedule", "virtual", "microbatches",
+                 "batch_size", "recompute", "dtype", "memory_limit", "balance")  # fmt: skip
+
+
+def _recorded_plan(cfg: Config) -> tuple[dict[str, Any], Path] | None:
+    """The plan entry of the newest checkpoint in ``--checkpoint-dir`` (its manifest's config, read here
+    without verifying the files: ``resume`` verifies them, and compares the whole configuration), when
+    that run asked for what ``cfg`` asks and recorded its balance (an auto run); else None."""
+    if cfg.checkpoint_dir is None:
+        return None
+    for path in candidates(Path(cfg.checkpoint_dir)):
+        found = read_manifest(path)
+        if isinstance(found, Manifest):
+            saved = found.config or {}
+            break
+    else:
+        return None
+    asked = asked_config(cfg)
+    shape = saved.get("plan")
+    if not isinstance(shape, dict) or "balance" not in shape:
+        return None
+    if any(saved.get(k, None) != asked.get(k, None) for k in _PLAN_SHAPERS):
+        return None  # another request: search again (resume then lists the differences)
+    return shape, path
 
 
 # ---------------------------------------------------------------------------- pieces of a run
@@ -351,12 +499,14 @@ def _train(cfg: Config, plan: Plan) -> dict[str, Any]:
     replica, pp_rank = divmod(rank, cfg.stages)  # the mesh's layout: pp innermost
     first, last = pp_rank == 0, pp_rank == cfg.stages - 1  # stage 0 on pipeline rank 0, the last on p - 1
     data = CharDataset.load(cfg.data) if first or last else None
-    model, _ = build_model(cfg)
+    model, _ = build_model(cfg, plan.n_microbatches)
     if rank == 0 and data is not None:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"data: {data.source}, {len(data.train):,} train / {len(data.val):,} val characters, "
               f"vocabulary {VOCAB_SIZE}\nmodel: {cfg.model}, {cfg.layers} blocks, width {cfg.width}, "
               f"{n_params / 1e6:.2f}M parameters\n{plan}", flush=True)  # fmt: skip
+        if cfg.auto:
+            print(chosen(cfg, plan), flush=True)
     precision = Precision(cfg.dtype, device)
     pipe = Pipeline(model, plan, loss_fn=precision.loss_fn, device=device, timeout=_TIMEOUT_S)
     opt = optimizer(cfg, pipe)
@@ -421,38 +571,70 @@ def _train(cfg: Config, plan: Plan) -> dict[str, Any]:
     report_busy(pipe, plan, busy)
     state, text = pipe.gather_state_dict(dst=0) if cfg.sample_chars else None, ""  # in every replica
     if state is not None and rank == 0:
-        full, _ = build_model(cfg)
+        full, _ = build_model(cfg, plan.n_microbatches)
         load_gathered(full, state)
         text = generate(full.to(device), "def ", cfg.sample_chars, cfg.seq_len, cfg.seed)
         print("---- generated text ----\n" + text + "\n------------------------", flush=True)
+    ran = pipe.schedule  # what this rank ran: the plan's
     return {"rank": rank, "start": start, "losses": losses, "evals": evals, "seconds": seconds,
-            "sample": text}  # fmt: skip
+            "sample": text, "ran": (ran.name, ran.n_microbatches, ran.n_virtual)}  # fmt: skip
+
+
+def chosen(cfg: Config, plan: Plan) -> str:
+    """What ``--schedule auto`` chose (or reused): printed once, by rank 0, under the plan's table, which
+    lists the runners-up."""
+    asked = cfg.flags("schedule", "microbatches", "virtual", "memory_limit")
+    what = f"{plan.summary()} balance {plan.balance}"
+    if "recorded_in" in plan.extra:
+        return (f"auto ({asked}): reusing the plan recorded in {plan.extra['recorded_in']}, {what}, not "
+                "searching again (a new profile may choose another plan, and the run would not continue "
+                "as it began)")  # fmt: skip
+    peaks = plan.extra.get("rank_peaks", [])
+    limit = "" if cfg.memory_limit is None else f" (limit {cfg.memory_limit / 1e6:.2f} MB)"
+    found = plan.extra.get("search", {})
+    return (f"auto ({asked}): chose {what}: predicted step {plan.step_time * 1e3:.2f} ms, bubble "
+            f"{plan.bubble:.3f}, peak per rank {', '.join(f'{x / 1e6:.2f}' for x in peaks)} MB{limit}; "
+            f"searched {found.get('grid', '?')} configurations in {found.get('seconds', 0.0):.2f} s, "
+            f"{len(plan.candidates())} within 10 % in the table above")  # fmt: skip
 
 
 CONFIG_KEYS = ("model", "layers", "width", "seq_len", "stages", "dp", "zero", "schedule", "virtual",
-               "microbatches", "batch_size", "steps", "lr", "balance", "recompute", "dtype", "data", "seed",
-               "plan", "optimizer")  # fmt: skip  # what a checkpoint's run records (see run_config)
+               "microbatches", "memory_limit", "batch_size", "steps", "lr", "balance", "recompute", "dtype",
+               "data", "seed", "plan", "optimizer")  # fmt: skip  # what a checkpoint records (run_config)
 
 
 _ADAMW: dict[str, Any] = dict(betas=[0.9, 0.99], weight_decay=0.1)  # besides lr, set per step
 
 
-def run_config(cfg: Config, plan: Plan) -> dict[str, Any]:
-    """What each checkpoint records of its run and a resume compares, one entry per CONFIG_KEYS: the
-    flags, the plan's shape (its balance only when given: a fresh profile may balance otherwise, and a
-    checkpoint loads at any balance), the optimizer and the data (an absolute path)."""
-    out: dict[str, Any] = {k: getattr(cfg, k) for k in CONFIG_KEYS if k not in ("plan", "optimizer", "data")}
+def asked_config(cfg: Config) -> dict[str, Any]:
+    """``run_config`` without the plan: what the flags asked ("auto", the memory limit), as recorded."""
+    skip = ("plan", "optimizer", "data", "memory_limit")
+    out: dict[str, Any] = {k: getattr(cfg, k) for k in CONFIG_KEYS if k not in skip}
+    if cfg.memory_limit is not None:  # absent when unset: the runs recorded before the flag resume
+        out["memory_limit"] = cfg.memory_limit
     out["balance"] = None if cfg.balance is None else list(cfg.balance)
     out["data"] = "python-stdlib" if cfg.data is None else str(Path(cfg.data).resolve())
     out["optimizer"] = {"name": "AdamW", **_ADAMW, "clip": _CLIP, "schedule": "warmup-cosine-0.1"}
+    return out
+
+
+def run_config(cfg: Config, plan: Plan) -> dict[str, Any]:
+    """What each checkpoint records of its run and a resume compares, one entry per CONFIG_KEYS: the
+    flags as asked (``asked_config``), the plan's shape (its balance only when given: a fresh profile
+    may balance otherwise, and a checkpoint loads at any balance; an auto run records its chosen
+    balance too, so a restart reuses the whole plan, see ``_recorded_plan``), the optimizer and the
+    data (an absolute path)."""
+    out = asked_config(cfg)
     out["plan"] = {
         "schedule": plan.schedule,
         "n_stages": plan.n_stages,
         "n_virtual": plan.n_virtual,
         "n_microbatches": plan.n_microbatches,
-        "recompute": plan.recompute,
+        "recompute": plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute),  # JSON
         "dp": plan.dp,
     }
+    if cfg.auto:
+        out["plan"]["balance"] = list(plan.balance)
     return out
 
 
