@@ -48,7 +48,8 @@ from pipeline.runtime.recompute import Recompute
 from pipeline.runtime.tracing import Traced, trace
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
-__all__ = ["COSTS", "layer_costs", "partition", "plan_for"]  # COSTS, layer_costs: costs.py's
+# COSTS, layer_costs: costs.py's
+__all__ = ["COSTS", "check_stage_count", "layer_costs", "partition", "plan_for"]
 
 
 @shared_across_ranks
@@ -189,6 +190,19 @@ def plan_for(
     return predicted(profile, shape, shape.build_schedule(), net)
 
 
+def check_stage_count(n_layers: int, n_ranks: int, n_virtual: int = 1, what: str = "layers") -> None:
+    """ValueError unless n_ranks x n_virtual stages of at least one layer each fit ``n_layers``: a
+    check that needs no profile, so callers can make it before profiling."""
+    k = n_ranks * n_virtual
+    if k > n_layers:
+        fix = f"use at most {n_layers // n_virtual} ranks"
+        fix += " or fewer stages per rank (n_virtual)" if n_virtual > 1 else ""
+        raise ValueError(
+            f"n_ranks ({n_ranks}) x n_virtual ({n_virtual}) is {k} stages but the model has {n_layers} "
+            f"{what}, and every stage needs at least one; {fix}"
+        )
+
+
 def _profiled(
     model: nn.Module,
     n_ranks: int,
@@ -203,7 +217,6 @@ def _profiled(
 ) -> Profile:
     """The model's profile (``profile`` checked against it, when given), once k = p * v stages are
     known to fit its layers."""
-    k = n_ranks * v
     traced = None
     if isinstance(model, nn.Sequential):
         n = len(model)
@@ -212,13 +225,8 @@ def _profiled(
     else:
         traced = trace(model, sample)
         n = len(traced.layers)
-    if k > n:
-        fix = f"use at most {n // v} ranks" + (" or fewer stages per rank (n_virtual)" if v > 1 else "")
-        what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
-        raise ValueError(
-            f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model has {n} {what}, "
-            f"and every stage needs at least one; {fix}"
-        )
+    what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
+    check_stage_count(n, n_ranks, v, what)
     if profile is None:
         options: dict[str, Any] = {"device": device, "autocast": autocast, "loss_fn": loss_fn}
         options.update(target=target, init_fn=init_fn)

@@ -97,6 +97,7 @@ from _train_support import (
 )
 
 from partitioner import COSTS, partition, plan_for, profile
+from partitioner.partition import check_stage_count
 from pipeline import checkpointing
 from pipeline.checkpoint.folder import candidates, read_manifest
 from pipeline.checkpoint.manifest import Manifest
@@ -380,6 +381,9 @@ def _profiled(cfg: Config, n_microbatches: int, device: torch.device, amp: torch
     device (a model that needs pipelining does not fit there)."""
     with _blame(cfg, "width", "layers"):
         model, sample = build_model(cfg, n_microbatches)
+    if isinstance(model, nn.Sequential):  # before profiling: a wrong count fails at once
+        with _blame(cfg, "stages", "virtual", "layers"):
+            check_stage_count(len(model), cfg.stages, cfg.virtual or 1)
     target = torch.randint(0, VOCAB_SIZE, sample.shape, generator=torch.Generator().manual_seed(cfg.seed))
     prof = profile(model, sample, device=device, autocast=amp, loss_fn=gpt_loss, target=target)
     return model, sample, target, prof
