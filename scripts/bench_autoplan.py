@@ -13,8 +13,10 @@ predicts it: weights, gradients, Adam state, buffers, held activations):
     grid     gpipe, 1f1b, zb-h1, interleaved-1f1b (v = 2 .. n / p)  x  m dividing B  x  one
              recompute mode for every stage, plus the search's per-stage choice of each
              (schedule, v, m); each with the exact balance ``partition`` finds under the limit
-             (what cannot fit is left out), all from the two profiles the search takes (B and
-             B / 2 rows), priced at B / m rows the way it does (``partitioner.scaling``)
+             (what cannot fit is left out), all from the two profiles the search takes (B rows
+             and the smallest micro-batch, 1 row: ``second_rows``), priced at B / m rows the
+             way it does (``partitioner.scaling``), with the runtime's own seconds per action
+             and per message measured first on the same 2 ranks (``measure_runtime``)
     auto     what partition(model, p, x, schedule="auto", n_microbatches="auto", memory_limit=...,
              batch_size=B) returns: ``partitioner.auto.search`` given those same two profiles
              (so that profiling noise cannot set it apart from the grid); timed (the search time)
@@ -64,7 +66,8 @@ from _autoplan_models import MODELS, Workload, build
 
 from partitioner import NoisyProfileWarning, Profile, equal_balance, partition, plan_for, profile
 from partitioner.auto import search
-from partitioner.scaling import scale_profile
+from partitioner.overhead import RuntimeCosts, measure_runtime
+from partitioner.scaling import scale_profile, second_rows
 from pipeline.launch import launch
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
@@ -177,7 +180,9 @@ def _config_of(plan: Plan) -> Config:
     return Config(plan.schedule, plan.n_microbatches, plan.n_virtual, rc)
 
 
-def _plan(work: Workload, prof: Profile, config: Config, limit: float | None) -> Plan | None:
+def _plan(
+    work: Workload, prof: Profile, config: Config, limit: float | None, runtime: RuntimeCosts
+) -> Plan | None:
     """The exact balance of ``config`` under ``limit`` (None: no plan of it fits)."""
     try:
         return partition(
@@ -189,6 +194,7 @@ def _plan(work: Workload, prof: Profile, config: Config, limit: float | None) ->
             n_virtual=config.v,
             recompute=config.recompute,  # type: ignore[arg-type]  # one per stage: once Plan takes it
             memory_limit=limit,
+            runtime=runtime,
             profile=prof,
         )
     except ValueError as exc:
@@ -200,8 +206,8 @@ def _plan(work: Workload, prof: Profile, config: Config, limit: float | None) ->
 @dataclass
 class Profiled:
     """What ``partition(schedule="auto")`` profiles: one step's B rows (``whole``) and a second size
-    (``second``: B / 2 rows, for each layer's per-call overhead); ``per_m``: both scaled to B / m
-    rows (``partitioner.scaling``), what every grid plan of that m is made from."""
+    (``second``: the smallest micro-batch, for each layer's per-call overhead); ``per_m``: both
+    scaled to B / m rows (``partitioner.scaling``), what every grid plan of that m is made from."""
 
     whole: Profile
     second: tuple[Profile, int]
@@ -221,24 +227,28 @@ def _profiles(work: Workload, ms: Sequence[int], quick: bool) -> Profiled:
             )
 
     if rows < 2:
-        raise ValueError(f"batch ({rows} rows) must have at least 2 rows: the search profiles B and B / 2")
-    whole, second = of(rows), (of(rows // 2), rows // 2)
+        raise ValueError(f"batch ({rows} rows) must have at least 2 rows: the search profiles two sizes")
+    other = second_rows(rows, rows, microbatch_counts(rows))  # as partition(schedule="auto") does
+    whole, second = of(rows), (of(other), other)
     return Profiled(whole, second, {m: scale_profile(whole, rows, rows // m, second) for m in ms})
 
 
-def _auto(work: Workload, limit: float, profiled: Profiled) -> tuple[Plan, float]:
+def _auto(work: Workload, limit: float, profiled: Profiled, runtime: RuntimeCosts) -> tuple[Plan, float]:
     """The auto plan and the seconds the search took: ``partition(model, p, x, schedule="auto",
     n_microbatches="auto", memory_limit=limit, batch_size=B)`` after its profiling, given the
     same two profiles as the grid (so that noise cannot make them differ)."""
     rows = work.x.shape[0]
     start = time.perf_counter()
     plan = search(
-        profiled.whole, P, batch_size=rows, sample_rows=rows, memory_limit=limit, second=profiled.second
-    )
+        profiled.whole, P, batch_size=rows, sample_rows=rows, memory_limit=limit, second=profiled.second,
+        runtime=runtime,
+    )  # fmt: skip
     return plan, time.perf_counter() - start
 
 
-def _per_stage(work: Workload, limit: float, profiled: Profiled, configs: list[Config]) -> list[Plan]:
+def _per_stage(
+    work: Workload, limit: float, profiled: Profiled, configs: list[Config], runtime: RuntimeCosts
+) -> list[Plan]:
     """Per (schedule, v, m) of the grid, the search's best plan of that group alone when its
     recomputation differs between stages (the search's joint choice of balance and a mode per
     stage, which the grid of one mode for every stage lacks)."""
@@ -247,7 +257,7 @@ def _per_stage(work: Workload, limit: float, profiled: Profiled, configs: list[C
         try:
             plan = search(
                 profiled.whole, P, batch_size=rows, sample_rows=rows, memory_limit=limit, schedules=[name],
-                n_microbatches=m, n_virtual=v, second=profiled.second,
+                n_microbatches=m, n_virtual=v, second=profiled.second, runtime=runtime,
             )  # fmt: skip
         except ValueError as exc:
             if "too small" in str(exc):
@@ -366,6 +376,11 @@ def _rank_measure(
         pipe.close()
     dist.barrier()
     return screen, again
+
+
+def _measure_runtime(quick: bool) -> RuntimeCosts:
+    """On each rank: the runtime's seconds per action and per message (``measure_runtime``)."""
+    return measure_runtime(steps=3 if quick else 10, warmup=1 if quick else 2)
 
 
 def _rank_main(
@@ -578,29 +593,33 @@ def _detail(model: str, plans: list[Plan], results: dict[str, Result], cases: li
 
 
 def plan_model(
-    name: str, quick: bool, batch: int, per_stage: bool, max_virtual: int | None
+    name: str, quick: bool, batch: int, per_stage: bool, max_virtual: int | None, runtime: RuntimeCosts
 ) -> tuple[list[Case], list[Plan]]:
     """A model's two cases (loose and tight limit) and every distinct plan they need measured."""
     work = build(name, quick, batch)
     configs = grid(P, batch, len(work.model), per_stage, max_virtual)
     profiled = _profiles(work, sorted({c.m for c in configs} | {P}), quick)
     per_m = profiled.per_m
-    free = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, None)) is not None]
-    default = plan_for(per_m[P], equal_balance(len(work.model), P), schedule="1f1b", n_microbatches=P)
+    free = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, None, runtime)) is not None]
+    default = plan_for(
+        per_m[P], equal_balance(len(work.model), P), schedule="1f1b", n_microbatches=P, runtime=runtime
+    )
     high = max(max(rank_peaks(plan)) for plan in free)
-    least = smallest_fit(lambda limit: any(_plan(work, per_m[c.m], c, limit) for c in configs), high)
+    least = smallest_fit(lambda limit: any(_plan(work, per_m[c.m], c, limit, runtime) for c in configs), high)
     loose, tight = choose_limits([rank_peaks(plan) for plan in free], rank_peaks(default), least)
     groups = len({(c.schedule, c.v, c.m) for c in configs})
     size = len(configs) + (0 if per_stage else groups)  # the search's per-stage config of each group
     cases, plans = [], {plan_key(default): default}
     for label, limit in (("loose", loose), ("tight", tight)):
-        fitting = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, limit)) is not None]
+        fitting = [plan for c in configs if (plan := _plan(work, per_m[c.m], c, limit, runtime)) is not None]
         if not per_stage:  # the search's per-stage choice of each group, when it differs from the grid's
             known = {plan_key(plan) for plan in fitting}
             fitting += [
-                plan for plan in _per_stage(work, limit, profiled, configs) if plan_key(plan) not in known
+                plan
+                for plan in _per_stage(work, limit, profiled, configs, runtime)
+                if plan_key(plan) not in known
             ]
-        auto, seconds = _auto(work, limit, profiled)
+        auto, seconds = _auto(work, limit, profiled, runtime)
         plans.update({plan_key(plan): plan for plan in (*fitting, auto)})
         noisy = list(profiled.whole.noisy_layers)
         cases.append(Case(name, label, limit, size, fitting, auto, seconds, default, noisy))
@@ -653,10 +672,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
 
     began = time.perf_counter()
+    runtime = launch(_measure_runtime, P, args.quick, backend="gloo")[0]
     cases: list[Case] = []
     jobs: dict[str, list[Plan]] = {}
     for name in names:
-        mine, jobs[name] = plan_model(name, args.quick, batch, args.per_stage, args.max_virtual)
+        mine, jobs[name] = plan_model(name, args.quick, batch, args.per_stage, args.max_virtual, runtime)
         cases += mine
     planned = time.perf_counter() - began
     work = [_job(name, plans, cases) for name, plans in jobs.items()]
@@ -669,6 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (batch, warmup, steps, final, top),
         source,
         planned,
+        runtime,
         [
             f"# {model}: the profile found layers {list(noisy)} too noisy to trust (-1: the loss)"
             for model, noisy in sorted({(c.model, tuple(c.noisy)) for c in cases if c.noisy})
@@ -694,6 +715,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "final": final,
         "top": top,
         "memory_source": source,
+        "runtime": asdict(runtime),
     }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -745,6 +767,7 @@ def _print(
     counts: tuple[int, int, int, int, int],
     source: str,
     planned: float,
+    runtime: RuntimeCosts,
     notes: list[str],
 ) -> None:
     batch, warmup, steps, final, top = counts
@@ -758,8 +781,12 @@ def _print(
         "Adam state, buffers, held activations)"
     )
     print(
-        f"# planning (2 profiles per model, every grid plan under both limits, searches) {planned:.1f} s; "
-        "search s: partitioner.auto.search given the profiles\n"
+        f"# runtime (measure_runtime, charged in every prediction): {runtime.action * 1e3:.3f} ms per "
+        f"action, {runtime.message * 1e3:.3f} ms per message"
+    )
+    print(
+        f"# planning (runtime measured, 2 profiles per model, every grid plan under both limits, searches) "
+        f"{planned:.1f} s; search s: partitioner.auto.search given the profiles\n"
     )
     print(table(rows))
     for note in notes:
