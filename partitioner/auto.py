@@ -13,12 +13,16 @@ The grid, for a profile taken at any rows (``partitioner.scaling`` prices each m
 
 Each config gets its exact balance (``partitioner._balance``, memory model included) and its step
 time from the simulator (F, B and W per stage from the profile, plus the links' latency and
-bandwidth); the answer is the fastest config whose every rank's peak fits its limit, the peak being
-the schedule walked rank by rank (``partitioner.memory``; the solver's rows bound it from above).
+bandwidth, plus the runtime's own seconds per action and per message: ``partitioner.overhead``,
+``DEFAULT_RUNTIME`` unless ``runtime`` is given; they are what makes many tiny micro-batches
+slow, and they do not depend on the balance); the answer is the fastest config whose every
+rank's peak fits its limit, the peak being the schedule walked rank by rank
+(``partitioner.memory``; the solver's rows bound it from above).
 
 Pruning, with bounds that never cut off a config that could be faster than the best found::
 
     every rank runs all its actions in turn, so  step >= m * (busiest rank's work per micro-batch)
+                                                 (its compute and its runtime seconds)
     group bound    m * max(least bottleneck of any balance, total compute / sum of speeds), with
                    no recomputation and no memory limit: <= every config of the group. Groups go
                    likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
