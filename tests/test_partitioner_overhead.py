@@ -24,6 +24,7 @@ from partitioner.overhead import (
     _basis,
     _configs,
     fit_runtime,
+    measure_runtime,
     stage_extras,
 )
 from partitioner.scaling import scale_profile, second_rows
@@ -114,6 +115,8 @@ def test_stage_extras_and_the_checks() -> None:
     assert DEFAULT_RUNTIME.action > 0 and DEFAULT_RUNTIME.message > 0
     with pytest.raises(ValueError, match=r"RuntimeCosts.action \(-1.0\) must be finite seconds >= 0"):
         RuntimeCosts(action=-1.0)
+    with pytest.raises(ValueError, match="initialised process group"):
+        measure_runtime()  # collective: on the ranks, not in a lone process
     with pytest.raises(TypeError, match=r"must be a partitioner\.overhead\.RuntimeCosts"):
         plan_for(synthetic(4), [2, 2], runtime=0.1)  # type: ignore[arg-type]
 
