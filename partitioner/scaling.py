@@ -16,8 +16,9 @@ rows, c and s come from the two points (s clamped at >= 0, then c at >= 0), whic
 layer's overhead from shrinking with the micro-batch: the reason a small m is not free on a GPU.
 ``second_rows`` picks r1: the smallest micro-batch the search considers (B / largest m, 1 row
 when every m is), so that c is measured where it weighs most rather than extrapolated to it from
-two larger sizes (8 and 4 rows extrapolated to 1); when the sample already has those rows, the
-largest micro-batch (B / smallest m).
+two larger sizes (on the benchmark's GPT, the line through 8 and 4 rows put the whole model's
+1-row forward and backward at 1.30 and 2.53 ms where they measured 0.91 and 1.71); when the
+sample already has those rows, the largest micro-batch (B / smallest m).
 
 ``batch_rows`` reads r0 from a sample: the leading size of its first tensor (a tuple, list or dict
 of tensors: all leading sizes must agree).
