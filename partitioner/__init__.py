@@ -27,6 +27,7 @@ from partitioner.links import Links, measure_links
 from partitioner.live import LiveBytes
 from partitioner.memory import held, in_flight, layer_memory
 from partitioner.noise import NoisyProfileWarning
+from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, measure_runtime
 from partitioner.partition import partition, plan_for
 from partitioner.profile import Profile, profile
 from partitioner.scaling import batch_rows, scale_profile
@@ -36,6 +37,7 @@ from pipeline.plan import Plan, StagePlan
 
 __all__ = [
     "COSTS",
+    "DEFAULT_RUNTIME",
     "FlopCount",
     "LayerProfile",
     "Links",
@@ -43,6 +45,7 @@ __all__ = [
     "NoisyProfileWarning",
     "Plan",
     "Profile",
+    "RuntimeCosts",
     "StagePlan",
     "batch_rows",
     "cut_bytes",
@@ -54,6 +57,7 @@ __all__ = [
     "layer_graph",
     "layer_memory",
     "measure_links",
+    "measure_runtime",
     "partition",
     "plan_for",
     "predict",

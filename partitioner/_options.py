@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from partitioner._fit import fits, smallest
 from partitioner._inputs import _check_memory
 from partitioner.costs import COSTS, links
+from partitioner.overhead import NO_RUNTIME, RuntimeCosts
 
 __all__ = ["Options", "check_fit"]
 
@@ -33,6 +34,7 @@ class Options:
         self.memory_limit: list[float] | None = None
         self.scalar_limit = True
         self.optimizer_state_factor = 2.0
+        self.runtime = NO_RUNTIME  # the runtime's seconds per action and message (partitioner.overhead)
 
     @classmethod
     def make(
@@ -45,7 +47,10 @@ class Options:
         latency: float | Sequence[float] | None,
         memory_limit: float | Sequence[float] | None,
         optimizer_state_factor: float,
+        runtime: RuntimeCosts | None = None,
     ) -> Options:
+        """``runtime``: what the simulated step charges per action and message (None: nothing;
+        the auto search passes ``DEFAULT_RUNTIME`` when given none)."""
         out = cls()
         if cost not in COSTS:
             raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
@@ -64,6 +69,11 @@ class Options:
                 "state per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
             )
         out.optimizer_state_factor = optimizer_state_factor
+        if runtime is not None and not isinstance(runtime, RuntimeCosts):
+            raise TypeError(
+                f"runtime ({runtime!r}) must be a partitioner.overhead.RuntimeCosts (or None for the default)"
+            )
+        out.runtime = NO_RUNTIME if runtime is None else runtime
         return out
 
     def stage_speeds(self, k: int) -> list[float] | None:

@@ -35,6 +35,7 @@ from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
 from partitioner.memory import coefficients, layer_bounds, stage_bytes
 from partitioner.memory import rank_peaks as walked_peaks
+from partitioner.overhead import stage_extras
 from partitioner.solve import stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
@@ -101,6 +102,8 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     rows, offsets = memory_rows(profile, sched, shape.recompute, net.optimizer_state_factor)
     mem = stage_memory(rows, balance)
     sent = cut_bytes(profile.graph)
+    extras = stage_extras(k, p, net.runtime)  # the runtime's own seconds per action and message
+    w_extra = net.runtime.action if split else 0.0
     stages, start = [], 0
     for s, size in enumerate(balance):
         stop = start + size
@@ -116,17 +119,20 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         if not split:  # the weight share of the whole backward (W and B were timed apart from it)
             parts = math.fsum(backward_time(lp, True) for lp in lps) / speeds[s]
             weight = backward * (weight / parts) if parts > 0 else 0.0
+        f_extra, b_extra = extras[s]
+        weight = min(weight, backward) + w_extra
+        backward += b_extra + w_extra  # B (input gradient, or the whole) and W each run as an action
         stages.append(
             StagePlan(
                 start=start,
                 stop=stop,
                 names=[lp.name for lp in lps],
-                forward_time=forward + link,
+                forward_time=forward + link + f_extra,
                 backward_time=backward + rho * forward + link,
                 cost=per_stage[s],
                 memory_bytes=mem[s] + offsets[s],
                 sent_bytes=out,
-                weight_time=min(weight, backward),
+                weight_time=weight,
             )
         )
         start = stop

@@ -13,12 +13,16 @@ The grid, for a profile taken at any rows (``partitioner.scaling`` prices each m
 
 Each config gets its exact balance (``partitioner._balance``, memory model included) and its step
 time from the simulator (F, B and W per stage from the profile, plus the links' latency and
-bandwidth); the answer is the fastest config whose every rank's peak fits its limit, the peak being
-the schedule walked rank by rank (``partitioner.memory``; the solver's rows bound it from above).
+bandwidth, plus the runtime's own seconds per action and per message: ``partitioner.overhead``,
+``DEFAULT_RUNTIME`` unless ``runtime`` is given; they are what makes many tiny micro-batches
+slow, and they do not depend on the balance); the answer is the fastest config whose every
+rank's peak fits its limit, the peak being the schedule walked rank by rank
+(``partitioner.memory``; the solver's rows bound it from above).
 
 Pruning, with bounds that never cut off a config that could be faster than the best found::
 
     every rank runs all its actions in turn, so  step >= m * (busiest rank's work per micro-batch)
+                                                 (its compute and its runtime seconds)
     group bound    m * max(least bottleneck of any balance, total compute / sum of speeds), with
                    no recomputation and no memory limit: <= every config of the group. Groups go
                    likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
@@ -51,6 +55,7 @@ from partitioner._options import Options
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
 from partitioner.costs import cut_groups, cut_rows, layer_costs, with_loss
 from partitioner.figures import Profile
+from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
 from pipeline.plan import Plan
@@ -100,6 +105,7 @@ def search(
     bandwidth: float | Sequence[float] | None = None,
     latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
+    runtime: RuntimeCosts | None = None,
     second: tuple[Profile, int] | None = None,
     keep: int = 10,
     within: float = 0.1,
@@ -108,9 +114,11 @@ def search(
     """The fastest plan that fits (see the module docstring); ``extra["candidates"]`` holds the
     fastest ``keep`` configs within ``within`` of it and ``extra["search"]`` what the search did.
     ``profile`` was taken at ``sample_rows`` rows (``second``: another profile at other rows, for
-    the per-call overhead)."""
+    the per-call overhead); ``runtime``: the runtime's seconds per action and message
+    (``partitioner.overhead``; None: ``DEFAULT_RUNTIME``)."""
     start = time.perf_counter()
     p = n_ranks
+    runtime = DEFAULT_RUNTIME if runtime is None else runtime  # m and v change how many actions run
     check_search(batch_size, memory_limit, schedules, keep)
     if isinstance(within, bool) or not within >= 0:
         raise ValueError(f"within ({within!r}) must be a fraction >= 0 (0.1: candidates within 10 %)")
@@ -138,6 +146,7 @@ def search(
                         _links(latency, p, v),
                         memory_limit,
                         optimizer_state_factor,
+                        runtime,
                     )
                 except ValueError as err:  # e.g. p - 1 links given: no interleaving
                     skipped.append(f"{name} v={v}: {err}")
@@ -153,7 +162,10 @@ def search(
                 split = name == "zb-h1"
                 key = (m, split, p * v)
                 if key not in bounds:
-                    bounds[key] = m * _least_work(scaled[m], nets[v], p * v, m, split, sizes)
+                    bounds[key] = m * (
+                        _least_work(scaled[m], nets[v], p * v, m, split, sizes)
+                        + _least_runtime(nets[v], p * v, split)
+                    )
                 if memory_limit is not None and not _may_fit(scaled[m], nets[v], p * v, sizes):
                     skipped.append(
                         f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
@@ -292,11 +304,25 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
         return [table[mode][s] for s, mode in enumerate(modes)]
 
     work = per_stage(True)
-    ranks = [m * math.fsum(work[r::p]) for r in range(p)]
+    extra = _runtime_per_stage(net, k, split)
+    ranks = [m * (math.fsum(work[r::p]) + math.fsum(extra[r::p])) for r in range(p)]
     if k == p and net.cost == "time":  # one stage per rank: the fill (and drain) in front of each
         path = per_stage(False, forward_only=split)
         ranks = [ranks[r] + math.fsum(path[:r]) for r in range(p)]
     return max(ranks)
+
+
+def _runtime_per_stage(net: Options, k: int, split: bool) -> list[float]:
+    """Per stage, the runtime's seconds per micro-batch (its F, B and, split, W actions)."""
+    w = net.runtime.action if split else 0.0
+    return [f + b + w for f, b in stage_extras(k, net.n_ranks, net.runtime)]
+
+
+def _least_runtime(net: Options, k: int, split: bool) -> float:
+    """The least runtime seconds per micro-batch of any rank: step >= m * (every rank's work),
+    and a rank's runtime seconds do not depend on the balance."""
+    extra = _runtime_per_stage(net, k, split)
+    return min(math.fsum(extra[r :: net.n_ranks]) for r in range(net.n_ranks))
 
 
 def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:

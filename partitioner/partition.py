@@ -35,13 +35,14 @@ from partitioner._balance import balance_of
 from partitioner._options import Options
 from partitioner._planning import predicted
 from partitioner._trees import tree_map
-from partitioner.auto import check_search, search
+from partitioner.auto import _microbatch_counts, check_search, search
 from partitioner.costs import COSTS, cut_groups, layer_costs
 from partitioner.figures import Profile
 from partitioner.graph_profile import profile_graph
+from partitioner.overhead import RuntimeCosts
 from partitioner.profile import LossFn, check_autocast, check_model
 from partitioner.profile import profile as run_profile
-from partitioner.scaling import batch_rows
+from partitioner.scaling import batch_rows, second_rows
 from partitioner.shared import shared_across_ranks
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import Recompute
@@ -70,6 +71,7 @@ def partition(
     bandwidth: float | Sequence[float] | None = None,
     latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
+    runtime: RuntimeCosts | None = None,
     autocast: torch.dtype | None = None,
     loss_fn: LossFn | None = None,
     target: Any = None,
@@ -84,7 +86,11 @@ def partition(
     rank; ``recompute``: one mode, or a tuple of one per stage (k = p * v; the balance is then
     solved with each stage priced and sized by its own mode); ``speeds``: one per rank;
     ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one per link (see
-    ``partitioner.costs``; ``partitioner.links.measure_links`` measures them).
+    ``partitioner.costs``; ``partitioner.links.measure_links`` measures them). ``runtime``: the
+    runtime's own seconds per action and per message that the predicted step charges
+    (``partitioner.overhead``; ``measure_runtime`` measures them on the run's ranks). None: none
+    for one schedule and m (they add the same to every balance, which they never change), and
+    ``DEFAULT_RUNTIME`` for the auto search, whose m and v change how many actions run.
     ``autocast``, ``loss_fn`` / ``target``, ``device`` and ``init_fn`` go to ``profile`` (see
     there) unless a ``profile`` is given. ``dp``: pipeline replicas, recorded in the plan (the
     split is one pipeline's: every replica runs the same, on its own share of the batch, so
@@ -110,7 +116,7 @@ def partition(
     """
     if schedule == "auto" or n_microbatches == "auto":
         return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
-                     memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor,
+                     memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor, runtime,
                      dict(autocast=autocast, loss_fn=loss_fn, target=target, device=device, init_fn=init_fn),
                      profile)  # fmt: skip
     if batch_size is not None:
@@ -126,7 +132,9 @@ def partition(
     shape = Plan(
         balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute, dp=dp
     )
-    net = Options.make(cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor)
+    net = Options.make(
+        cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor, runtime
+    )
     check_model(model)
     profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
     sched = shape.build_schedule()
@@ -172,6 +180,7 @@ def plan_for(
     bandwidth: float | Sequence[float] | None = None,
     latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
+    runtime: RuntimeCosts | None = None,
 ) -> Plan:
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
@@ -181,7 +190,9 @@ def plan_for(
     shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp)
     v, m = schedule_options(schedule, shape.n_ranks, n_microbatches, n_virtual)  # the given m and v
     shape = shape.replace(n_microbatches=m, n_virtual=v)
-    net = Options.make(cost, shape.n_ranks, v, speeds, bandwidth, latency, None, optimizer_state_factor)
+    net = Options.make(
+        cost, shape.n_ranks, v, speeds, bandwidth, latency, None, optimizer_state_factor, runtime
+    )
     if shape.n_layers != len(profile):
         raise ValueError(
             f"balance {shape.balance} covers {shape.n_layers} layers but the profile has {len(profile)}; "
@@ -253,6 +264,7 @@ def _auto(
     bandwidth: float | Sequence[float] | None,
     latency: float | Sequence[float] | None,
     optimizer_state_factor: float,
+    runtime: RuntimeCosts | None,
     profiling: dict[str, Any],
     profile: Profile | None,
 ) -> Plan:
@@ -277,20 +289,22 @@ def _auto(
         )
     batch = rows if batch_size is None else batch_size
     check_search(batch, memory_limit)
-    Options.make(cost, n_ranks, 1, speeds, None, None, memory_limit, optimizer_state_factor)  # checked now
+    Options.make(
+        cost, n_ranks, 1, speeds, None, None, memory_limit, optimizer_state_factor, runtime
+    )  # checked
     check_model(model)
     prof = _profiled(model, n_ranks, 1, sample, profile, **profiling)
     sample_rows = rows if profile is None else _profile_rows(prof, sample)
     second = None
     if profile is None:  # a second size gives each layer's per-call overhead (partitioner.scaling)
-        other = rows // 2 if rows >= 2 else 2
+        other = second_rows(rows, batch, _microbatch_counts(batch, m))
         at_other = dict(profiling, target=_with_rows(profiling["target"], rows, other))
         second = (_profiled(model, n_ranks, 1, _with_rows(sample, rows, other), None, **at_other), other)
     return search(
         prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit, second=second,
         schedules=SCHEDULES if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
         dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
-        optimizer_state_factor=optimizer_state_factor,
+        optimizer_state_factor=optimizer_state_factor, runtime=runtime,
     )  # fmt: skip
 
 

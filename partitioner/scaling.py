@@ -14,6 +14,11 @@ at r = B / m rows for each candidate m. The model, per layer and figure::
 With one profile, c = 0 (simply linear). Given a second profile of the same model at r1 != r0
 rows, c and s come from the two points (s clamped at >= 0, then c at >= 0), which keeps a tiny
 layer's overhead from shrinking with the micro-batch: the reason a small m is not free on a GPU.
+``second_rows`` picks r1: the smallest micro-batch the search considers (B / largest m, 1 row
+when every m is), so that c is measured where it weighs most rather than extrapolated to it from
+two larger sizes (on the benchmark's GPT, the line through 8 and 4 rows put the whole model's
+1-row forward and backward at 1.30 and 2.53 ms where they measured 0.91 and 1.71); when the
+sample already has those rows, the largest micro-batch (B / smallest m).
 
 ``batch_rows`` reads r0 from a sample: the leading size of its first tensor (a tuple, list or dict
 of tensors: all leading sizes must agree).
@@ -22,6 +27,7 @@ of tensors: all leading sizes must agree).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import networkx as nx
@@ -29,7 +35,7 @@ import networkx as nx
 from partitioner._trees import tensors
 from partitioner.figures import LayerProfile, Profile
 
-__all__ = ["batch_rows", "scale_profile"]
+__all__ = ["batch_rows", "scale_profile", "second_rows"]
 
 _TIMES = ("forward_time", "backward_time", "input_time", "weight_time")
 _PER_ROW = (
@@ -50,6 +56,18 @@ def batch_rows(sample: Any) -> int:
     if len(sizes) > 1:
         raise ValueError(f"sample's tensors disagree on their rows (first dimension): {sorted(sizes)}")
     return sizes.pop()
+
+
+def second_rows(rows: int, batch_size: int, counts: Sequence[int]) -> int:
+    """The rows to profile a second time at (see the module docstring), the sample having ``rows``
+    and the search trying the micro-batch counts ``counts`` (each dividing ``batch_size``)."""
+    sizes = sorted({batch_size // m for m in counts})
+    if not sizes:
+        raise ValueError("counts is empty: pass the micro-batch counts the search tries")
+    for size in (sizes[0], sizes[-1]):
+        if size != rows:
+            return size
+    return rows // 2 if rows >= 2 else 2  # one size only: any other one gives the slope
 
 
 def scale_profile(

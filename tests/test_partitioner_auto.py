@@ -28,6 +28,7 @@ from partitioner.auto import _balance_bound, _least_work, rank_peaks, search
 from partitioner.costs import cut_groups, recomputed_share
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
+from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts
 from partitioner.scaling import batch_rows, scale_profile
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
@@ -60,6 +61,10 @@ def synthetic(n: int, rows: int = 4, seed: int = 0, heavy: int | None = None) ->
     return Profile(layers, "cpu", layer_graph(layers), input_bytes=rows * 1024)
 
 
+# the runtime's seconds per action and message: the same on both sides of every comparison
+RUNTIME = RuntimeCosts(action=2e-4, message=1e-4)
+
+
 def _identity(n: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Identity() for _ in range(n)])
 
@@ -90,7 +95,8 @@ def test_pruned_search_finds_the_best_of_the_whole_grid(
     tight = (least + max(rank_peaks(free))) / 2  # the unconstrained winner no longer fits
     assert least < max(rank_peaks(free))
     for limit in (None, tight):
-        kw = dict(batch_size=batch, sample_rows=4, memory_limit=limit, bandwidth=1e8, latency=1e-4)
+        kw = dict(batch_size=batch, sample_rows=4, memory_limit=limit, bandwidth=1e8, latency=1e-4,
+                  runtime=RUNTIME)  # fmt: skip
         auto = search(prof, p, **kw)  # type: ignore[arg-type]
         grid = search(prof, p, prune=False, keep=10_000, within=math.inf, **kw)  # type: ignore[arg-type]
         assert auto.step_time == grid.step_time
@@ -111,7 +117,8 @@ def test_pruned_search_finds_the_best_of_the_whole_grid(
                         try:
                             plan = partition(_identity(n), p, None, profile=scaled, schedule=name,
                                              n_microbatches=m, n_virtual=v, recompute=mode,
-                                             memory_limit=limit, bandwidth=1e8, latency=1e-4)  # fmt: skip
+                                             memory_limit=limit, bandwidth=1e8, latency=1e-4,
+                                             runtime=RUNTIME)  # fmt: skip
                         except ValueError as err:
                             assert "too small" in str(err)
                             continue
@@ -198,7 +205,7 @@ def test_a_tight_limit_turns_recomputation_on_where_it_pays() -> None:
     assert tight.recompute != "never" and _fits(tight, limit)
     assert isinstance(tight.recompute, tuple) and "never" in tight.recompute
     everywhere = partition(_identity(12), 4, None, profile=scale_profile(prof, 4, 1), n_microbatches=8,
-                           recompute="always", memory_limit=limit)  # fmt: skip
+                           recompute="always", memory_limit=limit, runtime=DEFAULT_RUNTIME)  # fmt: skip
     assert tight.step_time < everywhere.step_time
 
 
@@ -262,7 +269,8 @@ def test_partition_auto_on_a_real_model_with_any_sample_rows() -> None:
 def test_partition_auto_profiles_a_second_size_for_the_per_call_overhead(
     rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without it, times are linear in rows and the smallest micro-batches look free."""
+    """Without it, times are linear in rows and the smallest micro-batches look free. It is the
+    smallest micro-batch searched (1 row: m = 8 divides 8), or the largest when the sample has 1 row."""
     part = importlib.import_module("partitioner.partition")  # the module (the package exports the function)
     seen: dict[str, object] = {}
 
@@ -285,7 +293,7 @@ def test_partition_auto_profiles_a_second_size_for_the_per_call_overhead(
     second = seen["second"]
     assert isinstance(second, tuple) and seen["sample_rows"] == rows
     other, other_rows = second
-    assert other_rows == (2 if rows == 1 else rows // 2) and len(other) == len(model)
+    assert other_rows == (8 if rows == 1 else 1) and len(other) == len(model)
     assert other.layers[0].output_shape[0] == other_rows  # profiled at those rows, target too
     assert other.loss is not None
 
@@ -356,7 +364,7 @@ def test_plan_with_modes_per_stage_prices_each_stage_by_its_mode() -> None:
 def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
     """Both bounds, checked on every config of the whole grid (a bound above a step would prune it)."""
     prof = synthetic(8, seed=seed, heavy=seed)
-    links = dict(bandwidth=1e8, latency=1e-4)
+    links = dict(bandwidth=1e8, latency=1e-4, runtime=RUNTIME)
     grid = search(prof, 2, batch_size=8, sample_rows=4, memory_limit=None, prune=False, keep=10_000,
                   within=math.inf, **links)  # type: ignore[arg-type]  # fmt: skip
     assert len(grid.candidates()) > 20
@@ -367,7 +375,7 @@ def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
         plan = plan_for(scaled, c["balance"], schedule=c["schedule"], n_microbatches=m, n_virtual=v,
                         recompute=mode, **links)  # type: ignore[arg-type]  # fmt: skip
         assert plan.step_time == c["step_time"]
-        net = Options.make("time", 2, v, None, links["bandwidth"], links["latency"], None, 2.0)
+        net = Options.make("time", 2, v, None, 1e8, 1e-4, None, 2.0, RUNTIME)
         split = c["schedule"] == "zb-h1"
         assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
         sizes, _ = cut_groups(scaled.layers)
