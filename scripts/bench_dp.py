@@ -21,6 +21,10 @@ A step's time runs from a barrier to the last rank's end. The all-reduce costs a
 its step time minus its dp=1 run's, and the share hidden is
 ``1 - (T_run - T_dp1) / T_allreduce``.
 
+The ranks keep freed memory in the heap (glibc's ``MALLOC_MMAP_THRESHOLD_``), as a GPU's caching
+allocator does: otherwise each step's fresh gradients page-fault in anew, which varies a step by more
+than the all-reduce being measured.
+
 Workloads: ``linear``, Linear(width, width) layers (at width 1536, 9.4 MB of fp32
 gradients each, 4 per stage), whose compute needs the same CPU cores as gloo's
 reduction; ``timed``, layers with as many parameters that sleep their forward and
@@ -289,6 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = Config(
         a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb, a.workload, a.fwd_ms, a.bwd_ms
     )
+    # glibc returns freed blocks this large to the kernel, so every step's gradients page-fault in anew
+    # (a few ms per 9.4 MB, varying): keep them in the heap, as a GPU's caching allocator keeps its own
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
     per_rank = launch(_rank_main, P * DP, cfg, backend="gloo", timeout=600.0)
     out = _report(cfg, per_rank)
     if a.json:
