@@ -36,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipeline.runtime.watchdog import quiet_store
+
 __all__ = ["StartupError", "attempt", "bounded", "join"]
 
 _POLL_S = 0.01
@@ -79,12 +81,15 @@ def join(rank: int, world_size: int, timeout: float) -> Any:
             wait_for_workers=False, multi_tenant=True,
         )  # fmt: skip
     store = dist.PrefixStore(f"stagewise/attempt{attempt()}", base)  # type: ignore[attr-defined]
+    # quiet: rank 0 dying now takes the store along, and torch would print each failed call's C++ frames
     with bounded(rank, f"the store at {host}:{port} (served by {server})", timeout):
-        store.set(f"joined/{rank}", str(os.getpid()))
+        with quiet_store():
+            store.set(f"joined/{rank}", str(os.getpid()))
         deadline = time.monotonic() + timeout
         missing = list(range(world_size))
         while True:
-            missing = [q for q in missing if not store.check([f"joined/{q}"])]
+            with quiet_store():
+                missing = [q for q in missing if not store.check([f"joined/{q}"])]
             if not missing:
                 return store
             if time.monotonic() > deadline:

@@ -68,7 +68,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 from pipeline.runtime import emulation
 from pipeline.runtime.channels import Channels, Transfer, abort_nccl, channels_for
 from pipeline.runtime.emulation import EmuStream, EmuTransfer
-from pipeline.runtime.watchdog import CHECK_STORE_S, Liveness, PeerFailure, PipelineTimeout, Watchdog
+from pipeline.runtime.watchdog import (
+    CHECK_STORE_S,
+    Liveness,
+    PeerFailure,
+    PipelineTimeout,
+    Watchdog,
+    quiet_store,
+)
 
 __all__ = ["NCCL_DTYPES", "Comm", "PeerFailure", "PipelineTimeout", "world_store"]
 
@@ -183,7 +190,6 @@ class Comm:
         pairs += self.channels.pairs() if self.channels is not None else []
         self.liveness = Liveness(self.store, f"{key_prefix}/proc", self.rank, n)
         self.liveness.register()
-        self._store_lost = False  # a store call failed: its host is gone, so never call it again
         self._watchdog = Watchdog(self.failure_store, self.failure_key, pairs, self.liveness)
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
@@ -345,28 +351,36 @@ class Comm:
         """A store value another rank sets, with the same timeout and failure watch."""
         start = time.monotonic()
         try:
-            while not self.store.check([key]):
-                if self.failure_store.check([self.failure_key]) or time.monotonic() - start > self.timeout:
+            while True:
+                if not self._store_usable():
+                    raise RuntimeError("the process that served the store is gone")
+                with quiet_store():
+                    if self.store.check([key]):
+                        return bytes(self.store.get(key))
+                    failed = self.failure_store.check([self.failure_key])
+                if failed or time.monotonic() - start > self.timeout:
                     self._raise(what, None)
                 time.sleep(0.002)
-            return bytes(self.store.get(key))
         except (PeerFailure, PipelineTimeout):
             raise
         except Exception as exc:  # the store is gone
-            self._store_lost = True
+            self.liveness.store_gone = True
             self._raise(what, exc)
             raise
 
     def set_key(self, key: str, value: bytes) -> None:
         try:
-            self.store.set(key, value)
+            if not self._store_usable():
+                raise RuntimeError("the process that served the store is gone")
+            with quiet_store():
+                self.store.set(key, value)
         except Exception as exc:
-            self._store_lost = True
+            self.liveness.store_gone = True
             self._raise(f"the store to set {key}", exc)
 
     def learn_peers(self) -> None:
         """Read the peers' processes from the store (call once every rank has built its Comm)."""
-        if not self._store_lost:
+        if not self.liveness.store_gone:
             self.liveness.learn()
 
     # ---- failure signalling
@@ -379,25 +393,25 @@ class Comm:
     def _publish_as(self, name: int, message: str) -> None:
         if self._store_usable():  # a store that is gone: its host died, or the launcher tears down
             try:
-                self.failure_store.compare_set(self.failure_key, "", f"{name}|{message}")
+                with quiet_store():
+                    self.failure_store.compare_set(self.failure_key, "", f"{name}|{message}")
             except Exception:
-                self._store_lost = True
+                self.liveness.store_gone = True
 
     def _store_usable(self) -> bool:
-        if not self._store_lost and self.liveness.store_lost():
-            self._store_lost = True
-        return not self._store_lost
+        return not self.liveness.store_lost()
 
     def failure(self) -> tuple[int, str] | None:
         """(rank, message) of the first published failure, if any."""
         if not self._store_usable():
             return None
         try:
-            if not self.failure_store.check([self.failure_key]):
-                return None
-            rank, message = bytes(self.failure_store.get(self.failure_key)).decode().split("|", 1)
+            with quiet_store():
+                if not self.failure_store.check([self.failure_key]):
+                    return None
+                rank, message = bytes(self.failure_store.get(self.failure_key)).decode().split("|", 1)
         except Exception:
-            self._store_lost = True
+            self.liveness.store_gone = True
             return None
         return int(rank), message
 
@@ -435,7 +449,7 @@ class Comm:
         deadline = time.monotonic() + _LOST_GRACE_S
         # a lost connection (or store): a peer whose process is gone is the cause; else give the
         # failed peer's publish a moment to land
-        while failed is None and (not timed_out or self._store_lost):
+        while failed is None and (not timed_out or self.liveness.store_gone):
             failed = self._blame_dead()
             if failed is not None or time.monotonic() >= deadline:
                 break
@@ -446,7 +460,7 @@ class Comm:
             if q != self.me:
                 self.abort()
             raise PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}") from exc
-        if self._store_lost:
+        if self.liveness.store_gone:
             raise RuntimeError(
                 f"rank {self.me}: lost the store while waiting for {what} (the process that served it "
                 f"died, or the launcher is tearing the job down): {exc}"

@@ -40,20 +40,28 @@ and publishes the failure in that peer's name::
 
 When the dead rank hosted the store (rank 0 of a job started from MASTER_ADDR
 / MASTER_PORT without torchrun's agent), the store is gone too: a rank then
-stops using it (each failing call prints a C++ trace), and its watchdog, which
-checks the host's process before each read, closes the pairs instead.
+stops using it (``Liveness.store_gone``), and its watchdog, which checks the
+host's process before each read, closes the pairs instead. A store call in
+flight when the host dies cannot be avoided (on a loaded machine a read takes
+tens of ms, so the watchdog is often inside one), and torch's client prints
+each failed call as a C++ warning with its frames (``recvValue failed``,
+``sendBytes failed``); so every store call of the pipeline runs under
+``quiet_store``, which raises c10's log level (``FLAGS_caffe2_log_level``,
+read by every log call, unlike TORCH_CPP_LOG_LEVEL, read once at import) to
+errors for its duration, and the failure is reported as our own error instead.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import os
 import socket
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +74,7 @@ __all__ = [
     "Watchdog",
     "close_pairs",
     "process_alive",
+    "quiet_store",
 ]
 
 CHECK_STORE_S = 0.05  # how often a waiting rank reads the failure key
@@ -91,6 +100,58 @@ def close_pairs(pairs: Pairs) -> None:
     for backend, peer in pairs:
         with contextlib.suppress(Exception):
             backend.recv([dummy], peer, _CLOSE_TAG).wait(datetime.timedelta(milliseconds=1))
+
+
+_C10_ERROR = 2  # c10's log levels: 0 info, 1 warning, 2 error, 3 fatal
+_quiet_lock = threading.Lock()
+_quiet_depth = 0  # store calls in flight under quiet_store, all threads together
+_quiet_saved = 0  # the level before the first of them
+_NOT_FOUND: Any = object()
+_level: Any = None  # ctypes.c_int32 of c10's FLAGS_caffe2_log_level, _NOT_FOUND, or None: not looked up
+
+
+def _c10_log_level() -> Any:
+    """c10's log level (the int every C++ log call reads), or None where it cannot be found (a
+    build with gflags, another platform): then store failures print as torch prints them."""
+    global _level
+    if _level is None:
+        _level = _NOT_FOUND
+        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+        for name in ("libc10.so", "libc10.dylib"):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                lib = ctypes.CDLL(os.path.join(lib_dir, name))  # loaded already: the same handle
+                _level = ctypes.c_int32.in_dll(lib, "FLAGS_caffe2_log_level")
+                break
+    return None if _level is _NOT_FOUND else _level
+
+
+@contextlib.contextmanager
+def quiet_store() -> Iterator[None]:
+    """Silence torch's C++ warnings while a store call that may meet a dead store host runs.
+
+    The TCPStore client logs every failed call as a warning with its C++
+    frames before it raises; the caller turns the exception into a few-line
+    error naming the dead rank. The level is process-wide: a C++ warning of
+    another thread during the call (well under a millisecond on a live store) is
+    lost too; errors still print.
+    """
+    global _quiet_depth, _quiet_saved
+    level = _c10_log_level()
+    if level is None:
+        yield
+        return
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_saved = level.value
+            level.value = max(_quiet_saved, _C10_ERROR)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                level.value = _quiet_saved
 
 
 def _machine() -> str:
@@ -148,10 +209,13 @@ class Liveness:
         self.machine = _machine()
         self.pids: dict[int, int] = {}  # rank -> pid, for the peers on this host
         self.store_host: int | None = None  # the rank whose process serves the store, if any
+        # a store call failed, or its host's process is gone: never call the store again (every
+        # call would fail, and the watchdog stops reading it at once)
+        self.store_gone = False
 
     def register(self) -> None:
         mine = f"{self.machine}|{os.getpid()}|{int(hosts_world_store())}"
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), quiet_store():
             self.store.set(f"{self.key}/{self.rank}", mine)
 
     def learn(self) -> None:
@@ -159,13 +223,18 @@ class Liveness:
         for q in range(self.n):
             if q == self.rank or q in self.pids:
                 continue
-            try:
-                k = f"{self.key}/{q}"
-                if not self.store.check([k]):
-                    continue
-                machine, pid, hosts = bytes(self.store.get(k)).decode().rsplit("|", 2)
-            except Exception:
+            if self.store_lost():
                 return
+            k = f"{self.key}/{q}"
+            try:
+                with quiet_store():
+                    if not self.store.check([k]):
+                        continue
+                    entry = bytes(self.store.get(k)).decode()
+            except Exception:  # the store is gone
+                self.store_gone = True
+                return
+            machine, pid, hosts = entry.rsplit("|", 2)
             if machine == self.machine:
                 self.pids[q] = int(pid)
                 if hosts == "1":
@@ -176,9 +245,11 @@ class Liveness:
         return [q for q, pid in sorted(self.pids.items()) if not process_alive(pid)]
 
     def store_lost(self) -> bool:
-        """The rank that served the store is known and its process is gone."""
+        """The store is gone: a call failed, or the rank that served it is known and its process is gone."""
         q = self.store_host
-        return q is not None and not process_alive(self.pids[q])
+        if not self.store_gone and q is not None and not process_alive(self.pids[q]):
+            self.store_gone = True
+        return self.store_gone
 
 
 class Watchdog:
@@ -226,9 +297,15 @@ def _watch(dog: Watchdog, store: Any, key: str, pairs: Pairs, liveness: Liveness
         if dog.blocked <= 0:
             continue
         try:
-            failed = (liveness is not None and liveness.store_lost()) or store.check([key])
+            if liveness is not None and liveness.store_lost():
+                failed = True
+            else:
+                with quiet_store():
+                    failed = store.check([key])
         except Exception:
             failed = True
+            if liveness is not None:
+                liveness.store_gone = True
         if failed:
             close_pairs(pairs)
             return
