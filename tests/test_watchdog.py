@@ -80,8 +80,8 @@ def _dropped_unclosed(dp: int) -> tuple[int, list[bool], bool]:
 _DROPPED = {
     "gloo": job(2, _dropped_unclosed, 1),
     "nccl-emulated": job(2, _dropped_unclosed, 1, backend="nccl-emulated"),
-    # the replicas' Comm is kept by the gradient reducer's hooks (dp.py), not by the watchdog:
-    # post-accumulate-grad hooks live in autograd's C++ state, which the garbage collector cannot see
+    # the replicas' Comm too: the gradient reducer's hooks (dp.py), in autograd's C++ state where the
+    # garbage collector cannot see, hold it only weakly
     "dp": job(4, _dropped_unclosed, 2),
 }
 
@@ -91,13 +91,7 @@ _DROPPED = {
     [
         "gloo",
         "nccl-emulated",
-        pytest.param(
-            "dp",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="dp.py: the GradReducer hooks hold the reducer and its Comm in autograd C++ state",
-            ),
-        ),
+        "dp",
     ],
 )
 def test_a_pipeline_dropped_without_close_lets_its_watchdog_thread_end(

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -242,14 +243,19 @@ class GradReducer:
         self.record = False
         self.events: list[Reduction] = []
         self.exposed = 0.0  # seconds the last step's wait blocked the host
-        self._hooks = [  # every accumulation: into the bucket's view; while armed, launch what is final
+        # every accumulation: into the bucket's view; while armed, launch what is final. The hooks live
+        # in autograd's C++ state, which the garbage collector cannot see into: they hold the reducer
+        # weakly, so that a Pipeline dropped without close() frees its Comm (and its watchdog)
+        me = weakref.ref(self)
+        self._hooks = [
             p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                functools.partial(self._accumulated, b, k)
+                functools.partial(_on_accumulated, me, b, k)
             )
             for buckets in self.buckets.values()
             for b in buckets
             for k, p in enumerate(b.params)
         ]
+        self._finalizer = weakref.finalize(self, _remove, self._hooks)
 
     # ---- the step
 
@@ -404,6 +410,16 @@ class GradReducer:
 
     def close(self) -> None:
         """Remove the gradient hooks."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._finalizer()
+
+
+def _on_accumulated(reducer: weakref.ref[GradReducer], b: _Bucket, k: int, param: torch.Tensor) -> None:
+    live = reducer()
+    if live is not None:
+        live._accumulated(b, k, param)
+
+
+def _remove(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
+    hooks.clear()
