@@ -96,7 +96,7 @@ def measure(
     wanted = [p for p in params if p.requires_grad]
     with precision(run):
         with run.live:
-            out, saved, cache, inplace, saved_io = _untimed(fn, x, owned, first)
+            out, saved, cache, inplace, saved_io, aliases = _untimed(fn, x, owned, first)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run)
@@ -124,6 +124,8 @@ def measure(
         inplace=inplace,
         saved_input_bytes=saved_io[0],
         saved_output_bytes=saved_io[1],
+        output_aliases_input=aliases[0],
+        input_grad_aliases=aliases[1],
         sendable=sendable(out),
         input_flops=input_flops,
         weight_flops=weight_flops,
@@ -163,9 +165,11 @@ def roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def _untimed(
     fn: Callable[[Any], Any], x: Any, owned: set[int], first: bool
-) -> tuple[Any, int, int, bool, tuple[int, int]]:
-    """(pass 1's output, saved bytes per micro-batch, cache bytes, writes into its input, and the
-    bytes of its input and of its output among what it saves: storages a neighbour saves too)."""
+) -> tuple[Any, int, int, bool, tuple[int, int], tuple[bool, bool]]:
+    """(pass 1's output, saved bytes per micro-batch, cache bytes, writes into its input, the
+    bytes of its input and of its output among what it saves: storages a neighbour saves too, and
+    whether its output is its input's storage (a view, an in-place result) and its input's
+    gradient its output gradient's (a view's backward): storages a neighbour holds too)."""
     seen: list[dict[int, torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -192,16 +196,30 @@ def _untimed(
         )
 
     saved_io = (among_saved(a), among_saved(outs[1]))
+    inputs = {t.untyped_storage().data_ptr() for t in tensors(a)}
+    results = [t.untyped_storage().data_ptr() for t in tensors(outs[1])]
+    # one storage in, only it out: a chain's tensor (with several, which one a neighbour holds is unknown)
+    aliases = len(inputs) == 1 and bool(results) and all(ptr in inputs for ptr in results)
     one, two = ({k: t for k, t in s.items() if k not in owned} for s in seen)
     saved = sum(t.untyped_storage().nbytes() for k, t in two.items() if k not in one)
     cache = sum(t.untyped_storage().nbytes() for k, t in two.items() if k in one)
     seen.clear()  # the saved tensors go with their graphs
     del one, two
-    for out in outs:
+    grad_aliases = False
+    wanted = [t for t in tensors(a) if t.requires_grad]
+    for k, out in enumerate(outs):
         grads = roots(out)
-        if grads[0]:
+        if not grads[0]:
+            continue
+        if k == 0 or len(wanted) != 1 or inplace:  # in place: the input is the output, no gradient of its own
             torch.autograd.backward(*grads)
-    return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace, saved_io
+            continue
+        # pass 2's input gradient alone (pass 1 filled the parameters' already): its output's gradient?
+        got = torch.autograd.grad(grads[0], wanted, grads[1], allow_unused=True)
+        given = {g.untyped_storage().data_ptr() for g in grads[1]}
+        grad_aliases = all(g is not None and g.untyped_storage().data_ptr() in given for g in got)
+        del got
+    return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace, saved_io, (aliases, grad_aliases)
 
 
 def _flops(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:

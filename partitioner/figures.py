@@ -66,6 +66,9 @@ class LayerProfile:
     ``inplace``: the layer writes into its input (``nn.ReLU(inplace=True)``), so no stage may start
     with it (a stage's input is a leaf of autograd, which refuses that); ``sendable``: its output
     is a tensor or a tuple of tensors, what the pipeline can send to the next stage.
+    ``output_aliases_input``: its output is its input's storage (``nn.Flatten``, a reshape, an
+    in-place op), so what a later layer saves of it, a stage's input buffer already holds;
+    ``input_grad_aliases``: its backward returns a view of its output's gradient (a view's does).
 
     ``params``: the names of the parameters it holds, each by the first name the model gives it
     (a weight tied between two layers has the same name in both: ties are layers' shared names).
@@ -98,6 +101,8 @@ class LayerProfile:
     saved_input_bytes: int = 0  # of its input, among saved_bytes (the previous layer may save it too)
     saved_output_bytes: int = 0  # of its output, among saved_bytes (the next layer may save it too)
     saved_target_bytes: int = 0  # the loss: of its target (the step's data), among saved_bytes
+    output_aliases_input: bool = False  # its output is its input's storage (a view, an in-place op)
+    input_grad_aliases: bool = False  # its input's gradient is its output gradient's storage (a view's)
     sendable: bool = True
     params: tuple[str, ...] = ()
     input_flops: int = 0

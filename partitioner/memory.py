@@ -128,6 +128,9 @@ class StageBytes:
     chain: float = 0.0  # split backward: layer outputs the chain keeps that no layer saves
     grads: float = 0.0  # split backward: its layers' output gradients, kept from B to W
     static: float = 0.0  # weights, gradients, optimizer state, buffers, autocast's weight copies
+    # split backward: the input gradient it sends is a layer's output gradient too (a view's
+    # backward; counted in ``input``, not ``grads``): held from B until sent and until W
+    input_grad_kept: bool = False
 
 
 def stage_bytes(
@@ -144,6 +147,12 @@ def stage_bytes(
     Without them (None) they are read from the profile when it records them (``LayerProfile``
     fields ``saved_input_bytes`` and ``saved_output_bytes``; the loss's ``saved_input_bytes`` and
     ``saved_target_bytes``), else every layer's saved bytes are taken as its own: an upper bound.
+
+    A layer whose output is its input's storage (``output_aliases_input``: ``nn.Flatten``, a
+    reshape, an in-place op) makes the tensors before and after it one storage: counted once, at
+    the most any holder (the stage's input or output buffer, a layer saving it, the split chain)
+    has of it; likewise the gradients where a layer's backward returns a view of its output's
+    gradient (``input_grad_aliases``), the sent input gradient then held until W.
     """
     layers = list(profile.layers)
     io = list(saved_io) if saved_io is not None else _recorded_io(profile)
@@ -155,23 +164,61 @@ def stage_bytes(
     for s, size in enumerate(balance):
         stop, last = start + size, s == k - 1
         lps = layers[start:stop]
-        saved = float(sum(lp.saved_bytes for lp in lps)) - io[start][0]
-        for j in range(start + 1, stop):  # a storage layer j - 1 saves as output and j as input
-            saved -= min(io[j - 1][1], io[j][0])
-        chain = float(sum(lp.activation_bytes for j, lp in enumerate(lps[:-1], start)
-                          if io[j][1] == 0 and io[j + 1][0] == 0))  # fmt: skip
-        grads = float(sum(lp.activation_bytes for lp in lps[:-1]))
+        inp = 0.0 if s == 0 else float(layers[start - 1].activation_bytes)
         output = 0.0 if last else float(lps[-1].activation_bytes)
-        if not last:
-            saved -= min(io[stop - 1][1], output)  # the output is counted on its own
-        elif loss is not None:  # the loss: its input once, its target (the step's data) never
-            saved += loss.saved_bytes - min(io[stop - 1][1], io[-1][0]) - io[-1][1]
+        saved = float(sum(lp.saved_bytes for lp in lps))
+        if last and loss is not None:  # the loss: its input once (below), its target (the step's data) never
+            saved += loss.saved_bytes - io[-1][1]
+        chain = 0.0
+        for group in _storages(layers, start, stop):
+            # per layer, what it saves of this storage: an aliasing layer's input and output are it
+            savers = [float(io[j - 1][1]) for j in group if j > start and j - 1 not in group]
+            savers += [float(max(io[j]) if j + 1 in group else io[j][0]) for j in group if j < stop]
+            if last and loss is not None and group[-1] == stop:
+                savers.append(float(io[-1][0]))
+            # what the stage holds of this storage anyway: its input (stage 0: the step's data,
+            # never counted) or the output it sends
+            held = max(float("inf") if s == 0 and start in group else inp if start in group else 0.0,
+                       output if stop in group else 0.0)  # fmt: skip
+            saved -= sum(savers) - max(max(savers, default=0.0) - held, 0.0)
+            inner = [j for j in group if start < j < stop]
+            if inner and not held and max(savers) == 0:  # a split chain keeps what no layer saves
+                chain += max(float(layers[j - 1].activation_bytes) for j in inner)
+        if not last and _storages(layers, start, stop)[0][-1] == stop:
+            output = 0.0  # it sends a view of its input: the input buffer is that storage
+        # split backward: one gradient per storage of its layers' outputs, held from B to W; the
+        # one that is the input's gradient (a view's backward) is the sent one, kept until W
+        grads, kept = 0.0, False
+        for group in _storages(layers, start, stop, "input_grad_aliases"):
+            inner = [j for j in group if start < j < stop]
+            if not inner or (stop in group and not last):  # the input's gradient, the received one
+                continue
+            most = max(float(layers[j - 1].activation_bytes) for j in inner)
+            if start in group and s > 0 and most >= inp:  # (held longer: never more than before)
+                kept = True
+                continue
+            grads += most
         static = sum(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
                      for lp in lps)  # fmt: skip
-        inp = 0.0 if s == 0 else float(layers[start - 1].activation_bytes)
-        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static))
+        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept))
         start = stop
     return out
+
+
+def _storages(
+    layers: Sequence[Any], start: int, stop: int, joins: str = "output_aliases_input"
+) -> list[list[int]]:
+    """The tensors between the layers of stage [start, stop) grouped by storage: tensor j is layer
+    j's input (j = start: the stage's input, j = stop: its output); a layer whose output is its
+    input's storage (``output_aliases_input``: a view, an in-place op) joins j and j + 1. With
+    ``joins="input_grad_aliases"``: their gradients, joined where a layer's backward is a view."""
+    groups = [[start]]
+    for j in range(start, stop):
+        if getattr(layers[j], joins, False):
+            groups[-1].append(j + 1)
+        else:
+            groups.append([j + 1])
+    return groups
 
 
 def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, list[float]]:
@@ -248,7 +295,8 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
         return np.asarray([getattr(stages[s], _FIELD[kind])])
 
     return [
-        sum(st.static for st in stages[r :: sched.n_ranks]) + float(_walk(sched, lowered, r, size, modes)[0])
+        sum(st.static for st in stages[r :: sched.n_ranks])
+        + float(_walk(sched, lowered, r, size, modes, [st.input_grad_kept for st in stages])[0])
         for r in range(sched.n_ranks)
     ]
 
@@ -301,10 +349,13 @@ def _walk(
     r: int,
     size: Callable[[tuple[str, int, int]], np.ndarray],
     modes: list[str],
+    gin_kept: Sequence[bool] = (),
 ) -> np.ndarray:
     """Rank r's most bytes held at once (see ``rank_peaks``), per slot of ``size``'s vectors: each
-    slot's own maximum over the step (one slot: the peak itself)."""
+    slot's own maximum over the step (one slot: the peak itself). ``gin_kept[s]``: stage s's sent
+    input gradient is held until its W too (``StageBytes.input_grad_kept``)."""
     mine = lowered[r]
+    gins = {s for s, kept in enumerate(gin_kept) if kept}
     refs: dict[tuple[str, int, int], int] = {}
     width = len(size(("in", r, 0)))
     now, peak = np.zeros(width), np.zeros(width)
@@ -355,6 +406,7 @@ def _walk(
             continue
         a, s, i = item, item.stage, item.microbatch
         replays = recomputes(modes[s], i, m)
+        until_w = [("grads", s, i), ("gout", s, i), *([("gin", s, i)] if s in gins else [])]
         got = Action(s, Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, i)
         consumed = [buffer(got)] if a.kind is not Kind.W and got in mine else []
         for sent in reaps.get(got, []):
@@ -368,12 +420,12 @@ def _walk(
             if replays:
                 take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
             if sched.split_backward:
-                take(("grads", s, i), ("gout", s, i))
+                take(*until_w)
             else:
                 drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
         else:
             drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
-            drop(("grads", s, i), ("gout", s, i))
+            drop(*until_w)
         drop(*consumed)
     return peak
 

@@ -2,11 +2,13 @@
 
     # p: ranks, v: stages per rank, m: micro-batches, s: stage, r: rank
 
-One launch of 2 ranks runs the reference GPT and MLP under every schedule (gpipe, 1f1b,
+One launch of 2 ranks runs the reference GPT, MLP and ResNet under every schedule (gpipe, 1f1b,
 interleaved-1f1b with v = 2, zb-h1) and recomputation mode (never, except_last, always); each
 rank reports its measured activation bytes and peak, and each must be within 10 % of what
 ``partitioner.memory.rank_peaks`` predicts from the profile (the same model the plan's
-per-rank peak comes from). One more case steps an Adam optimizer and counts its state.
+per-rank peak comes from). One more case steps an Adam optimizer and counts its state. The
+ResNet's last stage starts at its ``Flatten``, a view of the received buffer that the
+classifier saves: one storage, counted once (``output_aliases_input``, ``input_grad_aliases``).
 
 The unit tests pin the accounting: each storage once (a tensor saved twice, views of one
 storage), released when autograd frees the graph, parameters not counted.
@@ -25,7 +27,7 @@ from torch import nn
 from partitioner import Profile, profile
 from partitioner.memory import rank_peaks, saved_io, stage_bytes
 from pipeline.plan import Plan
-from pipeline.reference.models import gpt, gpt_loss, mlp
+from pipeline.reference.models import gpt, gpt_loss, mlp, resnet
 from pipeline.runtime.memory import ActivationMeter, storage_bytes
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import run_ranks
@@ -35,6 +37,9 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 MODES = ["never", "except_last", "always"]
 CASES = [(sched, v, mode) for sched, v in SCHEDULES for mode in MODES]
 ADAM = ("1f1b", 1, "never")
+MODELS = ("mlp", "gpt", "resnet")
+# the ResNet's stages (stem, block, block, pool, flatten, linear): the last starts at the Flatten
+RESNET_BALANCE = {1: [4, 2], 2: [1, 2, 1, 2]}
 
 
 def _model(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
@@ -43,13 +48,18 @@ def _model(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
     if name == "mlp":
         model, x = mlp(width=32, depth=8, batch_size=8 * M)
         return model, x, torch.randn(8 * M, 32), nn.functional.mse_loss
+    if name == "resnet":
+        model, x = resnet(widths=(4, 8), blocks_per_width=1, image_size=8, batch_size=2 * M)
+        return model, x, torch.randint(0, 10, (2 * M,)), nn.functional.cross_entropy
     model, x = gpt(vocab_size=32, width=32, n_layers=5, n_heads=2, max_seq_len=16, batch_size=2 * M)
     return model, x, torch.randint(0, 32, x.shape), gpt_loss
 
 
-def _plan(model: nn.Sequential, sched: str, v: int, mode: str) -> Plan:
+def _plan(name: str, model: nn.Sequential, sched: str, v: int, mode: str) -> Plan:
     n, k = len(model), P * v
     balance = [n // k + (1 if s < n % k else 0) for s in range(k)]
+    if name == "resnet":
+        balance = RESNET_BALANCE[v]
     return Plan(balance=balance, schedule=sched, n_microbatches=M, n_virtual=v, recompute=mode)
 
 
@@ -58,7 +68,7 @@ def _measure(name: str) -> dict[tuple[str, str], tuple[int, int]]:
     model, x, y, loss_fn = _model(name)
     out: dict[tuple[str, str], tuple[int, int]] = {}
     for sched, v, mode in CASES:
-        pipe = Pipeline(model, _plan(model, sched, v, mode), loss_fn=loss_fn)
+        pipe = Pipeline(model, _plan(name, model, sched, v, mode), loss_fn=loss_fn)
         pipe.step(x, y)
         stats = pipe.memory_stats()
         assert stats["optimizer"] is None and stats["gradients"] == stats["parameters"]
@@ -75,7 +85,7 @@ def _measure(name: str) -> dict[tuple[str, str], tuple[int, int]]:
 
 
 def _measure_all() -> dict[str, dict[tuple[str, str], tuple[int, int]]]:
-    return {name: _measure(name) for name in ("mlp", "gpt")}
+    return {name: _measure(name) for name in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +106,7 @@ def _predicted(name: str, sched: str, v: int, mode: str, factor: float) -> tuple
     """Per rank: (activation bytes, peak bytes) the model predicts."""
     model = _model(name)[0]
     prof, io = _profile(name)
-    plan = _plan(model, sched, v, mode)
+    plan = _plan(name, model, sched, v, mode)
     figures = stage_bytes(prof, plan.balance, factor, io)
     peaks = rank_peaks(plan.build_schedule(), figures, plan.recompute)
     static = [sum(f.static for f in figures[r::P]) for r in range(P)]
@@ -107,7 +117,7 @@ def _close(measured: float, predicted: float) -> bool:
     return abs(measured - predicted) <= 0.10 * measured
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("name", MODELS)
 def test_measured_peak_matches_the_prediction(measured: list[dict[str, Any]], name: str) -> None:
     wrong = []
     for sched, v, mode in [*CASES, ("adam", 1, ADAM[2])]:
@@ -125,7 +135,7 @@ def test_measured_peak_matches_the_prediction(measured: list[dict[str, Any]], na
 def test_activations_are_a_large_share_of_the_peak(measured: list[dict[str, Any]]) -> None:
     # the peak comparison would prove little if parameters dominated it
     for r in range(P):
-        for name in ("mlp", "gpt"):
+        for name in MODELS:
             acts, peak = measured[r][name][("gpipe", "never")]
             assert acts > 0.2 * peak
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -202,6 +203,29 @@ def test_stage_bytes_counts_a_storage_two_layers_save_once() -> None:
     assert upper[0].saved == 4 * u  # all four, the output again beside them: an upper bound
 
 
+def test_a_view_or_in_place_layer_joins_the_storages_around_it() -> None:
+    # Unflatten and Flatten return views (so do their backwards), the in-place ReLU its input: u each
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Unflatten(1, (2, 4)), nn.Flatten(), nn.Linear(8, 8),
+                          nn.ReLU(inplace=True))  # fmt: skip
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    prof = profile(model, x, loss_fn=nn.functional.mse_loss, target=y, warmup=0, repeat=1)
+    flags = [(lp.output_aliases_input, lp.input_grad_aliases) for lp in prof.layers]
+    assert flags == [(False, False), (True, True), (True, True), (False, False), (True, False)]
+    u = float(x.nbytes)
+    first, last = stage_bytes(prof, [2, 3], 0.0)
+    # stage 1 starts at the Flatten: the Linear saves a view of the received input (held as the
+    # input), the ReLU its output in place, which the loss saves too: one storage
+    assert (last.saved, last.input, last.output) == (u, u, 0.0)
+    # split: the Flatten's output gradient is the input gradient it sends, kept until W; the
+    # Linear's output gradient (the ReLU's input's) is a storage of its own
+    assert (last.grads, last.input_grad_kept) == (u, True)
+    # stage 0 sends the Unflatten's output, a view of the Linear's: one storage, counted as output
+    assert (first.saved, first.output, first.grads) == (0.0, u, 0.0)
+    mid = stage_bytes(prof, [4, 1], 0.0)[0]  # the second Linear saves a view of the first's output
+    assert (mid.saved, mid.output, mid.grads) == (u, u, u)
+
+
 # -- the solver's rows: coefficients from the walk with unit bytes, an upper bound of the walk ----------
 
 MODES = ("never", "always", "except_last")
@@ -215,6 +239,10 @@ def _random_schedule(rng: random.Random) -> tuple[str, int, int, int]:
     return name, p, m, v
 
 
+def _figures(values: dict[str, float]) -> dict[str, Any]:
+    return values  # StageBytes(**...) with its flag among the fields: no float for a bool, says mypy
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_coefficients_times_the_figures_bound_the_walk(seed: int) -> None:
     # any figures, any schedule, any modes per stage: a rank's walked peak <= sum over its stages of
@@ -226,8 +254,7 @@ def test_coefficients_times_the_figures_bound_the_walk(seed: int) -> None:
         modes = tuple(rng.choice(MODES) for _ in range(k))
         figures = [
             StageBytes(
-                **{f: float(rng.randint(0, 100)) for f in PARTS},
-                static=float(rng.randint(0, 100)),
+                **_figures({f: float(rng.randint(0, 100)) for f in PARTS}), static=float(rng.randint(0, 100))
             )
             for s in range(k)
         ]
@@ -238,7 +265,7 @@ def test_coefficients_times_the_figures_bound_the_walk(seed: int) -> None:
                         for s in range(r, k, p))  # fmt: skip
             assert walked[r] <= bound
         for f in PARTS:
-            alone = [StageBytes(**{**dict.fromkeys(PARTS, 0.0), f: 1.0}) for _ in range(k)]
+            alone = [StageBytes(**_figures({**dict.fromkeys(PARTS, 0.0), f: 1.0})) for _ in range(k)]
             per_rank = rank_peaks(sched, alone, modes)
             for r in range(p):
                 chunks = sum(coef[s][f] for s in range(r, k, p))
@@ -279,6 +306,8 @@ def _shared_profile(n: int, seed: int) -> Profile:
                 buffer_bytes=rng.randint(0, 64),
                 saved_input_bytes=inp,
                 saved_output_bytes=out,
+                output_aliases_input=rng.random() < 0.3,  # views: fewer storages, never more bytes
+                input_grad_aliases=rng.random() < 0.3,
             )
         )
     loss = LayerProfile(n, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, 4, 512, (1,), "float32",
