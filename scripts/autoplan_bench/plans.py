@@ -19,6 +19,7 @@ from partitioner.overhead import RuntimeCosts
 from partitioner.scaling import scale_profile, second_rows
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.schedules.schedule import schedule as make_schedule
 
 P = 2  # ranks
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -90,9 +91,13 @@ def rank_peaks(plan: Plan) -> list[float]:
 
 
 def plan_key(plan: Plan) -> str:
-    """What makes two plans run the same: the plan without its predictions."""
+    """What makes two plans run the same: each rank's lowered actions, the recomputation and the
+    balance (not the schedule's name: gpipe and 1f1b at m = 1 are one plan, measured once, so that
+    measurement noise cannot rank a plan against itself)."""
     rc = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
-    return json.dumps([plan.schedule, plan.n_microbatches, plan.n_virtual, rc, plan.balance])
+    sched = make_schedule(plan.schedule, plan.n_ranks, plan.n_microbatches, n_virtual=plan.n_virtual)
+    actions = [[str(a) for a in rank] for rank in sched.lowered()]
+    return json.dumps([actions, rc, plan.balance])
 
 
 def _config_of(plan: Plan) -> Config:
