@@ -77,6 +77,9 @@ def _matrix() -> dict[str, Any]:
         pipe.mesh.mesh.tolist() if pipe.mesh is not None else None,
     )
     out["eval"] = pipe.evaluate(x[_rows(UNEVEN)], y[_rows(UNEVEN)])
+    cpu = torch.device("cpu")
+    groups = (pipe.dp_group, pipe.pp_group)
+    out["group_timeouts"] = [g._get_backend(cpu).options._timeout.total_seconds() for g in groups]
     # replicas seeded differently: replica 0's initial values reach replica 1 at construction
     torch.manual_seed(dist.get_rank() // P)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
@@ -161,6 +164,12 @@ def test_uneven_local_batches_are_weighted_by_rows(results: list[dict[str, Any]]
     with torch.no_grad():
         want = float(loss_fn(model.eval()(x), y))
     assert all(abs(r["eval"] - want) <= 1e-5 * want for r in results)
+
+
+def test_the_mesh_s_groups_are_bounded_by_the_pipeline_s_timeout(results: list[dict[str, Any]]) -> None:
+    """Not torch's 30 minutes: a collective stuck on a stopped peer must end, or a rank that failed
+    hangs at exit joining the group's threads (seen under torchrun with a SIGSTOPped replica)."""
+    assert all(res["group_timeouts"] == [30.0, 30.0] for res in results)
 
 
 def test_replicas_start_from_replica_0_s_parameters(results: list[dict[str, Any]]) -> None:

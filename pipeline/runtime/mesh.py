@@ -34,13 +34,17 @@ world: the runtime's per-pair channels (channels.py) are made with
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DIMS", "Layout", "build_mesh", "check_mesh", "check_world", "layout_of", "layout_table"]
+__all__ = [
+    "DIMS", "Layout", "bound_timeouts", "build_mesh", "check_mesh", "check_world", "layout_of",
+    "layout_table",
+]  # fmt: skip
 
 DIMS = ("dp", "pp")
 
@@ -83,6 +87,17 @@ def build_mesh(dp: int, p: int, device_type: str) -> DeviceMesh:
     if key not in _made:
         _made[key] = init_device_mesh(device_type, (dp, p), mesh_dim_names=DIMS)
     return _made[key]
+
+
+def bound_timeouts(mesh: DeviceMesh, seconds: float) -> None:
+    """The mesh's groups' own timeout set to ``seconds`` (new groups default to torch's 30 minutes): a
+    collective left running on a peer that stopped (SIGSTOP, a hung host) then ends in time, so a rank
+    that failed can exit (its exit joins the groups' threads) instead of hanging for half an hour."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
+    if set_timeout is None:
+        return
+    for name in DIMS:
+        set_timeout(datetime.timedelta(seconds=seconds), mesh.get_group(name))
 
 
 def check_mesh(mesh: Any, dp: int, p: int) -> DeviceMesh:

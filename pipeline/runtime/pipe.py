@@ -220,7 +220,7 @@ class Pipeline:
         bucket_mb = check_bucket_mb(bucket_mb)
         distributed = dist.is_available() and dist.is_initialized()
         dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
-        groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed)
+        groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed, timeout)
         check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute

@@ -35,7 +35,7 @@ from torch import nn
 
 from pipeline.runtime.dp import GradReducer, Reduction, assign_parameters, reduction_points
 from pipeline.runtime.executor import Executor
-from pipeline.runtime.mesh import Layout, build_mesh, check_mesh, check_world, layout_of
+from pipeline.runtime.mesh import Layout, bound_timeouts, build_mesh, check_mesh, check_world, layout_of
 from pipeline.runtime.p2p import Comm
 from pipeline.schedules.schedule import Schedule
 
@@ -52,9 +52,10 @@ class Groups:
     layout: Layout | None
 
 
-def resolve(dp: int | None, p: int, group: Any, mesh: Any, distributed: bool) -> Groups:
+def resolve(dp: int | None, p: int, group: Any, mesh: Any, distributed: bool, timeout: float) -> Groups:
     """The groups for a plan of ``dp`` replicas (None: the mesh's) of ``p`` ranks; ValueError when the
-    world, ``group`` or ``mesh`` does not fit."""
+    world, ``group`` or ``mesh`` does not fit. A mesh made here has its groups bounded by ``timeout``
+    (a caller's mesh keeps the timeouts its maker gave it)."""
     if mesh is None and (dp or 1) == 1:
         return Groups(None, group, None, None)
     if not distributed:
@@ -73,6 +74,7 @@ def resolve(dp: int | None, p: int, group: Any, mesh: Any, distributed: bool) ->
         assert dp is not None
         check_world(dist.get_world_size(), dp, p)
         mesh = build_mesh(dp, p, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        bound_timeouts(mesh, timeout)
     else:
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if dp is None and "dp" in names:
