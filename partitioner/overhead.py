@@ -142,7 +142,7 @@ def measure_runtime(group: Any = None, *, steps: int = 10, warmup: int = 2) -> R
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 * p)])
         plan = Plan(balance=[2 // v] * (p * v), schedule=name, n_microbatches=m, n_virtual=v)
-        runs.append((Pipeline(model, plan, loss_fn=nn.functional.mse_loss), plan, m))
+        runs.append((Pipeline(model, plan, loss_fn=nn.functional.mse_loss, group=group), plan, m))
     x, y = torch.randn(4 * p, 4), torch.randn(4 * p, 4)
     took = torch.zeros(len(runs), steps, dtype=torch.float64)
     try:

@@ -29,6 +29,7 @@ from partitioner.overhead import (
 )
 from partitioner.scaling import scale_profile, second_rows
 from pipeline.plan import Plan
+from tests.dist import job
 from tests.test_partitioner_auto import synthetic
 
 
@@ -127,3 +128,25 @@ def test_the_second_profile_is_the_smallest_micro_batch() -> None:
     assert second_rows(1, 8, [1, 2, 4, 8]) == 8  # the sample has the smallest: the largest instead
     assert second_rows(4, 4, [1]) == 2  # one size only: another one for the slope
     assert second_rows(1, 1, [1]) == 2
+
+
+def _measured_on_halves() -> tuple[list[int], RuntimeCosts]:
+    """measure_runtime on a group of 2 of the 4 ranks: its pipelines run on that group (each half
+    measures on its own), so what it fits is the group's."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = halves[rank // 2]
+    return dist.get_process_group_ranks(mine), measure_runtime(mine, steps=1, warmup=0)
+
+
+_HALVES = job(4, _measured_on_halves, timeout=120.0)
+
+
+def test_measure_runtime_runs_on_the_group_it_is_given(tmp_path_factory: pytest.TempPathFactory) -> None:
+    results = _HALVES.results(tmp_path_factory)
+    for g, (ranks, costs) in enumerate(results):
+        assert ranks == ([0, 1] if g < 2 else [2, 3])
+        assert costs.action >= 0.0 and costs.message >= 0.0
+        assert costs == results[ranks[0]][1]  # collective: the group's ranks return the same
