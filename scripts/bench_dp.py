@@ -1,7 +1,8 @@
 """Data parallelism over pipeline replicas: how much of the gradient all-reduce the schedule hides.
 
-    python scripts/bench_dp.py                       # dp = 2 x 2 pipeline ranks: 4 processes, ~2 min
-    python scripts/bench_dp.py --width 1024 --steps 8 --json runs/dp.json
+    python scripts/bench_dp.py                       # dp = 2 x 2 pipeline ranks: 4 processes, ~3 min
+    python scripts/bench_dp.py --bucket-mb 25 --json runs/dp.json
+    python scripts/bench_dp.py --workload linear --layers 8 --bucket-mb 25 --steps 12 --warmup 6
 
     # p = 2 ranks per pipeline, dp = 2 replicas, m micro-batches, B rows per replica
 
@@ -21,21 +22,31 @@ A step's time runs from a barrier to the last rank's end. The all-reduce costs a
 its step time minus its dp=1 run's, and the share hidden is
 ``1 - (T_run - T_dp1) / T_allreduce``.
 
-The ranks keep freed memory in the heap (glibc's ``MALLOC_MMAP_THRESHOLD_``), as a GPU's caching
-allocator does: otherwise each step's fresh gradients page-fault in anew, which varies a step by more
-than the all-reduce being measured.
+``--methods a`` measures only (a), with its baseline and the all-reduce alone.
 
-Workloads: ``linear``, Linear(width, width) layers (at width 1536, 9.4 MB of fp32
-gradients each, 4 per stage), whose compute needs the same CPU cores as gloo's
-reduction; ``timed``, layers with as many parameters that sleep their forward and
-backward (``--fwd-ms``, ``--bwd-ms``) and leave the cores free, as an accelerator
-leaves the host while it computes: what the schedule can hide, apart from a
-host's contention.
+The host is kept from adding noise larger than the all-reduce, for every run alike: Python's garbage
+collector runs between steps, not during them (as torchtitan's training loop does); the ranks keep
+freed memory in the heap (glibc's ``MALLOC_MMAP_THRESHOLD_``) as a GPU's caching allocator does; and
+the timed layers' backward hands autograd the same zeros every time (see ``TimedLayer``): a fresh
+9.4 MB of zeros per layer and micro-batch fragmented the heap, and in one step in three of (a) the
+ranks page-faulted 10-60 MB in anew, 100-250 ms slower.
+
+Workloads: ``timed`` (the default), layers with the parameters of a Linear(width, width)
+(at width 1536, 9.4 MB of fp32 gradients each, 8 per stage) that sleep their forward and backward
+(``--fwd-ms``, ``--bwd-ms``) and leave the cores free, as an accelerator leaves the host while it
+computes: what the schedule can hide, apart from a host's contention; ``linear``, real
+Linear(width, width) layers, whose compute needs the same CPU cores as gloo's reduction.
+
+What no schedule hides: the first stage's last gradients are final at the very end of the step (its
+last backward is the rank's last action), so its last bucket is reduced after everything else, about
+1 / (layers per stage) of the all-reduce with a bucket per layer, a quarter with 25 MB buckets of two.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import platform
@@ -62,47 +73,65 @@ __all__ = ["main"]
 
 P, DP = 2, 2
 RUNS = ("ours dp=1", "(a) overlap", "(b) after", "torch dp=1", "(c) torch+DDP", "all-reduce")
+METHODS = {"a": "(a) overlap", "b": "(b) after", "c": "(c) torch+DDP"}
+BASELINE = {"(a) overlap": "ours dp=1", "(b) after": "ours dp=1", "(c) torch+DDP": "torch dp=1"}
 
 
 @dataclass(frozen=True)
 class Config:
     width: int = 1536
-    layers: int = 8
+    layers: int = 16
     rows: int = 8  # per micro-batch
     m: int = 4
-    steps: int = 8
-    warmup: int = 2
-    bucket_mb: float = 25.0
-    workload: str = "linear"
+    steps: int = 16
+    warmup: int = 8
+    bucket_mb: float = 5.0  # one layer's 9.4 MB per bucket, for (a), (b) and (c) alike
+    workload: str = "timed"
     fwd_ms: float = 10.0
     bwd_ms: float = 20.0
+    methods: str = "abc"  # which of (a), (b), (c); their dp=1 baselines and the all-reduce always run
+
+    @property
+    def runs(self) -> tuple[str, ...]:
+        """The runs measured, in RUNS order."""
+        chosen = {METHODS[k] for k in self.methods} | {"all-reduce"}
+        chosen |= {BASELINE[name] for name in chosen if name in BASELINE}
+        return tuple(name for name in RUNS if name in chosen)
 
 
 class _Sleep(torch.autograd.Function):
-    """x -> x, sleeping ``t_f``; backward sleeps ``t_b`` and gives ``weight`` a gradient (zeros)."""
+    """x -> x, sleeping ``t_f``; backward sleeps ``t_b`` and gives the weight ``grad_w`` (zeros, kept)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_w: torch.Tensor, t_f: float, t_b: float
+    ) -> torch.Tensor:
         time.sleep(t_f)
-        ctx.t_b, ctx.like = t_b, weight
+        ctx.t_b, ctx.grad_w = t_b, grad_w
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         time.sleep(ctx.t_b)
-        return grad, torch.zeros_like(ctx.like), None, None
+        return grad, ctx.grad_w, None, None, None
 
 
 class TimedLayer(nn.Module):
-    """As many parameters as Linear(width, width), costing ``t_f`` / ``t_b`` of sleep, no CPU."""
+    """As many parameters as Linear(width, width), costing ``t_f`` / ``t_b`` of sleep, no CPU.
+
+    Its backward returns the same zeros every time (autograd copies them into a fresh ``.grad`` and
+    adds them in place after): a fresh 9.4 MB tensor per layer and micro-batch made the host allocate
+    and fill memory that an accelerator's compute would have produced on the device.
+    """
 
     def __init__(self, width: int, t_f: float, t_b: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(width * (width + 1)))
+        self.grad_w = torch.zeros_like(self.weight)  # not a buffer: not state, not broadcast
         self.t_f, self.t_b = t_f, t_b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _Sleep.apply(x, self.weight, self.t_f, self.t_b)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Sleep.apply(x, self.weight, self.grad_w, self.t_f, self.t_b)  # type: ignore[no-untyped-call]
         return out
 
 
@@ -223,19 +252,20 @@ def _rank_main(cfg: Config) -> dict[str, list[float]]:
     mesh = init_device_mesh("cpu", (DP, P), mesh_dim_names=("dp", "pp"))
     dp_group = mesh.get_group("dp")
     groups = _Groups(mesh, mesh.get_group("pp"), dp_group, dist.get_process_group_ranks(dp_group))
-    a_step, a_params, _ = _ours(cfg, DP, groups)
-    d_step, d_params, _ = _ours(cfg, 1, groups)
-    runs: dict[str, tuple[Step, list[nn.Parameter]]] = {
-        "ours dp=1": (d_step, d_params),
-        "(a) overlap": (a_step, a_params),
-        "(b) after": _after(cfg, groups),
-        "torch dp=1": _torch(cfg, False, groups),
-        "(c) torch+DDP": _torch(cfg, True, groups),
-        "all-reduce": _allreduce(cfg, groups),
+    makers: dict[str, Callable[[], tuple[Step, list[nn.Parameter]]]] = {
+        "ours dp=1": lambda: _ours(cfg, 1, groups)[:2],
+        "(a) overlap": lambda: _ours(cfg, DP, groups)[:2],
+        "(b) after": lambda: _after(cfg, groups),
+        "torch dp=1": lambda: _torch(cfg, False, groups),
+        "(c) torch+DDP": lambda: _torch(cfg, True, groups),
+        "all-reduce": lambda: _allreduce(cfg, groups),
     }
+    runs = {name: makers[name]() for name in cfg.runs}
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
+    gc.disable()  # collected between steps, outside the timing, as torchtitan's training loop does
     for k in range(cfg.warmup + cfg.steps):
+        gc.collect()
         for name in names if k % 2 == 0 else reversed(names):  # alternate who goes first
             step, params = runs[name]
             for p in params:
@@ -250,14 +280,11 @@ def _rank_main(cfg: Config) -> dict[str, list[float]]:
 
 
 def _report(cfg: Config, per_rank: list[dict[str, list[float]]]) -> dict[str, Any]:
-    step = {name: statistics.median(max(r[name][k] for r in per_rank) for k in range(cfg.steps))
-            for name in RUNS}  # fmt: skip
+    # a step lasts until its last rank ends: per step the slowest rank, then the median over steps
+    per_step = {name: [max(r[name][k] for r in per_rank) for k in range(cfg.steps)] for name in cfg.runs}
+    step = {name: statistics.median(times) for name, times in per_step.items()}
     ar = step["all-reduce"]
-    hidden = {
-        "(a) overlap": 1 - (step["(a) overlap"] - step["ours dp=1"]) / ar,
-        "(b) after": 1 - (step["(b) after"] - step["ours dp=1"]) / ar,
-        "(c) torch+DDP": 1 - (step["(c) torch+DDP"] - step["torch dp=1"]) / ar,
-    }
+    hidden = {name: 1 - (step[name] - step[base]) / ar for name, base in BASELINE.items() if name in step}
     mb = 4 * cfg.width * (cfg.width + 1) * cfg.layers // 2 / 1e6
     layer = f"Linear({cfg.width}, {cfg.width})"
     if cfg.workload == "timed":
@@ -268,12 +295,11 @@ def _report(cfg: Config, per_rank: list[dict[str, list[float]]]) -> dict[str, An
           f"replica; {cfg.layers} x {layer}; {mb:.1f} MB of gradients per stage; "
           f"buckets {cfg.bucket_mb:g} MB; median of {cfg.steps} steps after {cfg.warmup}")  # fmt: skip
     print(f"{'run':<16}{'step ms':>10}{'vs dp=1 ms':>12}{'hidden':>9}")
-    for name in RUNS:
-        base = step["torch dp=1"] if name.startswith("(c)") else step["ours dp=1"]
-        extra = f"{(step[name] - base) * 1e3:12.1f}" if name in hidden else f"{'':>12}"
+    for name in cfg.runs:
+        extra = f"{(step[name] - step[BASELINE[name]]) * 1e3:12.1f}" if name in hidden else f"{'':>12}"
         share = f"{hidden[name]:9.0%}" if name in hidden else ""
         print(f"{name:<16}{step[name] * 1e3:10.1f}{extra}{share}")
-    return {"config": cfg.__dict__, "step_s": step, "hidden": hidden}
+    return {"config": cfg.__dict__, "step_s": step, "hidden": hidden, "steps_s": per_step}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -286,13 +312,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workload", choices=("linear", "timed"), default=d.workload)
     parser.add_argument("--fwd-ms", type=float, default=d.fwd_ms, help="timed: each layer's forward")
     parser.add_argument("--bwd-ms", type=float, default=d.bwd_ms, help="timed: each layer's backward")
+    methods = "which of (a) overlap, (b) after, (c) torch+DDP, e.g. 'a' (baselines always run)"
+    parser.add_argument("--methods", default=d.methods, help=methods)
     parser.add_argument("--json", help="also write the numbers here")
     a = parser.parse_args(argv)
     if a.layers % 2 or a.layers < 2:
         parser.error(f"--layers {a.layers} must be even: half on each pipeline rank")
+    if not a.methods or set(a.methods) - set(METHODS):
+        parser.error(f"--methods {a.methods!r}: give some of the letters a, b and c, e.g. --methods ab")
     cfg = Config(
         a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb, a.workload, a.fwd_ms, a.bwd_ms
     )
+    cfg = dataclasses.replace(cfg, methods="".join(sorted(set(a.methods))))
     # glibc returns freed blocks this large to the kernel, so every step's gradients page-fault in anew
     # (a few ms per 9.4 MB, varying): keep them in the heap, as a GPU's caching allocator keeps its own
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
