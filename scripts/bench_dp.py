@@ -39,7 +39,8 @@ Linear(width, width) layers, whose compute needs the same CPU cores as gloo's re
 
 What no schedule hides: the first stage's last gradients are final at the very end of the step (its
 last backward is the rank's last action), so its last bucket is reduced after everything else, about
-1 / (layers per stage) of the all-reduce with a bucket per layer, a quarter with 25 MB buckets of two.
+1 / (layers per stage) of the all-reduce with a bucket per layer, 2 / (layers per stage) with 25 MB
+buckets of two: a quarter by default.
 """
 
 from __future__ import annotations
@@ -312,10 +313,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workload", choices=("linear", "timed"), default=d.workload)
     parser.add_argument("--fwd-ms", type=float, default=d.fwd_ms, help="timed: each layer's forward")
     parser.add_argument("--bwd-ms", type=float, default=d.bwd_ms, help="timed: each layer's backward")
-    methods = "which of (a) overlap, (b) after, (c) torch+DDP, e.g. 'a' (baselines always run)"
+    methods = "which of (a) overlap, (b) after, (c) torch+DDP, e.g. 'a' (their baselines always run)"
     parser.add_argument("--methods", default=d.methods, help=methods)
     parser.add_argument("--json", help="also write the numbers here")
     a = parser.parse_args(argv)
+    if a.steps < 1 or a.warmup < 0:
+        parser.error(f"--steps {a.steps} --warmup {a.warmup}: give --steps >= 1 and --warmup >= 0")
     if a.layers % 2 or a.layers < 2:
         parser.error(f"--layers {a.layers} must be even: half on each pipeline rank")
     if not a.methods or set(a.methods) - set(METHODS):
@@ -331,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_rank = launch(_rank_main, P * DP, cfg, backend="gloo", timeout=600.0)
     out = _report(cfg, per_rank)
     if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
     return out

@@ -53,6 +53,16 @@ def test_a_step_is_its_slowest_rank_and_the_median_takes_out_one_bad_step() -> N
     assert out["hidden"]["(a) overlap"] == pytest.approx(0.7)
 
 
+def test_a_subset_of_methods_runs_with_its_own_baselines_and_reports_only_those() -> None:
+    assert Config(methods="c").runs == ("torch dp=1", "(c) torch+DDP", "all-reduce")
+    assert Config(methods="ab").runs == ("ours dp=1", "(a) overlap", "(b) after", "all-reduce")
+    cfg = Config(steps=2, methods="c")
+    flat = {"torch dp=1": 1.0, "(c) torch+DDP": 1.05, "all-reduce": 0.1}
+    out = _report(cfg, _ranks({name: [[t] * 4] * 2 for name, t in flat.items()}))
+    assert out["hidden"] == {"(c) torch+DDP": pytest.approx(0.5)}
+    assert set(out["step_s"]) == set(flat)
+
+
 def test_the_timed_layer_has_a_linears_parameters_and_gives_them_a_gradient() -> None:
     layer = TimedLayer(8, 0.0, 0.0)
     assert layer.weight.numel() == sum(p.numel() for p in torch.nn.Linear(8, 8).parameters())
