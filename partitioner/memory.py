@@ -170,7 +170,8 @@ def stage_bytes(
         if last and loss is not None:  # the loss: its input once (below), its target (the step's data) never
             saved += loss.saved_bytes - io[-1][1]
         chain = 0.0
-        for group in _storages(layers, start, stop):
+        storages = _storages(layers, start, stop)
+        for group in storages:
             # per layer, what it saves of this storage: an aliasing layer's input and output are it
             savers = [float(io[j - 1][1]) for j in group if j > start and j - 1 not in group]
             savers += [float(max(io[j]) if j + 1 in group else io[j][0]) for j in group if j < stop]
@@ -184,7 +185,7 @@ def stage_bytes(
             inner = [j for j in group if start < j < stop]
             if inner and not held and max(savers) == 0:  # a split chain keeps what no layer saves
                 chain += max(float(layers[j - 1].activation_bytes) for j in inner)
-        if not last and _storages(layers, start, stop)[0][-1] == stop:
+        if not last and storages[0][-1] == stop:
             output = 0.0  # it sends a view of its input: the input buffer is that storage
         # split backward: one gradient per storage of its layers' outputs, held from B to W; the
         # one that is the input's gradient (a view's backward) is the sent one, kept until W
