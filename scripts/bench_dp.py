@@ -46,7 +46,6 @@ buckets of two: a quarter by default.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -324,9 +323,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not a.methods or set(a.methods) - set(METHODS):
         parser.error(f"--methods {a.methods!r}: give some of the letters a, b and c, e.g. --methods ab")
     cfg = Config(
-        a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb, a.workload, a.fwd_ms, a.bwd_ms
-    )
-    cfg = dataclasses.replace(cfg, methods="".join(sorted(set(a.methods))))
+        a.width, a.layers, a.rows, a.m, a.steps, a.warmup, a.bucket_mb, a.workload, a.fwd_ms, a.bwd_ms,
+        methods="".join(sorted(set(a.methods))),
+    )  # fmt: skip
     # glibc returns freed blocks this large to the kernel, so every step's gradients page-fault in anew
     # (a few ms per 9.4 MB, varying): keep them in the heap, as a GPU's caching allocator keeps its own
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
