@@ -27,12 +27,13 @@ P = 2
 
 
 class _Boom(nn.Module):
-    """A Linear that raises at its ``at``-th call (or kills its process, leaving the time in ``note``)."""
+    """A Linear that raises at its ``at``-th call, ``delay`` seconds late (or kills its process,
+    leaving the time in ``note``)."""
 
-    def __init__(self, at: int, note: str = "") -> None:
+    def __init__(self, at: int, note: str = "", delay: float = 0.0) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)  # the replicas' state has the same sizes
-        self.calls, self.at, self.note = 0, at, note
+        self.calls, self.at, self.note, self.delay = 0, at, note, delay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -40,6 +41,7 @@ class _Boom(nn.Module):
             if self.note:
                 Path(self.note).write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.delay)
             raise RuntimeError("boom in a replica")
         return self.linear(x)
 
@@ -48,7 +50,10 @@ def _model(replica: int, kind: str) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(4, 4) for _ in range(4)]
     if kind == "raise" and replica == 1:
-        layers[2] = _Boom(at=3)  # replica 1's stage 1 (global rank 3) fails at its third forward
+        # replica 1's stage 1 (global rank 3) fails at its third forward, late enough that replica 0 has
+        # finished its pipeline and waits for replica 1 in the data-parallel collectives (raising at
+        # once, a loaded host sometimes caught replica 0 still inside its own pipeline)
+        layers[2] = _Boom(at=3, delay=1.0)
     return nn.Sequential(*layers)
 
 
