@@ -109,8 +109,8 @@ def profile_graph(
             check_untouched(label, held, before)
             outs = out if isinstance(out, tuple) else (out,)
             env.update(zip(spec.outputs or (), outs, strict=True))
-            for name in [n for n in env if traced.values[n].last <= index]:
-                del env[name]  # no later layer reads it
+            for name in [n for n in env if traced.values[n].last <= index and n not in traced.inputs]:
+                del env[name]  # no later layer reads it (the inputs stay: their sizes may be read)
             layers.append(dataclasses.replace(figures, params=held_names(held, names)))
             devices.append(str(here))
         if loss_fn is not None:

@@ -49,8 +49,10 @@ def plan_stages(
     local: Sequence[int],
     device: torch.device,
     init_fn: Callable[[nn.Module], None] | None = None,
+    unset: dict[int, str] | None = None,
 ) -> tuple[dict[int, nn.Module], list[Tie]]:
-    """This rank's stage modules (``local``: stage indices) on ``device``, and every tie of the plan."""
+    """This rank's stage modules (``local``: stage indices) on ``device``, and every tie of the plan;
+    ``unset``: see ``materialize``."""
     if "graph" not in plan.extra:
         if not isinstance(model, nn.Sequential):
             raise ValueError(
@@ -70,7 +72,7 @@ def plan_stages(
     ties = find_ties(every)
     modules = list(mine.values())
     if any(t.is_meta for mod in modules for t in itertools.chain(mod.parameters(), mod.buffers())):
-        materialize(modules, device, init_fn)
+        materialize(modules, device, init_fn, unset)
     for mod in modules:
         mod.to(device)
     return mine, ties

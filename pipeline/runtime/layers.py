@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from pipeline.runtime.sizes import is_size, readers
+from pipeline.runtime.sizes import mark_derived, readers, recomputed
 
 __all__ = [
     "Layer",
@@ -102,7 +102,8 @@ def _op_name(node: fx.Node) -> str:
 
 def group_layers(graph: fx.Graph) -> list[Layer]:
     """The layers of ``graph`` (see the module docstring), in the order their first calls run."""
-    calls = [n for n in graph.nodes if n.op in _CALLS and not is_size(n)]  # sizes: no layer (sizes.py)
+    mark_derived(graph)
+    calls = [n for n in graph.nodes if n.op in _CALLS and not recomputed(n)]  # no layer's (sizes.py)
     counts: Counter[str] = Counter(path for node in calls for path, _ in _stack(node))
     opened = {p for p, c in counts.items() if 2 * c > len(calls)}
     owner: dict[str, int] = {}
@@ -131,14 +132,20 @@ def group_layers(graph: fx.Graph) -> list[Layer]:
 
 
 def reads(nodes: list[fx.Node]) -> set[str]:
-    """The get_attr targets and called module paths of ``nodes`` (what a stage of them must hold)."""
+    """The get_attr targets and called module paths of ``nodes`` (what a stage of them must hold),
+    those that the derived tensors they read are made from included (sizes.py)."""
     out: set[str] = set()
-    for node in nodes:
+    todo, seen = list(nodes), set()
+    while todo:
+        node = todo.pop()
         if node.op == "call_module":
             out.add(str(node.target))
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
                 out.add(str(arg.target))
+            elif recomputed(arg) and arg.name not in seen:
+                seen.add(arg.name)
+                todo.append(arg)
     return out
 
 

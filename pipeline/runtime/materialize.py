@@ -11,7 +11,9 @@ causal mask) would hold whatever memory it got, silently. ``materialize`` instea
     2. ``reset_parameters()`` (or ``_reset_parameters()``) of every submodule, once each, no grad
     3. ``init_fn(module)`` on each given module, if given
     4. every new tensor that nothing wrote (its version counter never moved and it was not
-       replaced) is named in a ValueError, with the two ways to give it values
+       replaced) is named in a ValueError, with the ways to give it values; or, with ``unset``
+       given, recorded there (id -> name) for weights that will be loaded later
+       (``Pipeline.load_pretrained``), which then refuses to step until each has its values
 
 The stages' modules are the model's own (traced.py, or an ``nn.Sequential`` slice), so step 2
 runs the model's real ``reset_parameters``; values are a re-initialisation, not a copy of any
@@ -25,15 +27,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["materialize"]
+__all__ = ["materialize", "unset_message"]
 
 
 def materialize(
     modules: Sequence[nn.Module],
     device: torch.device | str,
     init_fn: Callable[[nn.Module], None] | None = None,
+    unset: dict[int, str] | None = None,
 ) -> None:
-    """Give every meta parameter and buffer of ``modules`` storage on ``device`` and real values (above)."""
+    """Give every meta parameter and buffer of ``modules`` storage on ``device`` and real values (above);
+    with ``unset``, those left without values are recorded there instead of raising."""
     places: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # id -> (owner, name, is parameter)
     subs = list({id(sub): sub for mod in modules for sub in mod.modules()}.values())
     for sub in subs:
@@ -62,9 +66,15 @@ def materialize(
     if init_fn is not None:
         for mod in modules:
             init_fn(mod)
-    blank = [key for key, t in made.items() if t._version == start[key] and _still_held(places[key], t)]
-    if blank:
-        raise ValueError(_message(modules, blank, places))
+    blank = [  # an empty tensor has no values to miss
+        key
+        for key, t in made.items()
+        if t._version == start[key] and _still_held(places[key], t) and t.numel()
+    ]
+    if blank and unset is not None:
+        unset.update(_names(modules, blank, places))
+    elif blank:
+        raise ValueError(unset_message(list(_names(modules, blank, places).values())))
 
 
 def _still_held(where: list[tuple[nn.Module, str, bool]], t: torch.Tensor) -> bool:
@@ -73,9 +83,10 @@ def _still_held(where: list[tuple[nn.Module, str, bool]], t: torch.Tensor) -> bo
     return (sub._parameters if is_param else sub._buffers).get(name) is t
 
 
-def _message(
+def _names(
     modules: Sequence[nn.Module], blank: list[int], places: dict[int, list[tuple[nn.Module, str, bool]]]
-) -> str:
+) -> dict[int, str]:
+    """id of each blank tensor -> "name (a parameter of Class)"."""
     names: dict[int, str] = {}
     for mod in modules:
         for name, t in [
@@ -83,16 +94,22 @@ def _message(
             *mod.named_buffers(remove_duplicate=False),
         ]:
             names.setdefault(id(t), name)
-    items = []
+    out = {}
     for key in blank:
         sub, attr, is_param = places[key][0]
         held = sub._parameters[attr] if is_param else sub._buffers[attr]
-        label = names.get(id(held), attr)
-        items.append(f"{label} (a {'parameter' if is_param else 'buffer'} of {type(sub).__name__})")
+        assert held is not None
+        kind = "parameter" if is_param else "buffer"
+        out[id(held)] = f"{names.get(id(held), attr)} (a {kind} of {type(sub).__name__})"
+    return out
+
+
+def unset_message(items: list[str]) -> str:
+    """The error for tensors a meta-device model's materialisation left without values."""
     shown = ", ".join(items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8 else "")
     return (
         f"materialising the meta-device model left {shown} without values: no reset_parameters() writes "
         "it, so it would hold uninitialised memory; give its module a reset_parameters() that sets it "
         "(e.g. nn.init.ones_ for a scale, the mask for a registered buffer), pass init_fn= that sets it, "
-        "or build the model on a real device"
+        "load it with pipe.load_pretrained(path), or build the model on a real device"
     )

@@ -137,6 +137,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -145,11 +146,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads, memory, replicas
+from pipeline.runtime import emulation, grads, memory, pretrained, replicas
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.graph_stages import plan_stages
+from pipeline.runtime.materialize import unset_message
 from pipeline.runtime.metadata import begin_call
 from pipeline.runtime.microbatch import Batch, split
 from pipeline.runtime.options import check_group, check_model, resolve
@@ -157,6 +159,7 @@ from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.runtime.ties import TiedGrads
+from pipeline.runtime.tracing import CONSTANT
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
 
@@ -244,7 +247,9 @@ class Pipeline:
         n_stages = len(self.balance)
         self._stage_ids = self.schedule.stages_of(self.rank)
         shape = options.plan if options.plan is not None else Plan(balance=self.balance)
-        local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn)
+        self._unset: dict[int, str] = {}  # meta tensors nothing gave values yet: load_pretrained's to fill
+        self._state_names = _first_names(model)  # every state name of the whole model -> its first name
+        local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
         self._modules = [local[s] for s in self._stage_ids]
         self.fingerprint = str(shape.extra.get("graph", {}).get("fingerprint", ""))  # a traced model
         self.module: nn.Module = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
@@ -316,10 +321,11 @@ class Pipeline:
             yield p
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's buffers, each once (not the constants a traced graph reads: tracing.CONSTANT)."""
         seen: set[int] = set()
         for mod in self._modules:
             for name, b in mod.named_buffers():
-                if id(b) not in seen:
+                if id(b) not in seen and not name.startswith(CONSTANT):
                     seen.add(id(b))
                     yield name, b
 
@@ -330,6 +336,30 @@ class Pipeline:
     def _grads(self) -> list[torch.Tensor]:
         """The local gradients, each parameter's once (``named_parameters`` skips repeats)."""
         return [p.grad for p in self.parameters() if p.grad is not None]
+
+    def load_pretrained(
+        self, path: str | os.PathLike[str], *, prefix: str | None = None, strict: bool = True
+    ) -> None:
+        """Read this rank's parameters and persistent buffers from safetensors files (pretrained.py).
+
+        ``path``: a ``save_pretrained`` folder (``model.safetensors``, or shards with
+        ``model.safetensors.index.json``) or one ``.safetensors`` file. Only this rank's tensors are
+        read, straight into their storage; every copy of a tied weight gets the file's one entry.
+        ``prefix``: what the model's names have in front of the file's keys (``"model."`` for a
+        wrapper holding the transformers model as ``self.model``); found when None. ``strict``: a
+        key of the file that names nothing in the model is an error (else skipped). Call it on
+        every rank (a rank with nothing to read returns at once); a meta-device model's tensors
+        that it fills need no ``init_fn``.
+        """
+        local: dict[str, list[torch.Tensor]] = {}
+        for mod in self._modules:
+            for name, t in mod.state_dict(keep_vars=True).items():
+                first = self._state_names.get(name)
+                if first is not None and not any(t is have for have in local.get(first, [])):
+                    local.setdefault(first, []).append(t)
+        written = pretrained.load(path, local, self._state_names, prefix, strict)
+        for key in written:
+            self._unset.pop(key, None)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict (parameters and buffers, the model's names, CPU copies) on rank
@@ -523,6 +553,8 @@ class Pipeline:
         self, inputs: Batch | None, targets: Any, method: str, want_targets: bool = True
     ) -> tuple[list[Batch], list[Any]]:
         """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches."""
+        if self._unset:  # a meta model's tensors that neither init nor load_pretrained gave values
+            raise ValueError(unset_message(list(self._unset.values())))
         m = self.n_microbatches
         xs: list[Batch] = []
         ys: list[Any] = []
@@ -668,6 +700,12 @@ def _check_prefetch(prefetch: object) -> None:
             f"(None for what this rank does not use; a DataLoader's [x, y] batch will do), or None; got "
             f"{got or type(prefetch).__name__}"
         )
+
+
+def _first_names(model: nn.Module) -> dict[str, str]:
+    """Every name of the model's state dict -> the first name of its tensor (a tied weight's aliases)."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(t), name) for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def _store_prefix(group: Any, distributed: bool) -> str:

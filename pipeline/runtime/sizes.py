@@ -1,4 +1,5 @@
-"""Size computations in a traced graph: never sent across a cut, made again where they are needed.
+"""Sizes, and tensors made from sizes alone, in a traced graph: never sent across a cut, made again
+where they are needed.
 
     # l: layer, s: stage
 
@@ -14,8 +15,22 @@ A stage that reads one makes it again (``rebuild``)::
                                              carries the batch size)
     arithmetic on sizes                      the same call, on its rebuilt arguments
 
+Tensors made from sizes (``mark_derived``): models build position ids, attention masks, rotary
+tables and cache positions with ``arange``, ``ones``, ``full`` and friends from their input's sizes
+and their own buffers. Such a call reads only sizes, constants, buffers that nothing writes, and
+other such calls; it draws no random numbers and writes into nothing. It is *derived*: it belongs to
+no layer either, never crosses a cut, and every stage that reads it computes it again from its own
+inputs' sizes, the same way::
+
+    arange(sym_size(x, 1)) --> unsqueeze --> cos/sin(inv_freq * ...) --> every decoder layer
+    (x: the model's input ids; a later stage reads the sequence length off the hidden states)
+
+Each layer's parameter list includes the buffers its derived values read (``inv_freq``), so a
+stage holds what it needs to make them.
+
 A cut after which some layer needs a symbol that no tensor crossing the cut carries cannot be
-made; ``readers`` gives each symbol's last reader for ``layers.cut_blocks`` to check.
+made; ``readers`` gives each symbol's last reader (through derived values too) for
+``layers.cut_blocks`` to check.
 """
 
 from __future__ import annotations
@@ -28,7 +43,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["is_size", "readers", "rebuild", "symbol_of"]
+__all__ = [
+    "is_derived",
+    "is_size",
+    "mark_derived",
+    "readers",
+    "rebuild",
+    "recomputed",
+    "symbol_of",
+    "symbols_read",
+]
 
 _SYM_SIZE = torch.ops.aten.sym_size.int
 _ARITHMETIC = {
@@ -62,6 +86,82 @@ def is_size(node: fx.Node) -> bool:
     return target in _ARITHMETIC and all(is_size(a) for a in node.all_input_nodes)
 
 
+_DERIVED = "stagewise_derived"  # node.meta key set by mark_derived
+# random calls outside aten (the fx tracer's torch functions): a second draw would differ
+_RANDOM = {
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
+    torch.nn.functional.dropout,
+}  # fmt: skip
+
+
+def mark_derived(graph: fx.Graph) -> None:
+    """Mark the graph's derived calls (see the module docstring); idempotent."""
+    written = set()
+    for node in graph.nodes:
+        target = _written(node)
+        if target is not None:
+            written.add(target.name)
+    for node in graph.nodes:  # topological: a call's inputs are decided before it
+        node.meta[_DERIVED] = _derivable(node, written)
+
+
+def _derivable(node: fx.Node, written: set[str]) -> bool:
+    if node.op not in ("call_function", "call_method") or is_size(node) or node.name in written:
+        return False
+    if _written(node) is not None or _random(node.target):
+        return False
+    val = node.meta.get("val")
+    tensors = val if isinstance(val, (tuple, list)) else (val,)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    if val is None and node.users:
+        return False
+    for arg in node.all_input_nodes:
+        if is_size(arg) or arg.meta.get(_DERIVED):
+            continue
+        held = arg.meta.get("val")
+        if arg.op != "get_attr" or arg.name in written:
+            return False
+        if not isinstance(held, torch.Tensor) or held.requires_grad:  # a parameter: its gradient flows
+            return False
+    return True
+
+
+def _written(node: fx.Node) -> fx.Node | None:
+    """The node whose value ``node`` writes into in place (by its schema, or a trailing ``_``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        for j, argument in enumerate(schema.arguments[: len(node.args)]):
+            info = argument.alias_info
+            if info is not None and info.is_write and isinstance(node.args[j], fx.Node):
+                return node.args[j]  # type: ignore[return-value]
+        return None
+    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).endswith("__"):
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, fx.Node) else None
+    return None
+
+
+def _random(target: Any) -> bool:
+    tags = getattr(target, "tags", None)
+    if tags is not None:
+        return torch.Tag.nondeterministic_seeded in tags
+    if isinstance(target, str):  # a method: x.uniform_(), x.bernoulli()
+        return target.rstrip("_") in ("uniform", "normal", "bernoulli", "random", "exponential", "geometric")
+    return target in _RANDOM
+
+
+def is_derived(node: fx.Node) -> bool:
+    """A tensor call made from sizes, constants and unwritten buffers alone (``mark_derived``)."""
+    return bool(node.meta.get(_DERIVED))
+
+
+def recomputed(node: fx.Node) -> bool:
+    """Made again by each stage that reads it, never a layer's: a size or a derived tensor."""
+    return is_size(node) or is_derived(node)
+
+
 def _static(val: Any) -> bool:
     if isinstance(val, (torch.Size, tuple, list)):
         return all(_static(v) for v in val)
@@ -76,25 +176,38 @@ def symbol_of(node: fx.Node) -> str | None:
     return None
 
 
-def _leaves(node: fx.Node) -> list[fx.Node]:
-    """The ``sym_size`` calls a symbolic size node is computed from."""
-    if node.target is _SYM_SIZE:
-        return [node]
-    return [leaf for a in node.all_input_nodes if is_size(a) for leaf in _leaves(a)]
+def _line(node: fx.Node) -> str:
+    """ ", read at <file>:<line>: <code>" of the model's source line that made ``node``, if known."""
+    trace = str(node.meta.get("stack_trace") or "").strip().splitlines()
+    where = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    return f", made at {where}" if where else ""
+
+
+def symbols_read(node: fx.Node) -> set[str]:
+    """The symbols of the sizes that ``node`` reads, directly or through derived tensors."""
+    out: set[str] = set()
+    todo = [a for a in node.all_input_nodes if recomputed(a)]
+    seen = {a.name for a in todo}
+    while todo:
+        arg = todo.pop()
+        name = symbol_of(arg)
+        if name is not None:
+            out.add(name)
+            continue
+        for a in arg.all_input_nodes:
+            if recomputed(a) and a.name not in seen:
+                seen.add(a.name)
+                todo.append(a)
+    return out
 
 
 def readers(graph: fx.Graph, layer_of: dict[str, int]) -> dict[str, int]:
-    """Symbol -> the last layer whose calls read a size computed from it."""
+    """Symbol -> the last layer whose calls read a size (or a derived tensor) computed from it."""
     last: dict[str, int] = {}
     for node in graph.nodes:
-        if node.name not in layer_of:
-            continue
-        for arg in node.all_input_nodes:
-            if is_size(arg) and not _static(arg.meta.get("val")):
-                for leaf in _leaves(arg):
-                    name = symbol_of(leaf)
-                    if name is not None:
-                        last[name] = max(last.get(name, -1), layer_of[node.name])
+        if node.name in layer_of:
+            for name in symbols_read(node):
+                last[name] = max(last.get(name, -1), layer_of[node.name])
     return last
 
 
@@ -106,8 +219,9 @@ def rebuild(
     copy_arg: Callable[[fx.Node], Any],
     label: str,
 ) -> Any:
-    """The size ``node`` in the new graph ``g`` (see the module docstring); ``have``: the original
-    tensors the stage holds so far, by name; ``env``: the original names -> what stands for them."""
+    """The size or derived tensor ``node`` in the new graph ``g`` (see the module docstring); ``have``:
+    the original tensors the stage holds so far, by name; ``env``: the original names -> what stands
+    for them."""
     if node.name in env:
         return env[node.name]
     val = node.meta.get("val")
@@ -127,8 +241,9 @@ def rebuild(
         )
         if found is None:
             raise ValueError(
-                f"{label} needs the size {want} ({node.name}) but none of its inputs has a dimension of "
-                "that size; make the plan with partition() (which never cuts there)"
+                f"{label} needs the size {want} ({node.name}{_line(node)}) but no tensor it receives has a "
+                "dimension of that size: a cut before it must carry one; keep the balance partition() "
+                "chose (it never cuts there), or make a tensor with that dimension cross the cut"
             )
         out = g.call_function(_SYM_SIZE, (env[found[0]], found[1]))
         out.meta["val"] = val

@@ -43,7 +43,7 @@ from torch import nn
 
 from pipeline.runtime.layers import crossing
 from pipeline.runtime.modes import follow_mode
-from pipeline.runtime.sizes import is_size, rebuild
+from pipeline.runtime.sizes import rebuild, recomputed, symbols_read
 from pipeline.runtime.tracing import Traced
 
 __all__ = [
@@ -85,7 +85,8 @@ def stage_specs(traced: Traced, balance: Sequence[int]) -> list[StageSpec]:
 
 
 def layer_spec(traced: Traced, layer: int) -> StageSpec:
-    """Layer l alone: the values its calls read from outside it, and those it makes that are read later."""
+    """Layer l alone: the values its calls read from outside it (and a tensor live there that carries
+    each size its derived tensors read), and those it makes that are read later."""
     members = set(traced.layers[layer].nodes)
     nodes = traced.nodes()
     wanted: dict[str, None] = {}
@@ -93,6 +94,14 @@ def layer_spec(traced: Traced, layer: int) -> StageSpec:
         for arg in nodes[name].all_input_nodes:
             if arg.name not in members and arg.name in traced.values:  # not a parameter, not a size
                 wanted[arg.name] = None
+    needs = {symbol for name in traced.layers[layer].nodes for symbol in symbols_read(nodes[name])}
+    carried = {symbol for name in wanted for symbol in traced.values[name].symbols}
+    if needs - carried:  # a size its derived tensors read, off a tensor that is live there (sizes.py)
+        live = [*crossing(traced.values, layer - 1), *(traced.values[name] for name in traced.inputs)]
+        for symbol in sorted(needs - carried):
+            carrier = next((v.name for v in live if symbol in v.symbols), None)
+            if carrier is not None:
+                wanted[carrier] = None
     order = {name: j for j, name in enumerate(traced.values)}
     inputs = tuple(sorted(wanted, key=order.__getitem__))
     outputs = tuple(v.name for v in traced.values.values() if v.layer == layer and v.last > layer)
@@ -136,8 +145,11 @@ def holder(root: nn.Module, targets: Iterable[str], constants: dict[str, torch.T
         else:
             persistent = name not in root._non_persistent_buffers_set
             out.register_buffer(name, getattr(root, name), persistent=persistent)
+    # in root's module order: a parameter held under two paths (BERT's decoder.weight, the word
+    # embedding) then has in the holder the first name it has in root, the name the graph reads
+    order = {path: j for j, (path, _) in enumerate(root.named_modules(remove_duplicate=False))}
     attached: list[str] = []
-    for path in sorted(owners, key=lambda p: (p.count("."), p)):
+    for path in sorted(owners, key=lambda p: (order.get(p, len(order)), p)):
         if any(path == a or path.startswith(a + ".") for a in attached):
             continue  # inside a module held already
         _attach(out, path, root.get_submodule(path))
@@ -187,7 +199,7 @@ def build(
             if node.target not in attrs:
                 attrs[str(node.target)] = g.get_attr(str(node.target))
             return attrs[str(node.target)]
-        if node.name not in env and is_size(node):
+        if node.name not in env and recomputed(node):
             return rebuild(node, env, have, g, arg, spec.label)
         return env[node.name]
 
@@ -204,7 +216,7 @@ def build(
     else:
         outs = [env[name] for name in spec.outputs]
         g.output(outs[0] if len(outs) == 1 else tuple(outs))
-    if device is not None and torch.device(device) != traced.device:
+    if device is not None:
         _retarget(g, traced.device, torch.device(device))
     follow_mode(g)
     gm = fx.GraphModule(held, g, class_name="Stage")
@@ -260,8 +272,12 @@ def _fmt(shapes: tuple[tuple[int | str, ...], ...]) -> str:
 
 
 def _retarget(g: fx.Graph, old: torch.device, new: torch.device) -> None:
+    """Device arguments of ``old`` (where it was traced), and of the meta device (a meta model traced
+    with a real sample: its parameters' device), now ``new``."""
+    olds = (old, torch.device("meta"))
+
     def move(a: Any) -> Any:
-        return new if isinstance(a, torch.device) and a == old else a
+        return new if isinstance(a, torch.device) and a in olds else a
 
     for node in g.nodes:
         node.args = fx.node.map_aggregate(node.args, move)  # type: ignore[assignment]

@@ -47,7 +47,9 @@ from pipeline.runtime.layers import Layer, Value, group_layers, live_values
 from pipeline.runtime.microbatch import Signature
 from pipeline.runtime.untraceable import untraceable
 
-__all__ = ["Traced", "sample_signature", "trace"]
+__all__ = ["CONSTANT", "Traced", "sample_signature", "trace"]
+
+CONSTANT = "_constant_"  # the prefix of a tensor the graph reads that the model does not hold
 
 
 @dataclass
@@ -158,11 +160,7 @@ def _export(module: nn.Module, args: tuple[torch.Tensor, ...]) -> _Found:
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     spec = gm._out_spec  # the flat outputs -> the module's output
     assert spec is not None, "torch.export gave no output structure"
-    constants = {
-        str(n.target): getattr(gm, str(n.target))
-        for n in graph.nodes
-        if n.op == "get_attr" and not _held(module, str(n.target))
-    }
+    constants = _constants(graph, gm, module)
     outputs, out_constants = _flat_outputs(flat)
     return graph, "export", outputs, spec, out_constants, constants
 
@@ -179,13 +177,22 @@ def _symbolic(module: nn.Module, args: tuple[torch.Tensor, ...]) -> _Found:
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     flat, spec = pytree.tree_flatten(out.args[0])
-    constants = {
-        str(n.target): getattr(gm, str(n.target))
-        for n in graph.nodes
-        if n.op == "get_attr" and not _held(module, str(n.target))
-    }
+    constants = _constants(graph, gm, module)
     outputs, out_constants = _flat_outputs(flat)
     return graph, "symbolic_trace", outputs, spec, out_constants, constants
+
+
+def _constants(graph: fx.Graph, gm: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the graph reads that ``module`` does not hold, each renamed to one flat name (export
+    lifts ``self.x = torch.tensor(...)`` made in a submodule's forward as ``a.b.lifted_tensor_0``; a
+    stage holds it as a buffer of its own, which cannot have a dotted name)."""
+    out: dict[str, torch.Tensor] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and not _held(module, str(node.target)):
+            tensor = _lookup(gm, str(node.target))
+            node.target = CONSTANT + str(node.target).replace(".", "_")
+            out[node.target] = tensor
+    return out
 
 
 def _flat_outputs(flat: list[Any]) -> tuple[list[str | None], dict[int, Any]]:

@@ -1,0 +1,202 @@
+"""Pretrained weights in safetensors files, read stage by stage: each rank reads its own tensors only.
+
+    # r: rank, s: stage
+
+A Hugging Face ``save_pretrained`` folder holds ``model.safetensors``, or shards with an index::
+
+    model.safetensors.index.json      {"weight_map": {"model.layers.0.mlp.up_proj.weight":
+                                                      "model-00001-of-00003.safetensors", ...}}
+    model-0000k-of-0000n.safetensors  8 bytes: n (little-endian), n bytes of JSON: {key: {"dtype": "F32",
+                                      "shape": [..], "data_offsets": [begin, end]}}, then the data
+
+``load(path, tensors, model_keys)`` reads the JSON headers and then, per tensor this rank holds, only
+its bytes, straight into the tensor's storage (a CPU tensor of the file's dtype), else through one
+buffer of its size: a rank's memory while loading is its own stages, not the model. Every copy of
+a tied weight is loaded from the one key the file has for it.
+
+Names. The pipeline names tensors as the user's module does (``model.model.layers.0...`` for a
+wrapper that holds the transformers model as ``self.model``); the file as the transformers model
+does (``model.layers.0...``). ``prefix`` is what the module's names have in front of the file's
+(found when not given: the one that maps the most names). A name the file lacks (no alias of the tensor
+either) or a key of the file that names nothing in the model is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+__all__ = ["INDEX", "WEIGHTS", "find_prefix", "load", "shards"]
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_HEADER_LIMIT = 100 * 2**20  # a JSON header larger than this is not a safetensors file
+
+
+def shards(path: str | os.PathLike[str]) -> dict[str, Path]:
+    """Every key of the checkpoint at ``path`` (a folder, a .safetensors file or an index) -> its file."""
+    where = Path(path)
+    if where.is_dir():
+        if (where / INDEX).is_file():
+            where = where / INDEX
+        elif (where / WEIGHTS).is_file():
+            where = where / WEIGHTS
+        else:
+            raise FileNotFoundError(
+                f"{path} holds neither {WEIGHTS} nor {INDEX}; pass the folder save_pretrained wrote, "
+                "or the .safetensors file itself"
+            )
+    if not where.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint at {path}: pass a save_pretrained folder or a .safetensors file"
+        )
+    if where.name.endswith(".json"):
+        try:
+            weight_map = json.loads(where.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{where} is not a safetensors index (no 'weight_map' of key -> file): {err}"
+            ) from err
+        return {key: where.parent / name for key, name in weight_map.items()}
+    return dict.fromkeys(_header(where)[0], where)
+
+
+def _header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
+    """(key -> {"dtype", "shape", "data_offsets"}, where the data begins) of one safetensors file."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file} is truncated ({len(head)} bytes): not a safetensors file")
+        (size,) = struct.unpack("<Q", head)
+        if size > _HEADER_LIMIT:
+            raise ValueError(f"{file} announces a {size}-byte header: not a safetensors file")
+        text = f.read(size)
+    if len(text) < size:
+        raise ValueError(f"{file} is truncated inside its header ({len(text)} of {size} bytes)")
+    try:
+        header = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{file}'s header is not JSON: {err}") from err
+    header.pop("__metadata__", None)
+    end = 8 + size + max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if file.stat().st_size < end:
+        raise ValueError(f"{file} is truncated: {file.stat().st_size} bytes where its header needs {end}")
+    return header, 8 + size
+
+
+def find_prefix(model_keys: Mapping[str, str], keys: Iterable[str]) -> str | None:
+    """The prefix p with p + key = name for some name of the most tensors of the model (``model_keys``:
+    name -> the tensor's first name); the shortest of those, None if no prefix maps any."""
+    known = set(keys)
+    mapped: dict[str, set[str]] = {}  # prefix -> the tensors (first names) it finds in the file
+    for name, first in model_keys.items():
+        parts = name.split(".")
+        for j in range(len(parts)):
+            if ".".join(parts[j:]) in known:
+                mapped.setdefault(".".join(parts[:j]) + ("." if j else ""), set()).add(first)
+    if not mapped:
+        return None
+    return min(mapped, key=lambda p: (-len(mapped[p]), len(p)))  # a key the file lacks: named by load
+
+
+def load(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, list[torch.Tensor]],
+    model_keys: Mapping[str, str],
+    prefix: str | None = None,
+    strict: bool = True,
+) -> set[int]:
+    """Fill ``tensors`` (this rank's: its name -> every local tensor of that name) from ``path``.
+
+    ``model_keys``: every name of the whole model's state -> the name the pipeline gives that tensor
+    (an alias of a tied weight -> its first name). Returns the ids of the tensors written. ``strict``:
+    a key of the file that names nothing in the model is an error (else skipped).
+    """
+    files = shards(path)
+    if prefix is None:
+        prefix = find_prefix(model_keys, files)
+        if prefix is None:
+            raise ValueError(_unmatched(model_keys, files, path))
+    wanted: dict[str, str] = {}  # our name -> the file's key
+    for key in files:
+        ours = model_keys.get(prefix + key)
+        if ours is None:
+            if strict:
+                raise ValueError(
+                    f"{path} has the key {key!r}, which names nothing in the model (as {prefix + key!r}); "
+                    f"was it saved from another architecture or config? pass strict=False to skip such keys"
+                )
+            continue
+        wanted.setdefault(ours, key)
+    missing = [name for name in tensors if name not in wanted]
+    if missing:
+        raise ValueError(
+            f"{path} lacks {', '.join(repr(m.removeprefix(prefix)) for m in missing[:5])}"
+            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''} (the model's "
+            f"{missing[0]!r} with prefix {prefix!r}); load a checkpoint saved from this model's config"
+        )
+    headers: dict[Path, tuple[dict[str, dict[str, object]], int]] = {}
+    written: set[int] = set()
+    for name, places in tensors.items():
+        key = wanted[name]
+        file = files[key]
+        if file not in headers:
+            headers[file] = _header(file)
+        header, start = headers[file]
+        if key not in header:
+            raise ValueError(f"the index names {file.name} for {key!r}, but that file does not hold it")
+        _read(file, start, key, header[key], places)
+        written.update(id(t) for t in places)
+    return written
+
+
+def _read(file: Path, start: int, key: str, entry: Mapping[str, object], places: list[torch.Tensor]) -> None:
+    """The bytes of ``key`` into the first of ``places`` (then copied into the others)."""
+    dtype = _DTYPES.get(str(entry["dtype"]))
+    if dtype is None:
+        raise ValueError(f"{file.name}: {key!r} has dtype {entry['dtype']}, which torch cannot hold")
+    shape = tuple(int(d) for d in entry["shape"])  # type: ignore[attr-defined]
+    first = places[0]
+    if tuple(first.shape) != shape:
+        raise ValueError(
+            f"{file.name}: {key!r} has shape {list(shape)} but the model's tensor is {list(first.shape)}; "
+            "load a checkpoint saved from this model's config"
+        )
+    begin, end = (int(v) for v in entry["data_offsets"])  # type: ignore[attr-defined]
+    direct = first.device.type == "cpu" and first.dtype == dtype and first.is_contiguous()
+    with torch.no_grad():
+        target = first.detach() if direct else torch.empty(shape, dtype=dtype)
+        raw = target.reshape(-1).view(torch.uint8) if target.dim() else target.reshape(1).view(torch.uint8)
+        if raw.numel() != end - begin:
+            raise ValueError(
+                f"{file.name}: {key!r} holds {end - begin} bytes, its shape and dtype {raw.numel()}"
+            )
+        with open(file, "rb") as f:
+            f.seek(start + begin)
+            got = f.readinto(raw.numpy().data)
+        if got != end - begin:
+            raise ValueError(f"{file.name} is truncated inside {key!r} ({got} of {end - begin} bytes)")
+        if not direct:
+            first.copy_(target)
+        for other in places[1:]:
+            if other is not first:
+                other.copy_(first)
+
+
+def _unmatched(model_keys: Mapping[str, str], files: Mapping[str, Path], path: object) -> str:
+    ours = next(iter(model_keys), "")
+    theirs = next(iter(files), "")
+    return (
+        f"the names in {path} (such as {theirs!r}) and the model's (such as {ours!r}) match under no "
+        "prefix: pass prefix= (what the model's names have in front of the file's, e.g. 'model.' for a "
+        "wrapper that holds the transformers model as self.model), or load a checkpoint of this model"
+    )

@@ -1,0 +1,252 @@
+"""``Pipeline.load_pretrained``: a transformers model saved with ``save_pretrained``, read stage by stage.
+
+The model is built on the meta device, partitioned, and each of 2 ranks builds its stages and reads
+only their tensors from ``model.safetensors`` (one file) or from shards with their index. The step's
+loss and gradients must equal one process running ``from_pretrained`` of the same folder; the tied
+head gets the embedding's one entry on both ranks. Each rank's resident memory while loading is
+measured (Linux's peak RSS, reset just before): it grows by at most its own stages, never the model.
+Bad checkpoints get errors that name the key, and a step before the weights are loaded is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import partition, profile
+from pipeline.plan import Plan
+from pipeline.runtime import pretrained
+from pipeline.runtime.pipe import Pipeline
+from tests.dist import job
+from tests.hf_models import CausalLM, loss_of
+from tests.pipe_common import assert_close
+
+tf = pytest.importorskip("transformers")
+
+B, M, T, V = 8, 4, 8, 1024
+
+
+def _config() -> Any:
+    return tf.LlamaConfig(
+        vocab_size=V, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+
+
+def _meta() -> CausalLM:
+    with torch.device("meta"):
+        return CausalLM(tf.LlamaForCausalLM(_config()))
+
+
+def _rotary_only(model: CausalLM) -> Any:
+    """An init_fn for the one tensor no checkpoint holds: the rotary table (a non-persistent buffer)."""
+
+    def init(stage: nn.Module) -> None:
+        for sub in stage.modules():
+            if "Rotary" in type(sub).__name__:
+                model.model._init_weights(sub)
+
+    return init
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+@functools.cache
+def _saved(root: Path) -> tuple[str, str]:
+    """(one file, shards) folders of one seeded model."""
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(root / "single")
+        model.save_pretrained(root / "sharded", max_shard_size="4MB")
+    return str(root / "single"), str(root / "sharded")
+
+
+@functools.cache
+def _plan(p: int) -> Plan:
+    meta = _meta()
+    sample = torch.randint(1, V, (B // M, T))
+    init = functools.partial(nn.Module.apply, fn=meta.model._init_weights)
+    found = profile(meta, sample, device="cpu", init_fn=init, warmup=0, repeat=1)
+    return partition(meta, p, sample, n_microbatches=M, profile=found)
+
+
+def _bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _load_and_step(folders: tuple[str, ...], plan_json: str) -> list[Any]:
+    """Per folder: (loss, gradients, bytes the load added to peak RSS, this rank's tensor bytes)."""
+    out = []
+    for folder in folders:
+        model = _meta()
+        pipe = Pipeline(
+            model, Plan.from_json(plan_json), loss_fn=loss_of("llama"), init_fn=_rotary_only(model)
+        )
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS starts again from the current RSS
+        before = _bytes("VmRSS")
+        pipe.load_pretrained(folder)
+        grew = _bytes("VmHWM") - before
+        own = sum(t.numel() * t.element_size() for t in [*pipe.parameters(), *pipe.buffers()])
+        x, y = _batch()
+        loss = pipe.step(x, y)
+        grads = {k: p.grad.clone() for k, p in pipe.named_parameters() if p.grad is not None}
+        out.append((loss, grads, grew, own))
+        pipe.close()
+    return out
+
+
+_LOADED = job(2, _load_and_step, make_args=lambda f: (_saved(f.mktemp("pretrained")), _plan(2).to_json()),
+              timeout=240.0, batch="hf")  # fmt: skip
+
+
+def _reference(folder: str) -> tuple[float, dict[str, torch.Tensor], int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = CausalLM(tf.LlamaForCausalLM.from_pretrained(folder))
+    x, y = _batch()
+    losses = []
+    for rows in torch.arange(B).chunk(M):
+        loss = loss_of("llama")(model(x[rows]), y[rows])
+        (loss / M).backward()
+        losses.append(float(loss.detach()))
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(losses) / M, grads, total
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset is Linux's")
+def test_each_rank_loads_its_stages_and_steps_as_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    results = _LOADED.results(tmp_path_factory)
+    for f, folder in enumerate(_LOADED.args[0]):
+        ref_loss, ref_grads, total = _reference(folder)
+        grads: dict[str, torch.Tensor] = {}
+        for r, per_folder in enumerate(results):
+            loss, g, grew, own = per_folder[f]
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (folder, r)
+            assert_close(g, {k: ref_grads[k] for k in g}, f"{folder} rank {r}")
+            grads.update(g)
+            assert own < 0.8 * total, "the test needs stages smaller than the model"
+            assert grew <= own + 2**21, f"rank {r} grew by {grew} bytes loading {own} of its own"
+        assert set(grads) == set(ref_grads)  # the tied head: the embedding's entry, on both ranks
+        assert "model.model.embed_tokens.weight" in results[0][f][1]
+        assert "model.model.embed_tokens.weight" in results[1][f][1]
+
+
+# ---- one rank, in this process: the errors
+
+
+@functools.cache
+def _small(root: Path) -> tuple[str, nn.Module, Plan]:
+    """A small saved Llama (untied), its folder, and a one-rank plan for a meta copy."""
+    config = tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tf.LlamaForCausalLM(config).save_pretrained(root)
+    with torch.device("meta"):
+        meta = CausalLM(tf.LlamaForCausalLM(config))
+    sample = torch.randint(1, 32, (2, 4))
+    init = functools.partial(nn.Module.apply, fn=meta.model._init_weights)
+    plan = partition(meta, 1, sample, profile=profile(meta, sample, device="cpu", init_fn=init, repeat=1))
+    return str(root), meta, plan
+
+
+@pytest.fixture
+def small(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder, meta, plan = _small(tmp_path_factory.mktemp("small"))
+
+    def fresh() -> Pipeline:
+        with torch.device("meta"):
+            model = CausalLM(tf.LlamaForCausalLM(meta.model.config))
+        return Pipeline(model, plan, loss_fn=loss_of("llama"), init_fn=_rotary_only(model))
+
+    return folder, fresh
+
+
+def _rewrite(folder: str, out: Path, change: Any) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(Path(folder) / pretrained.WEIGHTS))
+    change(tensors)
+    save_file(tensors, str(out))
+    return out
+
+
+def test_a_step_before_the_weights_are_loaded_is_refused(small: Any) -> None:
+    folder, fresh = small
+    pipe = fresh()
+    x = torch.randint(1, 32, (2, 4))
+    with pytest.raises(
+        ValueError, match=r"left model\.model\..*without values.*pipe\.load_pretrained\(path\)"
+    ):
+        pipe.step(x, x)
+    pipe = fresh()
+    pipe.load_pretrained(folder)
+    assert torch.isfinite(torch.tensor(pipe.step(x, x)))
+
+
+def test_a_missing_key_is_named(small: Any, tmp_path: Path) -> None:
+    folder, fresh = small
+    path = _rewrite(folder, tmp_path / "m.safetensors", lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(
+        ValueError, match=r"lacks 'model\.norm\.weight' \(the model's 'model\.model\.norm\.weight'"
+    ):
+        fresh().load_pretrained(path)
+
+
+def test_an_unexpected_key_is_named_unless_not_strict(small: Any, tmp_path: Path) -> None:
+    folder, fresh = small
+    path = _rewrite(folder, tmp_path / "u.safetensors", lambda t: t.update(extra=torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"has the key 'extra', which names nothing in the model"):
+        fresh().load_pretrained(path)
+    fresh().load_pretrained(path, strict=False)
+
+
+def test_names_under_no_prefix_ask_for_one(small: Any, tmp_path: Path) -> None:
+    folder, fresh = small
+
+    def rename(t: dict[str, torch.Tensor]) -> None:
+        for k in list(t):
+            t["other." + k] = t.pop(k)
+
+    path = _rewrite(folder, tmp_path / "p.safetensors", rename)
+    with pytest.raises(ValueError, match=r"match under no prefix: pass prefix="):
+        fresh().load_pretrained(path)
+    with pytest.raises(ValueError, match=r"has the key 'other\.[a-z_.]+', which names nothing"):
+        fresh().load_pretrained(path, prefix="model.")  # a wrong prefix: every key is then unexpected
+
+
+def test_a_wrong_shape_and_a_truncated_file_are_named(small: Any, tmp_path: Path) -> None:
+    folder, fresh = small
+    path = _rewrite(
+        folder, tmp_path / "s.safetensors", lambda t: t.update({"model.norm.weight": torch.ones(3)})
+    )
+    with pytest.raises(
+        ValueError, match=r"'model\.norm\.weight' has shape \[3\] but the model's tensor is \[16\]"
+    ):
+        fresh().load_pretrained(path)
+    whole = (Path(folder) / pretrained.WEIGHTS).read_bytes()
+    cut = tmp_path / "t.safetensors"
+    cut.write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match=r"t\.safetensors is truncated"):
+        fresh().load_pretrained(cut)
+    with pytest.raises(FileNotFoundError, match=r"holds neither model\.safetensors nor"):
+        fresh().load_pretrained(tmp_path)
