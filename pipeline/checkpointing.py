@@ -311,6 +311,8 @@ def _restore(
     except (TypeError, ValueError, RuntimeError) as exc:  # e.g. param groups formed differently
         error = exc
     ranks.together(error, None)
+    if isinstance(pipe, Pipeline):  # a meta model's tensors the checkpoint gave values
+        pipe.note_loaded(model.state_dict(keep_vars=True).values())
     if chosen.manifest is not None:  # later saves into this folder continue the run loaded
         runs.remember(path.parent, chosen.manifest.run_id)
     return extra, changes

@@ -16,6 +16,7 @@ per rank count runs the whole matrix (each rank imports transformers once).
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -80,8 +81,11 @@ def _rank(plans: dict[str, str], p: int) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for name, plan_json in plans.items():
         runs = []
+        model, x, y = build(name, B)  # one model object: traced once, for every run (graph_stages.py)
+        start = copy.deepcopy(model.state_dict())
         for schedule, recompute in RUNS[p]:
-            model, x, y = build(name, B)
+            model.load_state_dict(start)  # BatchNorm's statistics as built
+            model.zero_grad(set_to_none=True)
             plan = Plan.from_json(plan_json).replace(schedule=schedule, recompute=recompute)
             pipe = Pipeline(model, plan, loss_fn=loss_of(name), timeout=60.0)
             loss = pipe.step(_inputs(x), y)

@@ -88,7 +88,10 @@ def _bytes(field: str) -> int:
 
 
 def _load_and_step(folders: tuple[str, ...], plan_json: str) -> list[Any]:
-    """Per folder: (loss, gradients, bytes the load added to peak RSS, this rank's tensor bytes)."""
+    """Per folder: (loss, gradients, bytes the load added to peak RSS, this rank's tensor bytes, the
+    loss of a second meta-built pipeline that loads a DCP checkpoint the first saved)."""
+    from pipeline import checkpointing
+
     out = []
     for folder in folders:
         model = _meta()
@@ -104,8 +107,16 @@ def _load_and_step(folders: tuple[str, ...], plan_json: str) -> list[Any]:
         x, y = _batch()
         loss = pipe.step(x, y)
         grads = {k: p.grad.clone() for k, p in pipe.named_parameters() if p.grad is not None}
-        out.append((loss, grads, grew, own))
+        checkpointing.save(Path(folder) / "dcp", 1, pipe=pipe, optimizer=torch.optim.AdamW(pipe.parameters()))
         pipe.close()
+        model = _meta()
+        again = Pipeline(
+            model, Plan.from_json(plan_json), loss_fn=loss_of("llama"), init_fn=_rotary_only(model)
+        )
+        opt = torch.optim.AdamW(again.parameters())
+        checkpointing.load(Path(folder) / "dcp", pipe=again, optimizer=opt)  # the meta tensors' values too
+        out.append((loss, grads, grew, own, again.step(x, y)))
+        again.close()
     return out
 
 
@@ -137,8 +148,9 @@ def test_each_rank_loads_its_stages_and_steps_as_one_process(
         ref_loss, ref_grads, total = _reference(folder)
         grads: dict[str, torch.Tensor] = {}
         for r, per_folder in enumerate(results):
-            loss, g, grew, own = per_folder[f]
+            loss, g, grew, own, resumed = per_folder[f]
             assert loss == pytest.approx(ref_loss, rel=1e-5), (folder, r)
+            assert resumed == loss  # the checkpoint (trace constants not in it) restores every tensor
             assert_close(g, {k: ref_grads[k] for k in g}, f"{folder} rank {r}")
             grads.update(g)
             assert own < 0.8 * total, "the test needs stages smaller than the model"
@@ -250,3 +262,42 @@ def test_a_wrong_shape_and_a_truncated_file_are_named(small: Any, tmp_path: Path
         fresh().load_pretrained(cut)
     with pytest.raises(FileNotFoundError, match=r"holds neither model\.safetensors nor"):
         fresh().load_pretrained(tmp_path)
+
+
+def test_a_file_in_another_dtype_is_converted(small: Any, tmp_path: Path) -> None:
+    """A bf16 checkpoint into a float32 model: each tensor through a buffer of the file's dtype."""
+    folder, fresh = small
+
+    def to_bf16(t: dict[str, torch.Tensor]) -> None:
+        for k in t:
+            t[k] = t[k].bfloat16()
+
+    path = _rewrite(folder, tmp_path / "h.safetensors", to_bf16)
+    pipe = fresh()
+    pipe.load_pretrained(path)
+    from safetensors.torch import load_file
+
+    want = load_file(str(path))
+    for name, p in pipe.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, want[name.removeprefix("model.")].float()), name
+
+
+def test_the_prefix_maps_the_most_tensors_and_is_the_shortest_such() -> None:
+    names = {"m.model.a.w": "m.model.a.w", "m.model.b.w": "m.model.b.w"}
+    assert pretrained.find_prefix(names, {"model.a.w", "model.b.w", "b.w"}) == "m."  # 2 tensors, not 1
+    assert pretrained.find_prefix({"a.w": "a.w"}, {"a.w", "w"}) == ""  # "" and "a." both map it
+    assert pretrained.find_prefix(names, {"other"}) is None
+
+
+def test_a_truncated_file_is_named_by_a_rank_that_reads_none_of_the_lost_bytes(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2), "b": torch.ones(1000)}, str(tmp_path / "x.safetensors"))
+    whole = (tmp_path / "x.safetensors").read_bytes()
+    (tmp_path / "x.safetensors").write_bytes(whole[:-100])
+    for wanted in ("a", "b"):  # whichever one's bytes come first in the file
+        with pytest.raises(
+            ValueError, match=r"x\.safetensors is truncated: \d+ bytes where its header needs"
+        ):
+            pretrained.load(tmp_path / "x.safetensors", {wanted: torch.zeros(2 if wanted == "a" else 1000)},
+                            {"a": "a", "b": "b"})  # fmt: skip

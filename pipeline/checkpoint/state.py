@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from pipeline.checkpoint import optim
 from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.tracing import is_constant
 
 __all__ = ["FORMAT", "RECORD", "Stateful", "collect", "extra_text", "model_of", "restore", "targets"]
 
@@ -70,7 +71,9 @@ def model_of(pipe: Pipeline | nn.Module) -> nn.Module:
         raise TypeError(f"pipe must be a Pipeline (or an nn.Module), got {type(pipe).__name__}")
     stages = list(pipe.module) if isinstance(pipe.module, nn.ModuleList) else [pipe.module]
     union = _merge(stages)
-    mine = {n for n, _ in union.named_parameters()} | {n for n, _ in union.named_buffers()}
+    mine = {n for n, _ in union.named_parameters()} | {
+        n for n, _ in union.named_buffers() if not is_constant(n)
+    }
     theirs = {n for n, _ in pipe.named_parameters()} | {n for n, _ in pipe.named_buffers()}
     if mine != theirs:  # the runtime's layout changed under us: never save under other names
         raise RuntimeError(

@@ -138,7 +138,7 @@ import contextlib
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -159,7 +159,7 @@ from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.runtime.ties import TiedGrads
-from pipeline.runtime.tracing import CONSTANT
+from pipeline.runtime.tracing import is_constant
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
 
@@ -321,11 +321,11 @@ class Pipeline:
             yield p
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's buffers, each once (not the constants a traced graph reads: tracing.CONSTANT)."""
+        """The model's buffers, each once (not the constants a traced graph reads: tracing.is_constant)."""
         seen: set[int] = set()
         for mod in self._modules:
             for name, b in mod.named_buffers():
-                if id(b) not in seen and not name.startswith(CONSTANT):
+                if id(b) not in seen and not is_constant(name):
                     seen.add(id(b))
                     yield name, b
 
@@ -351,15 +351,19 @@ class Pipeline:
         every rank (a rank with nothing to read returns at once); a meta-device model's tensors
         that it fills need no ``init_fn``.
         """
-        local: dict[str, list[torch.Tensor]] = {}
-        for mod in self._modules:
-            for name, t in mod.state_dict(keep_vars=True).items():
-                first = self._state_names.get(name)
-                if first is not None and not any(t is have for have in local.get(first, [])):
-                    local.setdefault(first, []).append(t)
-        written = pretrained.load(path, local, self._state_names, prefix, strict)
-        for key in written:
-            self._unset.pop(key, None)
+        local = {  # a tied weight's copies on this rank are one tensor (materialize.py): one name
+            self._state_names.get(name, name): t
+            for mod in self._modules
+            for name, t in mod.state_dict(keep_vars=True).items()
+        }
+        pretrained.load(path, local, self._state_names, prefix, strict)
+        self.note_loaded(local.values())
+
+    def note_loaded(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Loaders say which of this rank's tensors they gave values (load_pretrained, checkpointing):
+        a meta model's tensors that nothing initialised are refused by ``step`` until then."""
+        for t in tensors:
+            self._unset.pop(id(t), None)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict (parameters and buffers, the model's names, CPU copies) on rank

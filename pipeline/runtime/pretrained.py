@@ -110,15 +110,15 @@ def find_prefix(model_keys: Mapping[str, str], keys: Iterable[str]) -> str | Non
 
 def load(
     path: str | os.PathLike[str],
-    tensors: Mapping[str, list[torch.Tensor]],
+    tensors: Mapping[str, torch.Tensor],
     model_keys: Mapping[str, str],
     prefix: str | None = None,
     strict: bool = True,
-) -> set[int]:
-    """Fill ``tensors`` (this rank's: its name -> every local tensor of that name) from ``path``.
+) -> None:
+    """Fill ``tensors`` (this rank's, by the pipeline's names) from ``path``.
 
     ``model_keys``: every name of the whole model's state -> the name the pipeline gives that tensor
-    (an alias of a tied weight -> its first name). Returns the ids of the tensors written. ``strict``:
+    (an alias of a tied weight -> its first name). ``strict``:
     a key of the file that names nothing in the model is an error (else skipped).
     """
     files = shards(path)
@@ -145,8 +145,7 @@ def load(
             f"{missing[0]!r} with prefix {prefix!r}); load a checkpoint saved from this model's config"
         )
     headers: dict[Path, tuple[dict[str, dict[str, object]], int]] = {}
-    written: set[int] = set()
-    for name, places in tensors.items():
+    for name, tensor in tensors.items():
         key = wanted[name]
         file = files[key]
         if file not in headers:
@@ -154,27 +153,25 @@ def load(
         header, start = headers[file]
         if key not in header:
             raise ValueError(f"the index names {file.name} for {key!r}, but that file does not hold it")
-        _read(file, start, key, header[key], places)
-        written.update(id(t) for t in places)
-    return written
+        _read(file, start, key, header[key], tensor)
 
 
-def _read(file: Path, start: int, key: str, entry: Mapping[str, object], places: list[torch.Tensor]) -> None:
-    """The bytes of ``key`` into the first of ``places`` (then copied into the others)."""
+def _read(file: Path, start: int, key: str, entry: Mapping[str, object], tensor: torch.Tensor) -> None:
+    """The bytes of ``key`` into ``tensor``: straight into its storage where it is a contiguous CPU
+    tensor of the file's dtype, else through a buffer of the file's dtype."""
     dtype = _DTYPES.get(str(entry["dtype"]))
     if dtype is None:
         raise ValueError(f"{file.name}: {key!r} has dtype {entry['dtype']}, which torch cannot hold")
     shape = tuple(int(d) for d in entry["shape"])  # type: ignore[attr-defined]
-    first = places[0]
-    if tuple(first.shape) != shape:
+    if tuple(tensor.shape) != shape:
         raise ValueError(
-            f"{file.name}: {key!r} has shape {list(shape)} but the model's tensor is {list(first.shape)}; "
+            f"{file.name}: {key!r} has shape {list(shape)} but the model's tensor is {list(tensor.shape)}; "
             "load a checkpoint saved from this model's config"
         )
     begin, end = (int(v) for v in entry["data_offsets"])  # type: ignore[attr-defined]
-    direct = first.device.type == "cpu" and first.dtype == dtype and first.is_contiguous()
+    direct = tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()
     with torch.no_grad():
-        target = first.detach() if direct else torch.empty(shape, dtype=dtype)
+        target = tensor.detach() if direct else torch.empty(shape, dtype=dtype)
         raw = target.reshape(-1).view(torch.uint8) if target.dim() else target.reshape(1).view(torch.uint8)
         if raw.numel() != end - begin:
             raise ValueError(
@@ -186,10 +183,7 @@ def _read(file: Path, start: int, key: str, entry: Mapping[str, object], places:
         if got != end - begin:
             raise ValueError(f"{file.name} is truncated inside {key!r} ({got} of {end - begin} bytes)")
         if not direct:
-            first.copy_(target)
-        for other in places[1:]:
-            if other is not first:
-                other.copy_(first)
+            tensor.copy_(target)
 
 
 def _unmatched(model_keys: Mapping[str, str], files: Mapping[str, Path], path: object) -> str:

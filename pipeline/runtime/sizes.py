@@ -70,10 +70,13 @@ def _scalar(val: Any) -> bool:
 
 
 def is_size(node: fx.Node) -> bool:
-    """A call that computes a size (or sizes) from tensors' shapes and other sizes only."""
+    """A call that computes a size (or sizes) from tensors' shapes and other sizes only, or reads a
+    tensor's device or dtype (``x.device`` in an fx trace: a constant of the trace, moved by traced.py)."""
+    target = node.target
+    if _attribute(node):
+        return True
     if node.op not in ("call_function", "call_method") or not _scalar(node.meta.get("val")):
         return False
-    target = node.target
     if target in (_SYM_SIZE, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int):
         return True
     if node.op == "call_method":
@@ -84,6 +87,18 @@ def is_size(node: fx.Node) -> bool:
         src = node.args[0]
         return isinstance(src, fx.Node) and is_size(src)
     return target in _ARITHMETIC and all(is_size(a) for a in node.all_input_nodes)
+
+
+def _attribute(node: fx.Node) -> bool:
+    """``x.device`` or ``x.dtype`` of a traced tensor (fx records no value for it)."""
+    if node.op != "call_function" or node.target is not getattr or len(node.args) < 2:
+        return False
+    src = node.args[0]
+    return node.args[1] in ("device", "dtype") and isinstance(src, fx.Node) and _is_tensor(src)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 _DERIVED = "stagewise_derived"  # node.meta key set by mark_derived
@@ -165,7 +180,7 @@ def recomputed(node: fx.Node) -> bool:
 def _static(val: Any) -> bool:
     if isinstance(val, (torch.Size, tuple, list)):
         return all(_static(v) for v in val)
-    return isinstance(val, int)
+    return isinstance(val, (int, torch.device, torch.dtype))
 
 
 def symbol_of(node: fx.Node) -> str | None:
@@ -177,10 +192,14 @@ def symbol_of(node: fx.Node) -> str | None:
 
 
 def _line(node: fx.Node) -> str:
-    """ ", read at <file>:<line>: <code>" of the model's source line that made ``node``, if known."""
-    trace = str(node.meta.get("stack_trace") or "").strip().splitlines()
-    where = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
-    return f", made at {where}" if where else ""
+    """ ", made at <file>, line <n>" of the model's code that made ``node`` (or, for a size that
+    torch's own passes made, the code that reads it), if the trace recorded it."""
+    for made in (node, *node.users):
+        frames = [f.strip() for f in str(made.meta.get("stack_trace") or "").splitlines()]
+        mine = [f for f in frames if f.startswith("File ") and "/torch/" not in f and '"torch/' not in f]
+        if mine:
+            return f", made at {mine[-1]}"
+    return ""
 
 
 def symbols_read(node: fx.Node) -> set[str]:
@@ -225,8 +244,13 @@ def rebuild(
     if node.name in env:
         return env[node.name]
     val = node.meta.get("val")
-    if _static(val):
-        out: Any = tuple(int(v) for v in val) if isinstance(val, (torch.Size, tuple, list)) else int(val)  # type: ignore[arg-type]
+    if _attribute(node):  # where and in what it was traced: traced.py moves the device
+        out: Any = getattr(node.args[0].meta["val"], str(node.args[1]))  # type: ignore[union-attr]
+    elif _static(val):
+        if isinstance(val, (torch.Size, tuple, list)):
+            out = tuple(int(v) for v in val)
+        else:
+            out = val if isinstance(val, (torch.device, torch.dtype)) else int(val)  # type: ignore[arg-type]
     elif node.target is _SYM_SIZE and isinstance(node.args[0], fx.Node) and node.args[0].name not in env:
         want = str(val)
         found = next(

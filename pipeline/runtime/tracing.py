@@ -47,9 +47,14 @@ from pipeline.runtime.layers import Layer, Value, group_layers, live_values
 from pipeline.runtime.microbatch import Signature
 from pipeline.runtime.untraceable import untraceable
 
-__all__ = ["CONSTANT", "Traced", "sample_signature", "trace"]
+__all__ = ["CONSTANT", "Traced", "is_constant", "sample_signature", "trace"]
 
 CONSTANT = "_constant_"  # the prefix of a tensor the graph reads that the model does not hold
+
+
+def is_constant(name: str) -> bool:
+    """A stage's buffer that is a traced graph's constant, not one of the model's (not saved or shown)."""
+    return name.startswith(CONSTANT)
 
 
 @dataclass
