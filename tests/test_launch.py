@@ -16,17 +16,24 @@ from pipeline.launch import EMULATE_NCCL_ENV, RankError, default_backend, init_d
 from tests.dist import run_ranks
 
 
-def _rank_info(offset: int) -> tuple[int, int, int, str]:
+def _group_timeout() -> float:
+    """The default process group's timeout, in seconds (what its collectives wait at most)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return float(backend.options._timeout.total_seconds())
+
+
+def _rank_info(offset: int) -> tuple[int, int, int, str, float]:
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total)
-    return dist.get_rank() + offset, dist.get_world_size(), int(total), os.environ["RANK"]
+    return dist.get_rank() + offset, dist.get_world_size(), int(total), os.environ["RANK"], _group_timeout()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_results_in_rank_order(tmp_path: Path, world_size: int) -> None:
-    results = run_ranks(tmp_path, _rank_info, world_size, 100)
+    """And the default group waits the launch's timeout (37 s), not torch's 30 minutes."""
+    results = run_ranks(tmp_path, _rank_info, world_size, 100, timeout=37.0)
     expected_sum = sum(range(world_size))
-    assert results == [(100 + r, world_size, expected_sum, str(r)) for r in range(world_size)]
+    assert results == [(100 + r, world_size, expected_sum, str(r), 37.0) for r in range(world_size)]
 
 
 def _one_thread() -> int:
@@ -110,13 +117,13 @@ def test_init_distributed_outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> N
         init_distributed()
 
 
-def _init_from_env() -> tuple[int, int, str]:
+def _init_from_env() -> tuple[int, int, str, float]:
     dist.destroy_process_group()  # start as a torchrun worker would: only the environment
-    info = init_distributed()
-    return info.rank, info.world_size, info.device.type
+    info = init_distributed(timeout=41.0)
+    return info.rank, info.world_size, info.device.type, _group_timeout()
 
 
-def _torchrun_like(tmp_path: Path) -> list[tuple[int, int, str]]:
+def _torchrun_like(tmp_path: Path) -> list[tuple[int, int, str, float]]:
     return run_ranks(tmp_path, _init_from_env, 2)
 
 
@@ -128,7 +135,7 @@ def test_init_distributed_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         port = sock.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    assert _torchrun_like(tmp_path) == [(0, 2, "cpu"), (1, 2, "cpu")]
+    assert _torchrun_like(tmp_path) == [(0, 2, "cpu", 41.0), (1, 2, "cpu", 41.0)]  # the timeout given
 
 
 ROOT = Path(__file__).resolve().parent.parent
