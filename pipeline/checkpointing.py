@@ -146,6 +146,8 @@ def save(
     try:
         text = state.extra_text(extra)
         config_text = runs.config_text(config)
+        if isinstance(pipe, Pipeline):
+            pipe.check_values()  # never save a meta model's uninitialised memory
         model = state.model_of(pipe)
         flat = state.collect(
             model, optimizer, lr_scheduler, grad_scaler, text, step, ranks.rank(), ranks.world()

@@ -124,6 +124,47 @@ _LOADED = job(2, _load_and_step, make_args=lambda f: (_saved(f.mktemp("pretraine
               timeout=240.0, batch="hf")  # fmt: skip
 
 
+def _one_rank_lacks_a_key(folders: tuple[str, ...], plan_json: str) -> str:
+    """The last stage's rank reads a file without the final norm; the first rank, whose stages the
+    file holds, steps. Each rank's error, as text: the first must name the second within seconds."""
+    import time
+
+    from safetensors.torch import load_file, save_file
+
+    model = _meta()
+    pipe = Pipeline(model, Plan.from_json(plan_json), loss_fn=loss_of("llama"), init_fn=_rotary_only(model),
+                    timeout=60.0)  # fmt: skip
+    lacking = Path(folders[0]) / f"lacking{pipe.rank}.safetensors"
+    tensors = load_file(str(Path(folders[0]) / pretrained.WEIGHTS))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(lacking))
+    start = time.monotonic()
+    try:
+        pipe.load_pretrained(lacking)
+        pipe.step(*_batch())
+    except Exception as exc:
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    finally:
+        pipe.close()
+    return "no error"
+
+
+_LACKING = job(
+    2, _one_rank_lacks_a_key, make_args=lambda f: (_saved(f.mktemp("lacking")), _plan(2).to_json()),
+    timeout=240.0, batch="hf", last=True,
+)  # fmt: skip
+
+
+def test_a_rank_whose_file_lacks_a_key_is_named_on_the_others(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    first, last = _LACKING.results(tmp_path_factory)
+    assert "ValueError" in last and "lacks 'model.norm.weight'" in last
+    seconds, message = first.split("s ", 1)
+    assert "rank 1 failed" in message and "lacks 'model.norm.weight'" in message, message
+    assert float(seconds) < 10.0  # named, not left to wait for the pipeline's 60 s timeout
+
+
 def _reference(folder: str) -> tuple[float, dict[str, torch.Tensor], int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -301,3 +342,55 @@ def test_a_truncated_file_is_named_by_a_rank_that_reads_none_of_the_lost_bytes(t
         ):
             pretrained.load(tmp_path / "x.safetensors", {wanted: torch.zeros(2 if wanted == "a" else 1000)},
                             {"a": "a", "b": "b"})  # fmt: skip
+
+
+def _file(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    return path
+
+
+def test_a_tied_weight_takes_its_own_entry_before_an_alias(tmp_path: Path) -> None:
+    """A file that holds both names of a tied weight (a tied config over an untied save): the
+    weight's own name wins, as transformers' from_pretrained does, whichever comes first."""
+    path = _file(
+        tmp_path / "t.safetensors",
+        {"lm_head.weight": torch.full((2,), 1.0), "model.embed.weight": torch.full((2,), 2.0)},
+    )
+    got = torch.zeros(2)
+    names = {"model.embed.weight": "model.embed.weight", "lm_head.weight": "model.embed.weight"}
+    pretrained.load(path, {"model.embed.weight": got}, names)  # the alias sorts first in the file
+    assert torch.equal(got, torch.full((2,), 2.0))
+    alone = _file(tmp_path / "a.safetensors", {"lm_head.weight": torch.full((2,), 1.0)})
+    pretrained.load(alone, {"model.embed.weight": got}, names)
+    assert torch.equal(got, torch.full((2,), 1.0))  # only the alias saved: it fills the weight
+
+
+def test_a_non_persistent_buffer_in_the_file_is_skipped_and_a_float_never_becomes_an_int(
+    small: Any, tmp_path: Path
+) -> None:
+    folder, fresh = small
+    path = _rewrite(
+        folder, tmp_path / "r.safetensors", lambda t: t.update({"model.rotary_emb.inv_freq": torch.ones(2)})
+    )
+    fresh().load_pretrained(path)  # older checkpoints hold the rotary table: no error, strict or not
+    path = _rewrite(
+        folder, tmp_path / "i.safetensors", lambda t: t.update({"model.norm.weight": torch.ones(16).long()})
+    )
+    with pytest.raises(
+        ValueError, match=r"'model\.norm\.weight' is torch\.int64 but the model's tensor is torch\.float32"
+    ):
+        fresh().load_pretrained(path)
+
+
+def test_unset_tensors_are_neither_gathered_nor_saved(small: Any, tmp_path: Path) -> None:
+    from pipeline import checkpointing
+
+    _, fresh = small
+    pipe = fresh()
+    with pytest.raises(ValueError, match=r"without values"):
+        pipe.gather_state_dict()
+    with pytest.raises(ValueError, match=r"without values"):
+        checkpointing.save(tmp_path / "ckpt", 1, pipe=pipe, optimizer=torch.optim.AdamW(pipe.parameters()))
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

@@ -156,3 +156,32 @@ def test_a_size_no_crossing_tensor_carries_is_never_cut_and_a_forced_cut_names_t
         ValueError, match=r"stage 1 needs the size s\d+ \(sym_size\w*, made at .*test_sizes.py.*but no tensor"
     ):
         build_stages(traced, [2, 3])
+
+
+class ViewWrite(nn.Module):
+    """(B, T, C) -> same: a tensor made from sizes, then written with data through a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = torch.zeros(x.shape[1], 4, device=x.device)  # (T, C): from sizes alone...
+        m[:, :2].add_(self.a(x).mean())  # ...but then written with the data, through a view
+        return self.b(x) + m
+
+
+def test_a_tensor_written_through_a_view_is_no_derived_tensor() -> None:
+    torch.manual_seed(0)
+    model = ViewWrite()
+    x = torch.randn(3, 5, 4)
+    traced = trace(model, x[:2])
+    zeros = [n for n in traced.graph.nodes if "zeros" in str(n.target)]
+    assert zeros and not any(is_derived(n) for n in zeros)  # made again, it would lack the write
+    n = len(traced.layers)
+    for cut in range(1, n):
+        reasons = cut_blocks(traced.graph, traced.layers, traced.values, traced.root)
+        if reasons[cut - 1]:
+            continue
+        stages = build_stages(traced, [cut, n - cut])
+        assert torch.allclose(stages[1](stages[0](x)), model(x), atol=1e-6), cut

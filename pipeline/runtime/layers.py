@@ -10,8 +10,9 @@ Calls of the root itself, or of an opened module outside any child (a residual `
 written in the loop), are *loose*. A layer is a run of consecutive calls with the same owner; loose
 calls form runs of their own, named after their first call::
 
-    tok | arange add (loose) | pos | blocks.0 | blocks.1 | ... | ln | head
+    tok | pos | add (loose) | blocks.0 | blocks.1 | ... | ln | head
     one layer per transformer block; a module called in one go is one contiguous run
+    (the positions' ``arange`` is no layer: it is made from sizes alone, see sizes.py)
 
 An ``operator.getitem`` on a call that returns several values joins that call's layer, so a tuple
 never has to cross a cut. The layers, in the order their first calls run, are a topological order
@@ -35,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from pipeline.runtime.sizes import mark_derived, readers, recomputed
+from pipeline.runtime.sizes import is_tensor, mark_derived, readers, recomputed, writes_input
 
 __all__ = [
     "Layer",
@@ -110,7 +111,7 @@ def group_layers(graph: fx.Graph) -> list[Layer]:
     runs: list[tuple[str | None, str, list[fx.Node]]] = []  # (owner path or None, kind, nodes)
     for node in calls:
         producer = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(producer, fx.Node) and producer.name in owner and not _is_tensor(producer):
+        if isinstance(producer, fx.Node) and producer.name in owner and not is_tensor(producer):
             runs[owner[producer.name]][2].append(node)  # a part of a multi-value result stays with it
             owner[node.name] = owner[producer.name]
             continue
@@ -147,10 +148,6 @@ def reads(nodes: list[fx.Node]) -> set[str]:
                 seen.add(arg.name)
                 todo.append(arg)
     return out
-
-
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _describe(node: fx.Node) -> tuple[int, str]:
@@ -205,25 +202,6 @@ def live_values(graph: fx.Graph, layers: list[Layer], inputs: list[str]) -> dict
 def crossing(values: dict[str, Value], cut: int) -> list[Value]:
     """The values live across the cut after layer ``cut``, in graph order (inputs first)."""
     return [v for v in values.values() if v.layer <= cut < v.last]
-
-
-def writes_input(node: fx.Node, module: nn.Module | None = None) -> fx.Node | None:
-    """The argument ``node`` writes into (an in-place op, or a module called with inplace=True), if any."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is not None and schema.arguments and node.args:
-        info = schema.arguments[0].alias_info
-        if info is not None and info.is_write and isinstance(node.args[0], fx.Node):
-            return node.args[0]
-        return None
-    if node.op == "call_method" and str(target).endswith("_") and not str(target).endswith("__"):
-        first = node.args[0] if node.args else None
-        return first if isinstance(first, fx.Node) else None
-    if node.op == "call_module" and module is not None:
-        sub = module.get_submodule(str(target))
-        if getattr(sub, "inplace", False) is True and node.args and isinstance(node.args[0], fx.Node):
-            return node.args[0]
-    return None
 
 
 def cut_blocks(

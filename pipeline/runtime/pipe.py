@@ -249,6 +249,7 @@ class Pipeline:
         shape = options.plan if options.plan is not None else Plan(balance=self.balance)
         self._unset: dict[int, str] = {}  # meta tensors nothing gave values yet: load_pretrained's to fill
         self._state_names = _first_names(model)  # every state name of the whole model -> its first name
+        self._transient = {n for n, _ in model.named_buffers()} - set(self._state_names)  # non-persistent
         local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
         self._modules = [local[s] for s in self._stage_ids]
         self.fingerprint = str(shape.extra.get("graph", {}).get("fingerprint", ""))  # a traced model
@@ -348,22 +349,30 @@ class Pipeline:
         ``prefix``: what the model's names have in front of the file's keys (``"model."`` for a
         wrapper holding the transformers model as ``self.model``); found when None. ``strict``: a
         key of the file that names nothing in the model is an error (else skipped). Call it on
-        every rank (a rank with nothing to read returns at once); a meta-device model's tensors
-        that it fills need no ``init_fn``.
+        every rank: a rank that fails (a key its stages need is missing) is named on the others; a
+        meta-device model's tensors that it fills need no ``init_fn``.
         """
         local = {  # a tied weight's copies on this rank are one tensor (materialize.py): one name
             self._state_names.get(name, name): t
             for mod in self._modules
             for name, t in mod.state_dict(keep_vars=True).items()
         }
-        pretrained.load(path, local, self._state_names, prefix, strict)
+        with self._publish_failure():
+            pretrained.load(path, local, self._state_names, prefix, strict, self._transient)
         self.note_loaded(local.values())
 
     def note_loaded(self, tensors: Iterable[torch.Tensor]) -> None:
         """Loaders say which of this rank's tensors they gave values (load_pretrained, checkpointing):
-        a meta model's tensors that nothing initialised are refused by ``step`` until then."""
+        a meta model's tensors that nothing initialised are refused until then (``check_values``)."""
         for t in tensors:
             self._unset.pop(id(t), None)
+
+    def check_values(self) -> None:
+        """Raise a ValueError naming this rank's tensors that a meta-device model's materialisation
+        left without values and no load has filled since (step, evaluate, predict, gather_state_dict
+        and checkpointing.save call it: they would read uninitialised memory)."""
+        if self._unset:
+            raise ValueError(unset_message(list(self._unset.values())))
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict (parameters and buffers, the model's names, CPU copies) on rank
@@ -374,6 +383,7 @@ class Pipeline:
         local = {s: mod.state_dict() for s, mod in zip(self._stage_ids, self._modules, strict=True)}
         key = f"{self._prefix}/state{next(self._gathers)}"
         with self._publish_failure():
+            self.check_values()
             return gather_state_dict(local, self.comm, dst, key, self._comm_device())
 
     # ---- the optimizer step's companions: call on every rank, after step()
@@ -557,8 +567,7 @@ class Pipeline:
         self, inputs: Batch | None, targets: Any, method: str, want_targets: bool = True
     ) -> tuple[list[Batch], list[Any]]:
         """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches."""
-        if self._unset:  # a meta model's tensors that neither init nor load_pretrained gave values
-            raise ValueError(unset_message(list(self._unset.values())))
+        self.check_values()
         m = self.n_microbatches
         xs: list[Batch] = []
         ys: list[Any] = []

@@ -10,9 +10,10 @@ A Hugging Face ``save_pretrained`` folder holds ``model.safetensors``, or shards
                                       "shape": [..], "data_offsets": [begin, end]}}, then the data
 
 ``load(path, tensors, model_keys)`` reads the JSON headers and then, per tensor this rank holds, only
-its bytes, straight into the tensor's storage (a CPU tensor of the file's dtype), else through one
-buffer of its size: a rank's memory while loading is its own stages, not the model. Every copy of
-a tied weight is loaded from the one key the file has for it.
+its bytes: straight into the tensor's storage where it is a contiguous CPU tensor of the file's
+dtype, else into one CPU buffer of its size, then copied (another float dtype is converted; a float
+and an integer dtype are refused): a rank's memory while loading is its own stages, not the model.
+Every copy of a tied weight is loaded from the file's one entry (its own name's, else an alias's).
 
 Names. The pipeline names tensors as the user's module does (``model.model.layers.0...`` for a
 wrapper that holds the transformers model as ``self.model``); the file as the transformers model
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -114,21 +116,28 @@ def load(
     model_keys: Mapping[str, str],
     prefix: str | None = None,
     strict: bool = True,
+    transient: Iterable[str] = (),
 ) -> None:
     """Fill ``tensors`` (this rank's, by the pipeline's names) from ``path``.
 
     ``model_keys``: every name of the whole model's state -> the name the pipeline gives that tensor
-    (an alias of a tied weight -> its first name). ``strict``:
-    a key of the file that names nothing in the model is an error (else skipped).
+    (an alias of a tied weight -> its first name). ``strict``: a key of the file that names nothing
+    in the model is an error (else skipped); a key that names one of ``transient`` (the model's
+    non-persistent buffers, such as a rotary ``inv_freq`` older checkpoints hold) is skipped.
     """
+    if sys.byteorder != "little":
+        raise NotImplementedError("safetensors files are little-endian; this host is big-endian")
     files = shards(path)
     if prefix is None:
         prefix = find_prefix(model_keys, files)
         if prefix is None:
             raise ValueError(_unmatched(model_keys, files, path))
+    skip = set(transient)
     wanted: dict[str, str] = {}  # our name -> the file's key
     for key in files:
         ours = model_keys.get(prefix + key)
+        if prefix + key in skip:
+            continue
         if ours is None:
             if strict:
                 raise ValueError(
@@ -136,7 +145,8 @@ def load(
                     f"was it saved from another architecture or config? pass strict=False to skip such keys"
                 )
             continue
-        wanted.setdefault(ours, key)
+        if ours not in wanted or prefix + key == ours:  # a tied weight: its own entry first, else an alias's
+            wanted[ours] = key
     missing = [name for name in tensors if name not in wanted]
     if missing:
         raise ValueError(
@@ -169,6 +179,11 @@ def _read(file: Path, start: int, key: str, entry: Mapping[str, object], tensor:
             "load a checkpoint saved from this model's config"
         )
     begin, end = (int(v) for v in entry["data_offsets"])  # type: ignore[attr-defined]
+    if dtype.is_floating_point != tensor.dtype.is_floating_point:
+        raise ValueError(
+            f"{file.name}: {key!r} is {dtype} but the model's tensor is {tensor.dtype}; a float and an "
+            "integer tensor are not converted into each other: load a checkpoint saved from this model"
+        )
     direct = tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()
     with torch.no_grad():
         target = tensor.detach() if direct else torch.empty(shape, dtype=dtype)

@@ -46,12 +46,14 @@ import torch.fx as fx
 __all__ = [
     "is_derived",
     "is_size",
+    "is_tensor",
     "mark_derived",
     "readers",
     "rebuild",
     "recomputed",
     "symbol_of",
     "symbols_read",
+    "writes_input",
 ]
 
 _SYM_SIZE = torch.ops.aten.sym_size.int
@@ -94,10 +96,11 @@ def _attribute(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is not getattr or len(node.args) < 2:
         return False
     src = node.args[0]
-    return node.args[1] in ("device", "dtype") and isinstance(src, fx.Node) and _is_tensor(src)
+    return node.args[1] in ("device", "dtype") and isinstance(src, fx.Node) and is_tensor(src)
 
 
-def _is_tensor(node: fx.Node) -> bool:
+def is_tensor(node: fx.Node) -> bool:
+    """The node's traced value is a tensor."""
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
@@ -108,15 +111,22 @@ _RANDOM = {
     torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
     torch.nn.functional.dropout,
 }  # fmt: skip
+# calls that only check what tracing assumed and give nothing: a stage may skip them
+_CHECKS = {
+    torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+    torch.ops.aten._assert_async.msg, torch.ops.aten.sym_constrain_range_for_size.default,
+}  # fmt: skip
+# fx's tensor methods that return a view of their tensor (aten ops say so in their schema)
+_VIEW_METHODS = {
+    "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "transpose", "permute", "t",
+    "squeeze", "unsqueeze", "flatten", "unflatten", "narrow", "select", "diagonal", "unfold", "chunk",
+    "split", "unbind", "as_strided", "__getitem__", "T", "mT", "detach",
+}  # fmt: skip
 
 
 def mark_derived(graph: fx.Graph) -> None:
     """Mark the graph's derived calls (see the module docstring); idempotent."""
-    written = set()
-    for node in graph.nodes:
-        target = _written(node)
-        if target is not None:
-            written.add(target.name)
+    written = _written_aliases(graph)
     for node in graph.nodes:  # topological: a call's inputs are decided before it
         node.meta[_DERIVED] = _derivable(node, written)
 
@@ -124,13 +134,11 @@ def mark_derived(graph: fx.Graph) -> None:
 def _derivable(node: fx.Node, written: set[str]) -> bool:
     if node.op not in ("call_function", "call_method") or is_size(node) or node.name in written:
         return False
-    if _written(node) is not None or _random(node.target):
+    if writes_input(node) is not None or _random(node.target):
         return False
     val = node.meta.get("val")
     tensors = val if isinstance(val, (tuple, list)) else (val,)
-    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
-        return False
-    if val is None and node.users:
+    if not all(isinstance(t, torch.Tensor) for t in tensors) and node.target not in _CHECKS:
         return False
     for arg in node.all_input_nodes:
         if is_size(arg) or arg.meta.get(_DERIVED):
@@ -138,24 +146,65 @@ def _derivable(node: fx.Node, written: set[str]) -> bool:
         held = arg.meta.get("val")
         if arg.op != "get_attr" or arg.name in written:
             return False
-        if not isinstance(held, torch.Tensor) or held.requires_grad:  # a parameter: its gradient flows
+        # a tensor that requires grad (a trainable parameter): its gradient must flow to one owner
+        if not isinstance(held, torch.Tensor) or held.requires_grad:
             return False
     return True
 
 
-def _written(node: fx.Node) -> fx.Node | None:
-    """The node whose value ``node`` writes into in place (by its schema, or a trailing ``_``)."""
+def _written_aliases(graph: fx.Graph) -> set[str]:
+    """Every node whose storage some call writes into: the written value, the tensor it is a view
+    of, and every other view of that tensor (a write through ``m[:, :2].copy_`` changes ``m``)."""
+    base: dict[str, str] = {}  # node -> the node whose storage it is (views chained to their root)
+    for node in graph.nodes:
+        src = _viewed(node)
+        base[node.name] = base.get(src.name, src.name) if src is not None else node.name
+    roots = set()
+    for node in graph.nodes:
+        target = writes_input(node)
+        if target is not None:
+            roots.add(base.get(target.name, target.name))
+    return {name for name, root in base.items() if root in roots}
+
+
+def _viewed(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` returns a view of, if it does."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
-        for j, argument in enumerate(schema.arguments[: len(node.args)]):
+        returns = schema.returns[0].alias_info if schema.returns else None
+        return first if returns is not None and not returns.is_write else None
+    if node.op == "call_method" or node.target is getattr:
+        name = node.args[1] if node.target is getattr else node.target
+        return first if name in _VIEW_METHODS else None
+    return first if node.target is operator.getitem and is_tensor(first) else None
+
+
+def writes_input(node: fx.Node, module: torch.nn.Module | None = None) -> fx.Node | None:
+    """The argument ``node`` writes into: an in-place op (by its schema, keyword arguments such as
+    ``out=`` included), a method or function named with a trailing ``_``, ``inplace=True``, or a
+    module called with ``inplace=True`` (given the model), ``x[i] = v``; None if it writes nothing."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        for j, argument in enumerate(schema.arguments):
+            given = node.args[j] if j < len(node.args) else node.kwargs.get(argument.name)
             info = argument.alias_info
-            if info is not None and info.is_write and isinstance(node.args[j], fx.Node):
-                return node.args[j]  # type: ignore[return-value]
+            if info is not None and info.is_write and isinstance(given, fx.Node):
+                return given
         return None
-    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).endswith("__"):
-        first = node.args[0] if node.args else None
-        return first if isinstance(first, fx.Node) else None
-    return None
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__"):
+        return first
+    if node.op == "call_function" and (node.kwargs.get("inplace") is True or target is operator.setitem):
+        return first
+    held = module.get_submodule(str(target)) if node.op == "call_module" and module is not None else None
+    return first if getattr(held, "inplace", False) is True else None
 
 
 def _random(target: Any) -> bool:
@@ -180,7 +229,7 @@ def recomputed(node: fx.Node) -> bool:
 def _static(val: Any) -> bool:
     if isinstance(val, (torch.Size, tuple, list)):
         return all(_static(v) for v in val)
-    return isinstance(val, (int, torch.device, torch.dtype))
+    return isinstance(val, int)
 
 
 def symbol_of(node: fx.Node) -> str | None:
@@ -247,11 +296,13 @@ def rebuild(
     if _attribute(node):  # where and in what it was traced: traced.py moves the device
         out: Any = getattr(node.args[0].meta["val"], str(node.args[1]))  # type: ignore[union-attr]
     elif _static(val):
-        if isinstance(val, (torch.Size, tuple, list)):
-            out = tuple(int(v) for v in val)
-        else:
-            out = val if isinstance(val, (torch.device, torch.dtype)) else int(val)  # type: ignore[arg-type]
-    elif node.target is _SYM_SIZE and isinstance(node.args[0], fx.Node) and node.args[0].name not in env:
+        out = tuple(int(v) for v in val) if isinstance(val, (torch.Size, tuple, list)) else int(val)  # type: ignore[arg-type]
+    elif (
+        node.target is _SYM_SIZE
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].name not in env
+        and not recomputed(node.args[0])  # a derived tensor's size: that tensor is made again
+    ):
         want = str(val)
         found = next(
             (

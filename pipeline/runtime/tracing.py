@@ -4,6 +4,7 @@
 
     traced = trace(model, sample)        # sample: one micro-batch (a tensor or a tuple of them)
     traced.graph                         # placeholders = the inputs; get_attr = the model's own names
+                                         # (or a constant's, tracing.CONSTANT + its flat name)
     traced.layers, traced.values         # the layer graph and what flows between layers (layers.py)
 
 Two tracers, in this order::
@@ -195,8 +196,11 @@ def _constants(graph: fx.Graph, gm: nn.Module, module: nn.Module) -> dict[str, t
     for node in graph.nodes:
         if node.op == "get_attr" and not _held(module, str(node.target)):
             tensor = _lookup(gm, str(node.target))
-            node.target = CONSTANT + str(node.target).replace(".", "_")
-            out[node.target] = tensor
+            flat = CONSTANT + str(node.target).replace(".", "_")
+            while flat in out:  # "a_b.x" and "a.b_x" flatten alike
+                flat += "_"
+            node.target = flat
+            out[flat] = tensor
     return out
 
 
