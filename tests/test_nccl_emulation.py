@@ -252,9 +252,13 @@ def _scenario(kind: str) -> tuple[str, str, float]:
     if kind == "collective":  # rank 0 waits in a collective (polled on the NCCL path) when rank 1 fails
         pipe.step(x, y)
         if dist.get_rank() == 1:
-            assert pipe.comm is not None
+            assert pipe.comm is not None and pipe.comm.channels is not None
+            channels, aborted = pipe.comm.channels, []
+            real = channels.abort
+            channels.abort = lambda: (aborted.append(True), real())[1]  # type: ignore[method-assign]
             pipe.comm.publish("RuntimeError: boom after the step")
-            return "published", "", 0.0
+            # its own transfers stop at once, not only when a peer's watchdog closes the pairs
+            return "published", f"own channels aborted: {aborted == [True]}", 0.0
     start = time.monotonic()
     try:
         if kind == "collective":
@@ -293,7 +297,8 @@ def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(
     assert k0 == "PipelineTimeout" and t0 < 3.0
     assert m0 == "rank 0 timed out after 1.0 s waiting for 0RECV_B0 from rank 1"
     assert k1 == "PeerFailure" and m1.endswith(m0)
-    (k0, m0, t0), _ = results["collective"]
+    (k0, m0, t0), (k1, m1, _) = results["collective"]
+    assert (k1, m1) == ("published", "own channels aborted: True")
     assert k0 == "PeerFailure" and t0 < 2.0  # the failure key is read while polling, not the timeout
     assert m0 == (
         "rank 1 failed while rank 0 waited for the all-finite flag's all-reduce (grads_finite): "
