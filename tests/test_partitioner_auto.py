@@ -423,3 +423,52 @@ def test_every_plan_returned_under_a_limit_fits_by_the_walk(seed: int) -> None:
             fixed = partition(_identity(len(prof.layers)), p, None, memory_limit=float(text), **opts)  # type: ignore[arg-type]
             limit = float(text)
         assert max(fixed.extra["rank_peaks"]) <= limit
+
+
+# -- the static-bytes fit check prunes a group before its schedule is built ----------------------------
+
+
+def test_a_group_whose_static_bytes_exceed_the_rank_limit_over_v_is_never_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The module's promise: "a group where no balance fits even the static bytes ... is skipped
+    before its schedule is built", each of its stages getting its rank's limit / v. One layer
+    holds static bytes H (weights, gradients, optimizer state) with H < limit < 2 H: 1f1b (v = 1)
+    fits, while no interleaved-1f1b group (v = 2 .. 4, a stage limit of limit / v < H) may build
+    its schedule; all its configs count as pruned by fit, none is simulated. The check is no time
+    bound: it holds with ``prune=False`` too, which here builds every group it lets through. A limit
+    without the division by v (H <= limit) would let those groups through to be built, then rejected."""
+    from partitioner import auto
+    from partitioner._planning import least_memory
+
+    heavy = 3
+    base = synthetic(8, seed=8)
+    layers = list(base.layers)
+    layers[heavy] = dataclasses.replace(layers[heavy], param_bytes=16 << 20)  # static >> the rest
+    prof = dataclasses.replace(base, layers=layers)
+    static = least_memory(prof, 2.0)
+    assert static[heavy] > 4 * sum(x for i, x in enumerate(static) if i != heavy)
+    built: list[tuple[str, int]] = []
+    unchecked = auto._unchecked
+
+    def spy(name: str, p: int, m: int, v: int) -> object:
+        built.append((name, v))
+        return unchecked(name, p, m, v)
+
+    monkeypatch.setattr(auto, "_unchecked", spy)
+    # prune=False: no time bound skips a group, so every group the fit check lets through is built
+    kw = dict(batch_size=4, sample_rows=4, n_microbatches=4, schedules=["1f1b", "interleaved-1f1b"],
+              prune=False, within=math.inf, keep=100)  # fmt: skip
+    roomy = search(prof, 2, memory_limit=1e12, **kw)  # type: ignore[arg-type]
+    assert sorted(built) == [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                             ("interleaved-1f1b", 4)]  # fmt: skip
+    assert roomy.extra["search"]["pruned_fit"] == 0
+
+    built.clear()
+    limit = 1.5 * static[heavy]
+    plan = search(prof, 2, memory_limit=limit, **kw)  # type: ignore[arg-type]
+    assert plan.schedule == "1f1b" and _fits(plan, limit)
+    assert built == [("1f1b", 1)], built  # no interleaved schedule built: its static bytes do not fit
+    stats = plan.extra["search"]
+    assert stats["grid"] == 4 * 4 and stats["pruned_fit"] == 3 * 4, stats  # v = 2, 3, 4: 4 configs each
+    assert all(c["schedule"] == "1f1b" for c in plan.candidates())
