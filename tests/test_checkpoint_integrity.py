@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import signal
 import subprocess
 import time
@@ -412,3 +413,87 @@ def test_bad_config_run_id_and_resume_arguments_are_clear_errors(tmp_path: Path)
         checkpointing.resume(path, pipe=model, optimizer=opt, config=CONFIG)
     with pytest.raises(ConfigMismatch, match=r"it records no config: it was saved without config="):
         checkpointing.resume(tmp_path, pipe=model, optimizer=opt, config=CONFIG)
+
+
+# ---- every rank's digests are in the manifest
+
+
+def _rank_one_damages_step_two(root: str) -> dict[str, Any]:
+    folder = Path(root) / "ckpt"
+    at_one = _two_saves(folder)
+    step_two = folder / "step-00000002"
+    # the files rank 1 digested at the save (the sorted listing's every other file from index 1: here
+    # __0_0.distcp) and the shard rank 1 wrote: both are damaged, by rank 1, before any rank loads
+    damaged = sorted({*manifest.share(manifest.listing(step_two), 1, 2), "__1_0.distcp"})
+    recorded = sorted(manifest.read(step_two).files)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        for name in damaged:
+            _truncate(step_two / name)
+    dist.barrier()
+    fresh = _model(seed=9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = checkpointing.load(folder, pipe=fresh)
+    return {
+        "extra": extra,
+        "same": all(torch.equal(t, at_one[k]) for k, t in _params(fresh).items()),
+        "warned": [str(w.message) for w in caught if w.category is CheckpointFallbackWarning],
+        "damaged": damaged,
+        "recorded": recorded,
+        "listed": manifest.listing(step_two),
+    }
+
+
+def test_a_damaged_file_in_rank_ones_share_is_named_and_the_previous_checkpoint_loads(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path, _rank_one_damages_step_two, 2, str(tmp_path), timeout=90.0)
+    damaged = results[0]["damaged"]
+    assert damaged == ["__0_0.distcp", "__1_0.distcp"]  # the one rank 1 digested is not the one it wrote
+    assert [r["extra"] for r in results] == [{"step": 1}, {"step": 1}]
+    assert all(r["same"] for r in results)
+    (warned,) = results[0]["warned"]
+    for name in damaged:  # each damaged file named, whichever rank digested it at the save
+        assert re.search(rf"{re.escape(name)}: {_TRUNCATED}", warned), (name, warned)
+    assert "step-00000002' (" in warned and "(step 1)" in warned
+    assert results[0]["recorded"] == results[0]["listed"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+# ---- the order of writing, not the step, after a run resumed from an older step
+
+
+def _resumed_from_an_older_step(root: Path, keep: int | None) -> dict[str, torch.Tensor]:
+    """Steps 10 and 20; the run resumed from step 10 then saves 12 and 15 (``keep`` at 15); the
+    parameters at step 12. Save order (serial): 10, 20, 12, 15."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in (10, 20):
+        _step(model, opt)
+        checkpointing.save(root, step, pipe=model, optimizer=opt, extra={"step": step}, keep=None)
+    assert checkpointing.load(root / "step-00000010", pipe=model, optimizer=opt) == {"step": 10}
+    _step(model, opt)
+    checkpointing.save(root, 12, pipe=model, optimizer=opt, extra={"step": 12}, keep=None)
+    at_twelve = _params(model)
+    _step(model, opt)
+    checkpointing.save(root, 15, pipe=model, optimizer=opt, extra={"step": 15}, keep=keep)
+    return at_twelve
+
+
+def test_a_damaged_newest_falls_back_and_keep_prunes_in_the_order_of_writing(tmp_path: Path) -> None:
+    root = tmp_path / "all"
+    at_twelve = _resumed_from_an_older_step(root, keep=None)
+    names = [p.name for p in folder_module.candidates(root)]
+    assert names == ["step-00000015", "step-00000012", "step-00000020", "step-00000010"]
+    step_15 = root / "step-00000015"
+    _garbage(_shard(step_15))
+    # the rule (folder.py): ``latest`` first, then by serial: step 12, written just before 15, not step 20,
+    # the higher step that the resumed run went back from
+    fresh = _model(seed=5)
+    fell_back = rf"loading '{root}/step-00000012' \(step 12\), the newest complete checkpoint before it"
+    with pytest.warns(CheckpointFallbackWarning, match=rf"rejected: '{step_15}' \(.*corrupt.*{fell_back}"):
+        assert checkpointing.load(root, pipe=fresh) == {"step": 12}
+    for name, t in _params(fresh).items():
+        assert torch.equal(t, at_twelve[name]), name
+
+    pruned = tmp_path / "keep2"
+    _resumed_from_an_older_step(pruned, keep=2)  # 15 and the one written just before it
+    assert _steps(pruned) == [12, 15]
