@@ -185,3 +185,22 @@ def test_a_tensor_written_through_a_view_is_no_derived_tensor() -> None:
             continue
         stages = build_stages(traced, [cut, n - cut])
         assert torch.allclose(stages[1](stages[0](x)), model(x), atol=1e-6), cut
+
+
+class PooledPositions(nn.Module):
+    """(B, C) -> ((C,), (B,)): the batch dimension is summed away; the positions are an output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(self.a(x).sum(0)), torch.arange(x.shape[0], device=x.device)
+
+
+def test_a_derived_output_needs_its_size_at_the_last_stage() -> None:
+    traced = trace(PooledPositions(), torch.randn(3, 4))
+    reasons = cut_blocks(traced.graph, traced.layers, traced.values, traced.root)
+    names = [layer.name for layer in traced.layers]
+    assert names == ["a", "sum_1", "b"]
+    assert reasons[0] == "" and "reads the size" in reasons[1]  # after the sum, nothing carries B

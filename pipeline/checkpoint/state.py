@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from pipeline.checkpoint import optim
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.tracing import is_constant
+from pipeline.runtime.tracing import first_names, is_constant
 
 __all__ = ["FORMAT", "RECORD", "Stateful", "collect", "extra_text", "model_of", "restore", "targets"]
 
@@ -188,15 +188,8 @@ def _model_state(model: nn.Module) -> dict[str, Any]:
 
 def _aliases(model: nn.Module) -> dict[str, str]:
     """{later name: first name} of each parameter or buffer the model holds under several names
-    (``head.weight``: ``tok.weight``), in ``named_parameters`` order, which is the name a traced
-    stage gives it too."""
-    first: dict[int, str] = {}
-    aliases = {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, tensor in named:
-        if first.setdefault(id(tensor), name) != name:
-            aliases[name] = first[id(tensor)]
-    return aliases
+    (``head.weight``: ``tok.weight``): the name a traced stage gives it (tracing.first_names)."""
+    return {name: first for name, first in first_names(model).items() if name != first}
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

@@ -159,7 +159,7 @@ from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.runtime.ties import TiedGrads
-from pipeline.runtime.tracing import is_constant
+from pipeline.runtime.tracing import first_names, is_constant
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
 
@@ -248,8 +248,10 @@ class Pipeline:
         self._stage_ids = self.schedule.stages_of(self.rank)
         shape = options.plan if options.plan is not None else Plan(balance=self.balance)
         self._unset: dict[int, str] = {}  # meta tensors nothing gave values yet: load_pretrained's to fill
-        self._state_names = _first_names(model)  # every state name of the whole model -> its first name
-        self._transient = {n for n, _ in model.named_buffers()} - set(self._state_names)  # non-persistent
+        saved = set(model.state_dict(keep_vars=True))  # what a checkpoint of the whole model holds
+        names = first_names(model)
+        self._state_names = {n: first for n, first in names.items() if n in saved}  # name -> first name
+        self._transient = set(names) - saved  # non-persistent buffers
         local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
         self._modules = [local[s] for s in self._stage_ids]
         self.fingerprint = str(shape.extra.get("graph", {}).get("fingerprint", ""))  # a traced model
@@ -713,12 +715,6 @@ def _check_prefetch(prefetch: object) -> None:
             f"(None for what this rank does not use; a DataLoader's [x, y] batch will do), or None; got "
             f"{got or type(prefetch).__name__}"
         )
-
-
-def _first_names(model: nn.Module) -> dict[str, str]:
-    """Every name of the model's state dict -> the first name of its tensor (a tied weight's aliases)."""
-    first: dict[int, str] = {}
-    return {name: first.setdefault(id(t), name) for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def _store_prefix(group: Any, distributed: bool) -> str:

@@ -270,12 +270,14 @@ def symbols_read(node: fx.Node) -> set[str]:
 
 
 def readers(graph: fx.Graph, layer_of: dict[str, int]) -> dict[str, int]:
-    """Symbol -> the last layer whose calls read a size (or a derived tensor) computed from it."""
+    """Symbol -> the last layer whose calls read a size (or a derived tensor) computed from it; the
+    model's output counts as read by the last layer (the last stage makes a derived output again)."""
+    final = max(layer_of.values(), default=-1)
     last: dict[str, int] = {}
     for node in graph.nodes:
-        if node.name in layer_of:
+        if node.name in layer_of or node.op == "output":
             for name in symbols_read(node):
-                last[name] = max(last.get(name, -1), layer_of[node.name])
+                last[name] = max(last.get(name, -1), layer_of.get(node.name, final))
     return last
 
 

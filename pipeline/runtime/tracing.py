@@ -48,7 +48,7 @@ from pipeline.runtime.layers import Layer, Value, group_layers, live_values
 from pipeline.runtime.microbatch import Signature
 from pipeline.runtime.untraceable import untraceable
 
-__all__ = ["CONSTANT", "Traced", "is_constant", "sample_signature", "trace"]
+__all__ = ["CONSTANT", "Traced", "first_names", "is_constant", "sample_signature", "trace"]
 
 CONSTANT = "_constant_"  # the prefix of a tensor the graph reads that the model does not hold
 
@@ -251,18 +251,23 @@ def _quiet() -> Iterator[None]:
 # ---- names and identity
 
 
+def first_names(module: nn.Module) -> dict[str, str]:
+    """Every name of ``module``'s parameters and buffers -> the first name its tensor has, in
+    ``named_parameters`` then ``named_buffers`` order: a tied weight's names -> its one name (the
+    name graphs, pipelines and checkpoints give it)."""
+    first: dict[int, str] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {name: first.setdefault(id(t), name) for name, t in named}
+
+
 def _canonical_names(graph: fx.Graph, module: nn.Module) -> None:
     """Every get_attr of a parameter or buffer reads it by the first name the module gives it."""
-    first: dict[int, str] = {}
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        first.setdefault(id(t), name)
+    first = first_names(module)
     seen: dict[str, fx.Node] = {}
     for node in list(graph.nodes):
         if node.op != "get_attr":
             continue
-        obj = _lookup(module, str(node.target))
-        if obj is not None and id(obj) in first:
-            node.target = first[id(obj)]
+        node.target = first.get(str(node.target), node.target)
         same = seen.get(str(node.target))
         if same is not None:  # one get_attr per tensor: a tied weight read twice is one input
             node.replace_all_uses_with(same)
