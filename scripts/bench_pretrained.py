@@ -32,19 +32,9 @@ from torch import nn
 import pipeline
 from partitioner import partition
 from pipeline import Pipeline, Plan
+from pipeline.reference.hf import CausalLM
 
 warnings.filterwarnings("ignore", module="transformers")
-
-
-class CausalLM(nn.Module):
-    """(B, T) ids -> (B, T, V) logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids).logits  # type: ignore[no-any-return]
 
 
 def config(args: argparse.Namespace) -> Any:

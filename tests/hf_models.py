@@ -4,13 +4,10 @@
 
 A user wraps the transformers model so that it takes tensors and returns the logits (a pipeline
 passes tensors between stages; a ``ModelOutput`` is a dict-like object, not something to cut):
-
-    class CausalLM(nn.Module):                     # (B, T) ids [, (B, T) mask] -> (B, T, V) logits
-        def forward(self, ids, mask=None):
-            return self.model(input_ids=ids, attention_mask=mask).logits
+``pipeline.reference.hf.CausalLM`` for language models, ``ImageClassifier`` below for images.
 
 Every config turns dropout off, so one process and the pipeline draw nothing random and their
-gradients can be compared to 1e-5. ``MODELS`` names each case: the architecture, and what it covers.
+gradients can be compared to 1e-5. ``CASES`` names each case: the architecture, and what it covers.
 """
 
 from __future__ import annotations
@@ -23,20 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.reference.hf import CausalLM
+
 __all__ = ["CASES", "Case", "CausalLM", "ImageClassifier", "MaskedLM", "build", "loss_of"]
 
 V, T, IMAGE = 64, 8, 16  # vocabulary, tokens per sequence, image side
-
-
-class CausalLM(nn.Module):
-    """(B, T) ids [, (B, T) attention mask] -> (B, T, V) next-token logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids=ids, attention_mask=mask).logits  # type: ignore[no-any-return]
 
 
 class MaskedLM(CausalLM):
