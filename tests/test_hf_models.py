@@ -141,3 +141,39 @@ def test_size_derived_tensors_are_no_layer_and_recomputed_per_stage() -> None:
     assert not any(n.startswith(("arange", "ones", "full")) or "rotary" in n for n in names), names
     assert names[0] == "model.model.embed_tokens" and names[-1] == "model.lm_head"
     assert sum(n.startswith("model.model.layers.") for n in names) == 4
+
+
+EMULATED = ("llama", "opt")  # rotary tables and a mask; positions made from the mask
+
+
+def _emulated(plans: dict[str, str]) -> dict[str, Any]:
+    """The NCCL code path (emulated on gloo: a meta default device, strict streams): zb-h1 with
+    recomputation, so that every derived tensor is made again under the emulation's rules too."""
+    out = {}
+    for name, plan_json in plans.items():
+        model, x, y = build(name, B)
+        plan = Plan.from_json(plan_json).replace(schedule="zb-h1", recompute="always")
+        pipe = Pipeline(model, plan, loss_fn=loss_of(name), timeout=60.0)
+        loss = pipe.step(_inputs(x), y)
+        out[name] = (loss, {k: q.grad.clone() for k, q in pipe.named_parameters() if q.grad is not None})
+        pipe.close()
+    return out
+
+
+_EMULATED = job(2, _emulated, make_args=lambda _: ({n: _plan(n, 2).to_json() for n in EMULATED},),
+                backend="nccl-emulated", timeout=400.0, batch="hf")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_trains_equal_to_one_process_on_the_nccl_path(
+    tmp_path_factory: pytest.TempPathFactory, name: str
+) -> None:
+    results = _EMULATED.results(tmp_path_factory)
+    ref_loss, ref_grads, _ = _reference(name)
+    grads: dict[str, torch.Tensor] = {}
+    for r, by_name in enumerate(results):
+        loss, g = by_name[name]
+        assert loss == pytest.approx(ref_loss, rel=1e-5), r
+        assert_close(g, {k: ref_grads[k] for k in g}, f"{name} nccl-emulated rank {r}")
+        grads.update(g)
+    assert set(grads) == set(ref_grads)
