@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
 
 from partitioner import partition, profile
@@ -204,3 +205,24 @@ def test_a_derived_output_needs_its_size_at_the_last_stage() -> None:
     names = [layer.name for layer in traced.layers]
     assert names == ["a", "sum_1", "b"]
     assert reasons[0] == "" and "reads the size" in reasons[1]  # after the sum, nothing carries B
+
+
+def test_a_constant_read_twice_is_one_buffer_under_one_flat_name() -> None:
+    """Constants the graph reads (export lifts tensors made in forward) get one flat name each."""
+    from pipeline.runtime.tracing import _constants
+
+    g = fx.Graph()
+    a, b = g.get_attr("sub.lifted_tensor_0"), g.get_attr("sub.lifted_tensor_0")
+    c = g.get_attr("sub_lifted.tensor_0")  # flattens like the first: a name of its own
+    g.output((a, b, c))
+    holder = nn.Module()
+    holder.register_module("sub", nn.Module())
+    holder.sub.register_buffer("lifted_tensor_0", torch.ones(1))
+    holder.register_module("sub_lifted", nn.Module())
+    holder.sub_lifted.register_buffer("tensor_0", torch.zeros(1))
+    found = _constants(g, holder, nn.Module())
+    assert [str(n.target) for n in (a, b, c)] == ["_constant_sub_lifted_tensor_0"] * 2 + [
+        "_constant_sub_lifted_tensor_0_"
+    ]
+    assert sorted(found) == ["_constant_sub_lifted_tensor_0", "_constant_sub_lifted_tensor_0_"]
+    assert torch.equal(found["_constant_sub_lifted_tensor_0"], torch.ones(1))

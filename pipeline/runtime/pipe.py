@@ -346,8 +346,9 @@ class Pipeline:
         """Read this rank's parameters and persistent buffers from safetensors files (pretrained.py).
 
         ``path``: a ``save_pretrained`` folder (``model.safetensors``, or shards with
-        ``model.safetensors.index.json``) or one ``.safetensors`` file. Only this rank's tensors are
-        read, straight into their storage; every copy of a tied weight gets the file's one entry.
+        ``model.safetensors.index.json``) or one ``.safetensors`` file. Only this rank's tensors' bytes
+        are read (into their storage where it is CPU memory of the file's dtype, else through one
+        buffer per tensor); every copy of a tied weight gets the file's one entry.
         ``prefix``: what the model's names have in front of the file's keys (``"model."`` for a
         wrapper holding the transformers model as ``self.model``); found when None. ``strict``: a
         key of the file that names nothing in the model is an error (else skipped). Call it on

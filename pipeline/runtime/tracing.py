@@ -193,14 +193,17 @@ def _constants(graph: fx.Graph, gm: nn.Module, module: nn.Module) -> dict[str, t
     lifts ``self.x = torch.tensor(...)`` made in a submodule's forward as ``a.b.lifted_tensor_0``; a
     stage holds it as a buffer of its own, which cannot have a dotted name)."""
     out: dict[str, torch.Tensor] = {}
+    flat_of: dict[str, str] = {}  # original target -> its flat name (read twice: one buffer)
     for node in graph.nodes:
         if node.op == "get_attr" and not _held(module, str(node.target)):
-            tensor = _lookup(gm, str(node.target))
-            flat = CONSTANT + str(node.target).replace(".", "_")
-            while flat in out:  # "a_b.x" and "a.b_x" flatten alike
-                flat += "_"
-            node.target = flat
-            out[flat] = tensor
+            target = str(node.target)
+            if target not in flat_of:
+                flat = CONSTANT + target.replace(".", "_")
+                while flat in out:  # "a_b.x" and "a.b_x" flatten alike
+                    flat += "_"
+                flat_of[target] = flat
+                out[flat] = _lookup(gm, target)
+            node.target = flat_of[target]
     return out
 
 
