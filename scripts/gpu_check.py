@@ -25,6 +25,7 @@ gloo; a step-time row then also shows the emulation's own overhead. Exit status 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -99,7 +100,7 @@ class _DelayedCopy:
         return bool(self.done.query())  # type: ignore[no-untyped-call]
 
 
-def check_stream_ordering(rows: list[Row]) -> None:
+def check_stream_ordering(rows: list[Row], group: Any) -> None:
     label = "stream ordering (delayed side-stream copy)"
     if not torch.cuda.is_available():
         rows.append((label, "skipped", "no CUDA device"))
@@ -141,7 +142,7 @@ def check_copy_stream(rows: list[Row], group: Any) -> None:
     with torch.cuda.stream(ex.copy_stream):  # type: ignore[arg-type]
         torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # the copy stream is busy: compute must wait for the copy
     out = ex.to_device(host)
-    ok = bool(torch.equal(out.sum().cpu(), host.sum()))
+    ok = bool(torch.equal(out.cpu(), host))  # element by element: GPU and CPU sums round differently
     rows.append((label, "ok" if ok else "FAIL", f"{host.numel() * 4 >> 20} MiB, ordered before compute"))
 
 
@@ -164,6 +165,230 @@ def check_one_gpu(rows: list[Row], group: Any) -> None:
         ok = worst < 1e-3 and 0 < busy <= wall  # TF32 may be on here: CPU vs GPU
         rows.append((f"one GPU, interleaved v={v} vs CPU", "ok" if ok else "FAIL",
                      f"max rel {worst:.1e}; busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms"))  # fmt: skip
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f}"
+
+
+def check_memory_one_gpu(rows: list[Row], group: Any) -> None:
+    """One rank's CUDA allocator peak in a step against the plan's bytes for it (plan_for's walk) and
+    against memory_stats' own count (parameters, gradients, held activations), and what is on the
+    device before the step: the gap between them is what the memory model misses."""
+    label = "memory on one GPU: allocator peak vs plan"
+    if not torch.cuda.is_available():
+        rows.append((label, "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for width, name, v in ((64, "interleaved-1f1b", 2), (1024, "1f1b", 1), (1024, "interleaved-1f1b", 2)):
+        pipe = model = None  # the last row's
+        gc.collect()  # a dropped Pipeline holds reference cycles: its tensors go only with a collection
+        torch.cuda.empty_cache()
+        model, x, y = _model(8, width=width, batch=64)
+        prof = profile(_model(8, width=width, batch=64)[0].to(dev), x.chunk(8)[0].to(dev), device=dev)
+        pipe = _pipe(model, 1, name, v, 8, dev, group)
+        pipe.step(x, y)  # the first step: cuBLAS workspaces, the allocator's pools
+        before = torch.cuda.memory_allocated(dev)
+        pipe.step(x, y)
+        stats = pipe.memory_stats()
+        planned = plan_for(prof, _balance(len(model), v), schedule=name, n_microbatches=8, n_virtual=v,
+                           optimizer_state_factor=0.0).extra["rank_peaks"][0]  # fmt: skip
+        peak = stats["allocator_peak"]
+        rows.append((f"{label} (width {width}, {name} v={v}, m=8)", "info",
+                     f"allocator peak {_mib(peak)} MiB, memory_stats {_mib(stats['peak'])} MiB, planned "
+                     f"{_mib(planned)} MiB (peak / planned {peak / planned:.2f}); {_mib(before)} MiB "
+                     "allocated before the step"))  # fmt: skip
+
+
+def check_nccl_one_rank(rows: list[Row], group: Any) -> None:
+    """Real NCCL objects on one GPU: a 1-rank group's work, held back behind a sleeping launch
+    stream, consumed on another stream through ``NcclTransfer.order`` (what every receive does)."""
+    label = "NCCL 1-rank group: work ordered onto another stream"
+    if not torch.cuda.is_available():
+        rows.append((label, "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda", 0)
+    with tempfile.TemporaryDirectory() as folder:
+        store = dist.FileStore(str(Path(folder, "store")), 1)  # type: ignore[attr-defined]
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        try:
+            launch_stream, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+            src = torch.full((1 << 22,), 3.0, device=dev)
+
+            def gather(how: str) -> tuple[float, float]:
+                out = torch.full((1, src.numel()), float("nan"), device=dev)  # read early: poison
+                torch.cuda.synchronize()
+                with torch.cuda.stream(launch_stream):  # NCCL's stream waits for this one at launch
+                    torch.cuda._sleep(400_000_000)  # type: ignore[no-untyped-call]  # ~0.2 s: a late peer
+                    work = dist.all_gather_into_tensor(out, src, async_op=True)
+                start = time.perf_counter()
+                if how == "ordered":
+                    NcclTransfer([work], [out]).order(consumer)
+                host = time.perf_counter() - start
+                with torch.cuda.stream(consumer):
+                    total = (out * 2).sum()
+                torch.cuda.synchronize()
+                return float(total), host
+
+            (good, host), (missing, _) = gather("ordered"), gather("none")
+            ok = good == 6.0 * src.numel() and host < 0.1
+            sees = missing != missing
+            right = "right" if good == 6.0 * src.numel() else "WRONG"
+            unordered = "poison" if sees else "data (inconclusive)"
+            detail = f"ordered {right}, host went on after {host * 1e3:.1f} ms; unordered read {unordered}"
+            rows.append((label, "ok" if ok and sees else "FAIL", detail))
+        finally:
+            dist.destroy_process_group()
+
+
+_ALLOWED_SYNC = ("_loss", "float(value)")  # the step's one sync: its returned loss (Pipeline._loss)
+
+
+def _sync_sites(fn: Any) -> list[str]:
+    """Run ``fn`` under ``torch.cuda.set_sync_debug_mode("warn")``; each host sync as file:line in the
+    library (the innermost frame under pipeline/ or partitioner/)."""
+    import traceback
+    import warnings
+
+    sites: list[str] = []
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def hook(message: Any, *args: Any, **kwargs: Any) -> None:
+        if "called a synchronizing CUDA operation" not in str(message):
+            return  # e.g. the mode's one-time notice that it is a prototype
+        ours = [f for f in traceback.extract_stack()
+                if f.filename.startswith(root) and "/scripts/" not in f.filename]  # fmt: skip
+        if ours and (ours[-1].name, (ours[-1].line or "").split("return ")[-1]) == _ALLOWED_SYNC:
+            return
+        if ours:
+            sites.append(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}")
+        else:  # raised off the Python stack (the autograd engine's device thread, say)
+            sites.append(f"outside Python frames: {str(message).splitlines()[0][:80]}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
+
+
+def _first_sync(fn: Any) -> str:
+    """Run ``fn`` under ``set_sync_debug_mode("error")``: where the first host sync raised."""
+    import traceback
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        root = str(Path(__file__).resolve().parent.parent)
+        ours = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(root)]
+        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours else "?"
+        return f"first at {where}: {str(exc).splitlines()[0][:100]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return "the error pass raised none"
+
+
+def check_no_host_sync(rows: list[Row], group: Any) -> None:
+    """One pipeline step (the second: the first allocates) under sync debug mode: the only host
+    synchronisation allowed is the returned loss's, at the step's end."""
+    label = "one step under set_sync_debug_mode: host syncs"
+    if not torch.cuda.is_available():
+        rows.append((label, "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda")
+    for name, v in (("interleaved-1f1b", 2), ("1f1b", 1), ("zb-h1", 1)):
+        model, x, y = _model(4)
+        pipe = _pipe(model, 1, name, v, 4, dev, group)
+        pipe.step(x, y)
+        torch.cuda.synchronize()
+        sites = _sync_sites(lambda pipe=pipe, x=x, y=y: pipe.step(x, y))
+        unique = sorted(set(sites))
+        detail = "none but the returned loss" if not sites else f"{len(sites)}: " + "; ".join(unique[:6])
+        if sites:  # the same step again, raising at its first sync: its traceback names the place
+            detail += "; " + _first_sync(lambda pipe=pipe, x=x, y=y: pipe.step(x, y))
+        rows.append((f"{label} ({name} v={v})", "ok" if not sites else "FAIL", detail))
+
+
+def check_oom_stall(rows: list[Row], group: Any) -> None:
+    """What the caching allocator does when an allocation must free cached blocks while work is still
+    queued on another stream (as a pre-posted NCCL receive is, until its peer sends): the host stalls
+    until that work ends (cudaFree synchronises the device). With a real receive whose peer waits on
+    this rank, that stall is a deadlock: the reason the runtime never allocates to the device's limit
+    with receives posted. A sleeping kernel stands in for the receive."""
+    label = "allocator OOM retry behind a pending transfer"
+    if not torch.cuda.is_available():
+        rows.append((label, "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+    chunk = 4 << 30
+
+    def retry(pending: bool) -> tuple[float, float]:
+        torch.cuda.empty_cache()
+        held = []
+        try:
+            while True:
+                held.append(torch.empty(chunk, dtype=torch.uint8, device=dev))
+        except torch.OutOfMemoryError:
+            pass
+        del held  # cached by the allocator, not returned to the device
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            begin.record()
+            if pending:
+                torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s
+            end.record()
+        start = time.perf_counter()
+        big = torch.empty(chunk + chunk // 2, dtype=torch.uint8, device=dev)  # fits no cached block
+        host = time.perf_counter() - start
+        del big
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return host, begin.elapsed_time(end) / 1e3
+
+    idle, _ = retry(False)
+    stalled, pending = retry(True)
+    verdict = "STALLS" if stalled > pending / 2 else "goes on"
+    detail = (f"allocation {stalled * 1e3:.0f} ms with a {pending * 1e3:.0f} ms transfer pending, "
+              f"{idle * 1e3:.0f} ms with none: the host {verdict}")  # fmt: skip
+    rows.append((label, "info", detail))
+
+
+def check_overhead(rows: list[Row], group: Any) -> None:
+    """Seconds per step on one GPU: the pipeline (one rank, m micro-batches) against a plain loop
+    over the same micro-batches, measured side by side."""
+    label = "runtime overhead on one GPU"
+    if not torch.cuda.is_available():
+        rows.append((label, "skipped", "no CUDA device"))
+        return
+    dev = torch.device("cuda")
+    model, x, y = _model(8, width=1024, batch=64)
+    plain = model.to(dev)
+    xd, yd = x.to(dev), y.to(dev)
+
+    def loop() -> None:
+        for a, b in zip(xd.chunk(8), yd.chunk(8), strict=True):
+            (gpt_loss(plain(a), b) / 8).backward()  # type: ignore[no-untyped-call]
+
+    model2, _, _ = _model(8, width=1024, batch=64)
+    pipe = _pipe(model2, 1, "1f1b", 1, 8, dev, group)
+    times = {}
+    for name, fn in (("loop", loop), ("ours", lambda: pipe.step(x, y))):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - start) / 10
+    rows.append((label, "info", f"ours {times['ours'] * 1e3:.2f} ms, plain loop {times['loop'] * 1e3:.2f} ms "
+                 f"per step of 8 micro-batches: {times['ours'] / times['loop']:.2f}x"))  # fmt: skip
 
 
 # ---- p ranks: NCCL (or its emulation)
@@ -360,10 +585,25 @@ def _print(rows: list[Row]) -> int:
 def _single_gpu_rows(group: Any = None) -> list[Row]:
     """``group``: a one-rank group under torchrun (the checks run on one process's GPU)."""
     rows: list[Row] = []
-    check_stream_ordering(rows)
-    check_copy_stream(rows, group)
-    check_one_gpu(rows, group)
+    checks = [check_stream_ordering, check_copy_stream, check_one_gpu, check_memory_one_gpu,
+              check_no_host_sync, check_overhead, check_oom_stall]  # fmt: skip
+    if group is None and not dist.is_initialized():  # a 1-rank world of its own: not under torchrun
+        checks.append(check_nccl_one_rank)
+    for check in checks:
+        _guarded(rows, check, group)
     return rows
+
+
+def _guarded(rows: list[Row], check: Any, group: Any) -> None:
+    """Run one check; an exception is its FAIL row (the traceback to stderr), not the table's end."""
+    import traceback
+
+    try:
+        check(rows, group)
+    except Exception as exc:  # a broken check must not hide the others' rows
+        traceback.print_exc()
+        first = str(exc).splitlines()[0][:160] if str(exc) else ""
+        rows.append((getattr(check, "__name__", "a check"), "FAIL", f"{type(exc).__name__}: {first}"))
 
 
 def main() -> int:
@@ -388,11 +628,10 @@ def main() -> int:
     rows = _single_gpu_rows()
     if n_gpus >= 2:
         p, backend = min(n_gpus, 8), "nccl"
-    elif not cuda:
+    else:  # NCCL takes one GPU per rank: the multi-rank rows run on CPU ranks, emulated
         p, backend = 2, "nccl-emulated"
-    else:
-        rows.append(("NCCL schedules, memory, killed rank, step time", "skipped", "needs >= 2 GPUs"))
-        return _print(rows)
+        if cuda:
+            rows.append(("NCCL on several GPUs: schedules, memory, killed", "skipped", "needs >= 2 GPUs"))
     per_rank = launch(_rank_checks, p, backend=backend, timeout=600.0)
     dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     rows += _matrix_rows(per_rank, dev, backend)

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.runtime.stream import from_host
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 
@@ -334,7 +335,7 @@ class GradReducer:
             if not b.launched:
                 self._start(b)
         flags = [float(p.grad is not None) for b in self.buckets[stage] for p in b.params]
-        has = torch.tensor(flags, device=self.comm.device)
+        has = from_host(flags, torch.float32, self.comm.device)  # no host sync: the overlap happens here
         self._has[stage] = (has, self.comm.start_all_reduce(has, dist.ReduceOp.SUM, self._what_has(stage)))
         self._armed = None
         self._pending.append(stage)

@@ -53,6 +53,7 @@ from pipeline.runtime.microbatch import Signature, as_tuple, signature, with_row
 from pipeline.runtime.p2p import Comm
 from pipeline.runtime.program import Msg
 from pipeline.runtime.stage import StageRuntime
+from pipeline.runtime.stream import from_host
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 
@@ -88,7 +89,7 @@ _KIND_SHIFT, _COUNT_SHIFT = 8, 10
 
 def encode(sig: Signature, tag: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``encode_words`` as a (HEADER_LEN,) int64 tensor on ``device``."""
-    return torch.tensor(encode_words(sig, tag), dtype=torch.int64, device=device)
+    return from_host(encode_words(sig, tag), torch.int64, torch.device(device))
 
 
 def encode_words(sig: Signature, tag: int) -> list[int]:

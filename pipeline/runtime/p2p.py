@@ -68,6 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from pipeline.runtime import emulation
 from pipeline.runtime.channels import Channels, Transfer, abort_nccl, channels_for
 from pipeline.runtime.emulation import EmuStream, EmuTransfer
+from pipeline.runtime.stream import from_host
 from pipeline.runtime.watchdog import (
     CHECK_STORE_S,
     Liveness,
@@ -210,7 +211,7 @@ class Comm:
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     def tensor(self, data: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        return from_host(data, dtype, self.device)  # no host synchronisation on CUDA
 
     def check(self, t: torch.Tensor, what: str) -> None:
         """Refuse what the backend cannot take: fake, meta or other-device tensors, unsendable dtypes."""

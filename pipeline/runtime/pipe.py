@@ -158,6 +158,7 @@ from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
+from pipeline.runtime.stream import from_host
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
 from pipeline.schedules.schedule import Schedule, forward_only
@@ -636,7 +637,7 @@ class Pipeline:
         value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
         if last is not None:  # each micro-batch loss weighted by its rows: the batch's mean
             losses = torch.stack(last.losses).float()
-            shares = torch.tensor(last.weights, dtype=torch.float32, device=losses.device)
+            shares = from_host(last.weights, torch.float32, losses.device)
             value += (losses * shares).sum().to(value.device)
         if self.comm is not None and self.comm.world_size > 1:
             src = self.comm.name(self.last_loss_rank)

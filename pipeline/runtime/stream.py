@@ -165,6 +165,20 @@ def pin(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tenso
     return tensor
 
 
+def from_host(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)`` without a host synchronisation.
+
+    On CUDA ``torch.tensor(list, device=cuda)`` copies from pageable memory, which
+    blocks the host until the stream drains: a step that does so for a header, a
+    flag or a loss weight waits for all its queued work. Here the values go
+    through a pinned buffer and a ``non_blocking`` copy on the current stream;
+    the caching host allocator keeps that buffer until the copy is done.
+    """
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def start_copy(tensor: torch.Tensor, device: torch.device, copy_stream: AbstractStream) -> torch.Tensor:
     """Queue a (pinned) host tensor's copy to ``device`` on ``copy_stream``; no other stream is ordered
     after it yet (``wait_event`` / ``wait_stream`` do that, ``record_stream`` marks its use there).
