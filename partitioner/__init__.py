@@ -24,7 +24,6 @@ from partitioner.flops import FlopCount
 from partitioner.graph import cut_bytes, layer_graph
 from partitioner.graph_profile import profile_graph
 from partitioner.links import Links, measure_links
-from partitioner.live import LiveBytes
 from partitioner.memory import held, in_flight, layer_memory
 from partitioner.noise import NoisyProfileWarning
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, measure_runtime
@@ -34,6 +33,7 @@ from partitioner.scaling import batch_rows, scale_profile
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
+from pipeline.runtime.live import LiveBytes
 
 __all__ = [
     "COSTS",

@@ -9,6 +9,8 @@ has one (as a pipeline step is: autocast's weight cache is then filled once and 
                                        saved by pass 2 and not by pass 1 -> saved_bytes (per i)
                                        saved by both (weight cache)      -> cache_bytes (once)
                                        pass 1's output -> layer l + 1's input
+    untimed, LiveBytes               one forward, one backward -> what each allocates and frees
+                                     again: forward_ and backward_transient_bytes
     untimed, FlopCount               one forward, one whole backward -> flops, backward_flops;
                                      one split backward -> input_flops, weight_flops
     timed (``one_sample``, warm-up,  F; whole backward (B of gpipe/1f1b);
@@ -37,8 +39,8 @@ from torch import nn
 from partitioner._trees import nbytes, sendable, tensors, tree_map
 from partitioner.figures import LayerProfile, LayerTiming
 from partitioner.flops import FlopCount
-from partitioner.live import LiveBytes
 from partitioner.noise import NOISE_LIMIT, estimate, floor_gap, settled, spread
+from pipeline.runtime.live import LiveBytes
 
 __all__ = ["Rejected", "Run", "WithTarget", "measure", "one_sample"]
 
@@ -97,6 +99,7 @@ def measure(
     with precision(run):
         with run.live:
             out, saved, cache, inplace, saved_io, aliases = _untimed(fn, x, owned, first)
+        transients = _transients(fn, x, first)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run)
@@ -126,6 +129,8 @@ def measure(
         saved_output_bytes=saved_io[1],
         output_aliases_input=aliases[0],
         input_grad_aliases=aliases[1],
+        forward_transient_bytes=transients[0],
+        backward_transient_bytes=transients[1],
         sendable=sendable(out),
         input_flops=input_flops,
         weight_flops=weight_flops,
@@ -220,6 +225,28 @@ def _untimed(
         grad_aliases = all(g is not None and g.untyped_storage().data_ptr() in given for g in got)
         del got
     return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace, saved_io, (aliases, grad_aliases)
+
+
+def _transients(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:
+    """(forward, backward) transient bytes of one micro-batch, counted by ``LiveBytes``: what its
+    forward allocates and frees again before returning (intermediates nothing saves); the most its
+    backward holds at once beyond what was alive when it began (its input's gradient, weight
+    gradients or their accumulation's temporaries, intermediates; less what it has freed of its
+    saved tensors by then, never below 0). What stays (outputs, saved tensors) is counted elsewhere."""
+    a, _ = fresh(x, first)
+    with LiveBytes() as live:
+        out = fn(a)
+        device = max(live.peak, key=lambda d: live.peak[d], default=None)
+        if device is None:
+            return 0, 0
+        forward = live.peak[device] - live.now[device]
+        outs, grads = roots(out)
+        begin = live.now[device]
+        live.reset_peak()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        backward = live.peak[device] - begin
+    return max(forward, 0), max(backward, 0)
 
 
 def _flops(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:

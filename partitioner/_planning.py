@@ -181,17 +181,13 @@ def memory_rows(
     modes = tuple(mode_of(recompute, s) for s in range(k))
     coefs = _coefficients(sched, modes)
     bounds = {f: np.asarray(x) for f, x in layer_bounds(profile, optimizer_state_factor).items()}
-    by_coef: dict[tuple[float, float, float], list[float]] = {}  # stages of equal coefficients share a row
+    parts = ("saved", "chain", "grads", "transient_forward", "transient_backward")
+    by_coef: dict[tuple[float, ...], list[float]] = {}  # stages of equal coefficients share a row
     rows = []
     for c in coefs:
-        key = (c["saved"], c["chain"], c["grads"])
+        key = tuple(c[f] for f in parts)
         if key not in by_coef:
-            row = (
-                bounds["static"]
-                + key[0] * bounds["saved"]
-                + key[1] * bounds["chain"]
-                + key[2] * bounds["grads"]
-            )
+            row = bounds["static"] + sum(k * bounds[f] for k, f in zip(key, parts, strict=True))
             by_coef[key] = row.tolist()
         rows.append(by_coef[key])
     edge = float(max((lp.activation_bytes for lp in profile.layers[:-1]), default=0))

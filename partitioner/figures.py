@@ -103,6 +103,8 @@ class LayerProfile:
     saved_target_bytes: int = 0  # the loss: of its target (the step's data), among saved_bytes
     output_aliases_input: bool = False  # its output is its input's storage (a view, an in-place op)
     input_grad_aliases: bool = False  # its input's gradient is its output gradient's storage (a view's)
+    forward_transient_bytes: int = 0  # allocated and freed again inside its forward (one micro-batch)
+    backward_transient_bytes: int = 0  # the most its backward allocates at once: gradients, temporaries
     sendable: bool = True
     params: tuple[str, ...] = ()
     input_flops: int = 0

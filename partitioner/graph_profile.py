@@ -48,8 +48,8 @@ from partitioner._profiling import (
 from partitioner._trees import describe, nbytes
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
-from partitioner.live import LiveBytes
 from pipeline.runtime.layers import cut_blocks
+from pipeline.runtime.live import LiveBytes
 from pipeline.runtime.traced import build, holder, layer_spec
 from pipeline.runtime.tracing import Traced
 

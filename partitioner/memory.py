@@ -30,8 +30,8 @@ Per-rank walk. ``stage_bytes`` turns the profile into per-micro-batch figures of
 (``StageBytes``: its graph beyond input and output, input, output, a split chain's unsaved
 outputs and output gradients, static bytes), counting a storage adjacent layers share once when
 given ``saved_io`` (what each layer saves of its input and output). ``rank_peaks`` then runs each
-rank's lowered actions (compute and comm blocks, receives posted one block ahead, sends kept
-until a receive proves them delivered, as ``pipeline.runtime.program`` does) and returns, per
+rank's program (``Schedule.program``: compute and comm blocks, receives posted one block ahead,
+sends held until the free that a receive proves, the very order the executor runs) and returns, per
 rank, static bytes plus the most activation bytes held at once. Recomputation is per stage.
 The step's data (stage 0's input, the last stage's targets) is not counted: the caller holds it.
 """
@@ -46,9 +46,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from partitioner.figures import Profile
+from partitioner.figures import LayerProfile, Profile
 from pipeline.runtime.recompute import check_mode, recomputes
 from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import Free, Post, Wait
 from pipeline.schedules.schedule import Schedule
 
 __all__ = [
@@ -131,6 +132,11 @@ class StageBytes:
     # split backward: the input gradient it sends is a layer's output gradient too (a view's
     # backward; counted in ``input``, not ``grads``): held from B until sent and until W
     input_grad_kept: bool = False
+    # held only while one compute runs: the most a layer's forward allocates and frees again; the
+    # most a layer's backward allocates at once, plus the gradient of its output it reads (the
+    # stage's last layer reads the received one, counted in ``output``)
+    transient_forward: float = 0.0
+    transient_backward: float = 0.0
 
 
 def stage_bytes(
@@ -201,9 +207,39 @@ def stage_bytes(
             grads += most
         static = sum(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
                      for lp in lps)  # fmt: skip
-        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept))
+        forward, backward = _transients(layers, loss if last else None, io, start, stop)
+        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, forward, backward))
         start = stop
     return out
+
+
+def _transients(
+    layers: Sequence[LayerProfile],
+    loss: LayerProfile | None,
+    io: Sequence[tuple[int, int]],
+    start: int,
+    stop: int,
+) -> tuple[float, float]:
+    """Stage [start, stop)'s momentary bytes on top of what the walk holds: (forward, backward).
+
+    While layer j runs, the walk holds all the stage saves, but what the layers after j save is not
+    there yet (forward) or already freed (backward): only layer j's excess over that counts. In
+    backward, layer j also reads its output's gradient (the last layer's is the received one,
+    counted by the walk). Each layer's own saved bytes leave out what it shares with the layer
+    before (one storage: still held by that layer's graph when this one's is freed)."""
+    figures = [*layers[start:stop], *([loss] if loss is not None else [])]
+    own = []
+    for k, lp in enumerate(figures):
+        g = start + k  # the loss: io's last entry
+        shared = min(io[g - 1][1], io[g][0]) if g > start else 0
+        own.append(float(lp.saved_bytes - shared - (io[g][1] if lp is loss else 0)))
+    later = [sum(own[k + 1 :]) for k in range(len(figures))]
+    reads = [float(lp.activation_bytes) for lp in figures[:-1]] + [0.0]
+    pairs = zip(figures, later, strict=True)
+    forward = max(max(lp.forward_transient_bytes - after, 0.0) for lp, after in pairs)
+    backward = max(max(lp.backward_transient_bytes + g - after, 0.0)
+                   for lp, g, after in zip(figures, reads, later, strict=True))  # fmt: skip
+    return forward, backward
 
 
 def _storages(
@@ -231,7 +267,9 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
         saved(a, b) <= sum of saved_l     chain(a, b) <= sum of chain_l     grads(a, b) <= sum of act_l
 
     (stage_bytes subtracts its first layer's whole saved input, and the output it sends, where this
-    subtracts only the share with the previous layer; chain and grads leave out its last layer)."""
+    subtracts only the share with the previous layer; chain and grads leave out its last layer).
+    ``transient_forward`` and ``transient_backward``: a stage's are the most of its layers', so at
+    most their sum."""
     layers = list(profile.layers)
     n, loss, f = len(layers), profile.loss, 2.0 + optimizer_state_factor
     io = np.asarray(_recorded_io(profile), np.float64).reshape(-1, 2)
@@ -250,8 +288,15 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
         static[-1] += loss.param_bytes * f + loss.buffer_bytes + loss.cache_bytes
     unsaved = np.zeros(n, bool)
     unsaved[:-1] = (outs[:-1] == 0) & (ins[1:] == 0)  # a split chain keeps this output itself
+    forward = column("forward_transient_bytes")
+    backward = column("backward_transient_bytes") + act  # the most: it reads its output's gradient
+    if loss is not None:
+        forward[-1] = max(forward[-1], loss.forward_transient_bytes)
+        backward[-1] = max(backward[-1], loss.backward_transient_bytes)
     return {
         "static": static.tolist(),
+        "transient_forward": forward.tolist(),
+        "transient_backward": backward.tolist(),
         "saved": np.maximum(own, 0.0).tolist(),
         "chain": np.where(unsaved, act, 0.0).tolist(),
         "grads": act.tolist(),
@@ -271,13 +316,14 @@ def _recorded_io(profile: Profile) -> list[tuple[int, int]]:
 def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | Sequence[str]) -> list[float]:
     """Per rank: its predicted peak bytes in a step (static bytes + the most activation bytes held).
 
-    Walks each rank's lowered actions as the executor runs them, holding per micro-batch::
+    Walks each rank's program (``Schedule.program``, what the executor runs), holding per micro-batch::
 
         F        input (all), graph + output (unless it recomputes)
         B        replay (recomputing): graph + a new output; split: + layer output grads
         end of B unsplit: everything of the micro-batch;  W: everything (split)
-        SEND_*   the sent tensor until a receive proves it delivered (program.py's reaps)
+        SEND_*   the sent tensor from its post to the program's free of it
         RECV_*   the buffer from its posting (one comm block ahead) to its compute's end
+        F, B, W  while it runs: its layers' transients (``StageBytes.transient_*``)
 
     ``recompute``: one mode for every stage, or one per stage.
     """
@@ -289,7 +335,6 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
         )
     for mode in modes:
         check_mode(mode)
-    lowered = sched.lowered()
 
     def size(key: tuple[str, int, int]) -> np.ndarray:
         kind, s, _ = key
@@ -297,15 +342,17 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
 
     return [
         sum(st.static for st in stages[r :: sched.n_ranks])
-        + float(_walk(sched, lowered, r, size, modes, [st.input_grad_kept for st in stages])[0])
+        + float(_walk(sched, r, size, modes, [st.input_grad_kept for st in stages])[0])
         for r in range(sched.n_ranks)
     ]
 
 
 # what each holder of the walk weighs: a field of ``StageBytes``
 _FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
-          "set": "saved", "chain": "chain", "grads": "grads"}  # fmt: skip
-PARTS = ("saved", "input", "output", "chain", "grads")  # the per-micro-batch figures of StageBytes
+          "set": "saved", "chain": "chain", "grads": "grads", "tf": "transient_forward",
+          "tb": "transient_backward"}  # fmt: skip
+# the per-micro-batch figures of StageBytes
+PARTS = ("saved", "input", "output", "chain", "grads", "transient_forward", "transient_backward")
 
 
 def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[str, float]]:
@@ -321,7 +368,6 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
         raise ValueError(f"{len(modes)} recompute modes for {sched.n_stages} stages; give one per stage")
     for mode in modes:
         check_mode(mode)
-    lowered = sched.lowered()
     p, width = sched.n_ranks, len(PARTS)
     units: dict[tuple[str, int], np.ndarray] = {}
 
@@ -335,27 +381,24 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
 
     out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
     for r in range(p):
-        peak = _walk(sched, lowered, r, size, modes)
+        peak = _walk(sched, r, size, modes)
         for s in range(r, sched.n_stages, p):
             out[s] = {f: float(peak[(s // p) * width + j]) for j, f in enumerate(PARTS)}
     return out
 
 
-Lowered = tuple[tuple[Action, ...], ...]
-
-
 def _walk(
     sched: Schedule,
-    lowered: Lowered,
     r: int,
     size: Callable[[tuple[str, int, int]], np.ndarray],
     modes: list[str],
     gin_kept: Sequence[bool] = (),
 ) -> np.ndarray:
     """Rank r's most bytes held at once (see ``rank_peaks``), per slot of ``size``'s vectors: each
-    slot's own maximum over the step (one slot: the peak itself). ``gin_kept[s]``: stage s's sent
-    input gradient is held until its W too (``StageBytes.input_grad_kept``)."""
-    mine = lowered[r]
+    slot's own maximum over the step (one slot: the peak itself). It walks ``sched.program(r)``, the
+    order the executor runs: what a post holds, a free releases, and a receive's buffer goes at the
+    end of the compute that waited for it. ``gin_kept[s]``: stage s's sent input gradient is held
+    until its W too (``StageBytes.input_grad_kept``)."""
     gins = {s for s, kept in enumerate(gin_kept) if kept}
     refs: dict[tuple[str, int, int], int] = {}
     width = len(size(("in", r, 0)))
@@ -379,81 +422,46 @@ def _walk(
                     del refs[key]
                     now = now - size(key)
 
+    def momentary(key: tuple[str, int, int]) -> None:  # held while one compute runs
+        take(key)
+        drop(key)
+
     def buffer(a: Action) -> tuple[str, int, int]:
         kind = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND_B: "gin"}[a.kind]
         return (kind, a.stage, a.microbatch)
 
-    reaps = _reaps(sched, lowered, r)
-    blocks: list[list[Action]] = []
-    program: list[Action | int] = []  # a compute action, or the index of a comm block
-    for a in mine:
-        if a.kind.is_compute:
-            program.append(a)
-        elif program and isinstance(program[-1], int):
-            blocks[-1].append(a)
-        else:
-            blocks.append([a])
-            program.append(len(blocks) - 1)
-    recvs = [[a for a in b if a.kind.is_recv] for b in blocks]
-    if recvs:
-        take(*(buffer(a) for a in recvs[0]))  # posted at the step's start
-    posted: set[Action] = set()
-    for item in program:
-        if isinstance(item, int):
-            ahead = recvs[item + 1] if item + 1 < len(blocks) else []
-            sends = [a for a in blocks[item] if a.kind.is_send]
-            posted.update(sends)
-            take(*(buffer(a) for a in (*sends, *ahead)))
-            continue
-        a, s, i = item, item.stage, item.microbatch
-        replays = recomputes(modes[s], i, m)
-        until_w = [("grads", s, i), ("gout", s, i), *([("gin", s, i)] if s in gins else [])]
-        got = Action(s, Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, i)
-        consumed = [buffer(got)] if a.kind is not Kind.W and got in mine else []
-        for sent in reaps.get(got, []):
-            if sent in posted:
-                posted.discard(sent)
-                drop(buffer(sent))
-        if a.kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
-            kept = [] if replays else [("set", s, i), ("out", s, i)]
-            take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
-        elif a.kind is Kind.B:
-            if replays:
-                take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
-            if sched.split_backward:
-                take(*until_w)
+    consumed: list[tuple[str, int, int]] = []
+    for x in sched.program(r):
+        if isinstance(x, Post):
+            take(*(buffer(a) for a in (*x.sends, *x.recvs)))
+        elif isinstance(x, Wait):
+            consumed.append(buffer(x.recv))
+        elif isinstance(x, Free):
+            drop(*(buffer(a) for a in x.sends))
+        elif isinstance(x, Action):
+            a, s, i = x, x.stage, x.microbatch
+            replays = recomputes(modes[s], i, m)
+            until_w = [("grads", s, i), ("gout", s, i), *([("gin", s, i)] if s in gins else [])]
+            if a.kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
+                kept = [] if replays else [("set", s, i), ("out", s, i)]
+                take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
+                momentary(("tf", s, i))
+            elif a.kind is Kind.B:
+                if replays:
+                    take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
+                    momentary(("tf", s, i))
+                momentary(("tb", s, i))
+                if sched.split_backward:
+                    take(*until_w)
+                else:
+                    drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
             else:
-                drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
-        else:
-            drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
-            drop(*until_w)
-        drop(*consumed)
+                momentary(("tb", s, i))
+                drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
+                drop(*until_w)
+            drop(*consumed)
+            consumed = []
     return peak
-
-
-def _reaps(sched: Schedule, lowered: Lowered, r: int) -> dict[Action, list[Action]]:
-    """Per receive on rank r: the sends it proves delivered (the rule of ``pipeline.runtime.program``)."""
-    out: dict[Action, list[Action]] = {}
-    mine = set(lowered[r])
-    for a in lowered[r]:
-        if not a.kind.is_send:
-            continue
-        theirs = lowered[sched.rank_of(a.peer_stage)]
-        consumer = (
-            Action(a.stage + 1, Kind.F, a.microbatch)
-            if a.kind is Kind.SEND_F
-            else Action(a.stage - 1, Kind.B, a.microbatch)
-        )
-        if consumer not in theirs:
-            continue
-        for b in theirs[theirs.index(consumer) + 1 :]:
-            if b.kind.is_send and sched.rank_of(b.peer_stage) == r:
-                back = Action(b.stage + 1, Kind.RECV_F, b.microbatch) if b.kind is Kind.SEND_F else Action(
-                    b.stage - 1, Kind.RECV_B, b.microbatch)  # fmt: skip
-                if back in mine:
-                    out.setdefault(back, []).append(a)
-                break
-    return out
 
 
 def saved_io(

@@ -65,7 +65,7 @@ from partitioner._trees import describe, nbytes, tree_map
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.graph_profile import profile_graph
-from partitioner.live import LiveBytes
+from pipeline.runtime.live import LiveBytes
 from pipeline.runtime.tracing import trace
 
 __all__ = [  # LayerProfile and Profile are figures.py's, the rest _profiling's

@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
+from pipeline.schedules.program import Program
 from pipeline.schedules.schedule import Schedule, default_n_virtual, schedule, schedule_options
 
 __all__ = ["Plan", "StagePlan"]
@@ -144,6 +145,10 @@ class Plan:
     def build_schedule(self) -> Schedule:
         """The plan's ``Schedule`` (built once per plan, validated)."""
         return _build(self.schedule, self.n_ranks, self.n_microbatches, self.n_virtual)
+
+    def program(self, rank: int) -> Program:
+        """Rank ``rank``'s step as data, one instruction per line when printed (``Schedule.program``)."""
+        return self.build_schedule().program(rank)
 
     def replace(self, **changes: Any) -> Plan:
         """A copy with ``changes`` applied and checked again (predictions are kept as they are)."""

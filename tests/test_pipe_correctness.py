@@ -21,6 +21,8 @@ from torch import nn
 from pipeline.plan import Plan
 from pipeline.reference.models import mlp
 from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.actions import Action
+from pipeline.schedules.program import Post, Wait
 from pipeline.schedules.schedule import SCHEDULES, schedule
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
@@ -194,6 +196,11 @@ def test_measured_trace_has_the_simulated_shape(world: tuple[int, list[Any]], tm
     for r in range(p):
         order = [e.action for e in measured.of_rank(r) if e.action.kind.is_compute]
         assert order == [e.action for e in simulated.of_rank(r) if e.action.kind.is_compute]
+        # the executor ran the program, in its order: its posted sends, its waits, its computes
+        program = schedule("1f1b", p, M).program(r)
+        expected = [a for x in program for a in (x.sends if isinstance(x, Post) else
+                    (x.recv,) if isinstance(x, Wait) else (x,) if isinstance(x, Action) else ())]  # fmt: skip
+        assert [e.action for e in measured.of_rank(r)] == expected
         waits = [e for e in measured.of_rank(r) if e.action.kind.is_recv]
         assert len(waits) == (M if r in (0, p - 1) else 2 * M)  # every receive waited for, once
         computes = [e for e in measured.of_rank(r) if e.action.kind.is_compute]

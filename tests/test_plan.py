@@ -245,3 +245,11 @@ def test_table_shows_a_traced_plans_cuts_and_ties() -> None:
     assert "cuts before blocks.2" in text and "tied weights wte.weight: stages [0, 1]" in text
     assert "cuts before" not in Plan(balance=[2, 2]).table()
     assert "no candidates" in Plan(balance=[2, 2]).candidates_table()
+
+
+def test_a_plan_prints_each_ranks_program() -> None:
+    plan = Plan(balance=[2, 2], schedule="1f1b", n_microbatches=2)
+    assert plan.program(1) == plan.build_schedule().program(1)
+    assert str(plan.program(0)).splitlines()[:2] == ["0F0", "post 0SEND_F0 0RECV_B0"]
+    with pytest.raises(ValueError, match=r"rank \(2\) must be an integer in \[0, 2\)"):
+        plan.program(2)

@@ -73,6 +73,7 @@ from torch import nn
 
 from pipeline.runtime.stream import from_host
 from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import Reduce
 from pipeline.schedules.schedule import Schedule
 
 __all__ = [
@@ -107,17 +108,21 @@ def check_bucket_mb(bucket_mb: float) -> float:
 
 
 def reduction_points(sched: Schedule, rank: int) -> dict[Action, int]:
-    """Per local stage, the compute action after which its gradients are final: its last W on a
-    split-backward schedule, else its last B (action -> stage)."""
-    kind = Kind.W if sched.split_backward else Kind.B
-    last: dict[int, Action] = {}
-    for a in sched.lowered()[rank]:
-        if a.kind is kind:
-            last[a.stage] = a
-    missing = sorted(set(sched.stages_of(rank)) - set(last))
+    """Per local stage, the compute action after which its gradients are final: the one before the
+    program's ``reduce`` of that stage (its last W on a split-backward schedule, else its last B;
+    action -> stage)."""
+    points: dict[Action, int] = {}
+    last: Action | None = None
+    for x in sched.program(rank):
+        if isinstance(x, Action):
+            last = x
+        elif isinstance(x, Reduce) and last is not None:
+            points[last] = x.stage
+    missing = sorted(set(sched.stages_of(rank)) - set(points.values()))
     if missing:  # a schedule without a backward (forward_only) has nothing to reduce
+        kind = Kind.W if sched.split_backward else Kind.B
         raise ValueError(f"schedule {sched.name!r} has no {kind.value} action for stages {missing}")
-    return {a: s for s, a in last.items()}
+    return points
 
 
 def assign_parameters(

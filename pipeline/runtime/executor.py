@@ -2,14 +2,15 @@
 
     # s: stage, i: micro-batch, r: this rank, q: a peer rank, p: ranks, k: compute index
 
-``Executor`` compiles the rank's lowered list once (program.py: messages and
-bound instructions) and runs it at every step:
+``Executor`` binds the rank's program once (``Schedule.program``, the step as
+data; runtime/program.py: messages and bound instructions) and runs it at every step:
 
     step:  header + signatures (metadata.py, only when the batch's signature changes;
            per micro-batch size: B rows split into m give at most two)
-           -> post the first block's receives (lookahead)
-           -> per instruction: compute (its input ordered before it only now) | post a comm block
-           -> order the sends still pending
+           -> per instruction: post a comm block (the first: receives only) | compute (its
+              input ordered before it only now, then the sends that input proves delivered)
+           | free the sends that no receive proved delivered (at the end)
+           -> order what is still pending (the header's send)
 
 Every receive is consumed through ``Comm.order(works, compute stream)``: on
 gloo the host waits; on NCCL the compute stream waits for the transfer on the
@@ -123,7 +124,6 @@ class Executor:
             )
         self.nccl = comm is not None and comm.nccl
         self.emulated = comm is not None and comm.emulated
-        self.lookahead = comm is not None
         self.compute_stream = stream.current_stream(device, self.emulated)
         self.copy_stream = stream.new_stream(device, self.emulated, "copy")
         self.clock = StepClock(device, self.compute_stream, rank)
@@ -149,7 +149,7 @@ class Executor:
         self.sizes: list[int] = []  # the rows of this step's micro-batches
         self.in_sig: Signatures = {}  # per local stage, per micro-batch size
         self.out_sig: Signatures = {}
-        compiled = compile_rank(sched, rank, stages, self, self.lookahead, comm.name if comm else None)
+        compiled = compile_rank(sched, rank, stages, self, comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
         self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
         # data parallelism: told the step's rows, gives the replica's share of the global batch (B_d / B)
@@ -157,7 +157,6 @@ class Executor:
         self._program = compiled.program
         self._msgs = compiled.msgs
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
-        self._first_recvs = compiled.first_recvs
 
     # ---- measurements of the last step
 
@@ -228,6 +227,15 @@ class Executor:
             m.works = w
         self._sent += sends
 
+    def release(self, sends: list[Msg]) -> None:
+        """The program's ``free``: ``sends`` are delivered; order them (a no-op wait by now) and drop
+        their tensors."""
+        for m in sends:
+            if m.works is not None:
+                self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
+                m.works, m.tensors = None, []
+                self._buffers.pop(m.action, None)  # type: ignore[arg-type]
+
     def take(self, m: Msg) -> Any:
         """A compute action's input: from the local hand-over, or the receive posted for it."""
         if m.action is None:
@@ -241,11 +249,7 @@ class Executor:
             self._ordered.append((m.what, works))
         m.works = None
         self._consumed.append(self._buffers.pop(m.action, None))
-        for done in m.reap:
-            if done.works is not None:
-                comm.order(done.works, self.compute_stream, done.what)
-                done.works, done.tensors = None, []
-                self._buffers.pop(done.action, None)  # type: ignore[arg-type]
+        self.release(m.reap)
         # The compute that asked for this input starts now: waiting is not busy time.
         self.clock.input_ready(m.action, start)
         buffers, m.tensors = m.tensors, []
@@ -314,8 +318,6 @@ class Executor:
                 share = self.on_rows(self.sizes) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
                     st.set_rows(self.sizes, share)
-                if self._first_recvs:
-                    self.post([], self._first_recvs, self._first_recvs[0].what)
                 bound = self.nccl
                 for a, fn in self._program:
                     if a is None:
@@ -358,8 +360,9 @@ class Executor:
         return f"the device to finish {a}"
 
     def _drain(self) -> None:
-        unconsumed = [a for a, m in self._msgs.items() if a.kind.is_recv and m.works is not None]
-        assert not unconsumed, f"receives left unconsumed: {unconsumed}"
+        # the program waited for every receive and freed every send; what is left is the header's
+        open_ = [a for a, m in self._msgs.items() if m.works is not None]
+        assert not open_, f"rank {self.rank}'s program left messages open: {open_}"
         assert self.comm is not None or not self._sent
         for m in self._sent:
             if m.works is not None:

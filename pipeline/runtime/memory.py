@@ -44,7 +44,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ActivationMeter", "memory_stats", "storage_bytes"]
+from pipeline.runtime.live import LiveBytes
+
+__all__ = ["ActivationMeter", "measured", "memory_stats", "storage_bytes"]
 
 
 class _Held:
@@ -154,6 +156,22 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer, params: set[int]) -> It
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
+@contextlib.contextmanager
+def measured(pipe: Any, on: bool) -> Iterator[None]:
+    """With ``on``: count every storage allocated inside (``LiveBytes``); the step's true peak is then
+    what was alive before it (parameters, buffers, gradients) plus the most allocated at once inside.
+    Kept as ``pipe.measured_peak`` (None after a step that did not measure)."""
+    pipe.measured_peak = None
+    if not on:
+        yield
+        return
+    params = list(pipe.parameters())
+    before = storage_bytes([*params, *pipe.buffers(), *(p.grad for p in params)])
+    with LiveBytes() as live:
+        yield
+    pipe.measured_peak = before + live.most()
+
+
 def memory_stats(pipe: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """This rank's measured memory of ``pipe``'s last ``step`` (see ``Pipeline.memory_stats``)."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -169,15 +187,26 @@ def memory_stats(pipe: Any, optimizer: torch.optim.Optimizer | None = None) -> d
     if optimizer is not None:
         state = storage_bytes(_optimizer_tensors(optimizer, {id(p) for p in params}))
     activations = pipe.executor.meter.last_peak
-    peak = None
-    if activations is not None:
-        peak = parameters + buffers + gradients + (state or 0) + activations
     device = pipe.device
     cuda = device.type == "cuda"
+    counted = None  # the hooks' count: what is held for backward, no transients
+    if activations is not None:
+        counted = parameters + buffers + gradients + (state or 0) + activations
+    live = getattr(pipe, "measured_peak", None)
+    peak: int | None
+    if cuda:
+        peak, source = torch.cuda.max_memory_allocated(device), "the CUDA allocator's peak"
+    elif live is not None:
+        peak, source = live + (state or 0), "every storage allocated in the step, from allocation to free"
+    else:
+        peak = counted
+        source = ("saved-tensor hooks and held buffers (no transients: step(..., measure_memory=True) "
+                  "measures every storage)")  # fmt: skip
     return {
         "device": str(device),
-        "source": "saved-tensor hooks and held buffers (unique storages)",
+        "source": source,
         "peak": peak,
+        "counted_peak": counted,
         "parameters": parameters,
         "buffers": buffers,
         "gradients": gradients,

@@ -291,6 +291,7 @@ class Pipeline:
             self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
         self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
+        self.measured_peak: int | None = None  # the last step's true peak, when it measured it
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
         self.last_loss_rank = self.schedule.rank_of(n_stages - 1)
         self._prefetched: dict[str, Prefetched] = {}  # "inputs" / "targets": the next call's copy
@@ -444,6 +445,7 @@ class Pipeline:
         *,
         prefetch: Sequence[Any] | None = None,
         record: bool = False,
+        measure_memory: bool = False,
     ) -> float:
         """One training step over the batch; the batch's mean loss as a float, on every rank.
 
@@ -451,25 +453,32 @@ class Pipeline:
         (``needs_inputs`` / ``needs_targets``); other ranks may pass None. Any
         B >= m rows (see the module docstring). ``prefetch=(x_next, y_next)``
         starts the next batch's copy to the device. ``record`` keeps this step's
-        measured timeline (see ``timeline`` and ``write_trace``).
+        measured timeline (see ``timeline`` and ``write_trace``). ``measure_memory``
+        counts every tensor storage the step allocates, from allocation to free, so that
+        ``memory_stats()["peak"]`` is the true peak on CPU too (transients included; every
+        op then pays a Python call: measure, do not train, with it). On CUDA the allocator's
+        peak is measured at every step.
         """
         _check_prefetch(prefetch)
+        if not isinstance(measure_memory, bool):
+            raise TypeError(f"measure_memory must be True or False, got {measure_memory!r}")
         begin_call(self.comm, "step")
         with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
             if self.device.type == "cuda":  # memory_stats(): this step's peak
                 torch.cuda.reset_peak_memory_stats(self.device)
-            xs, ys = self._microbatches(inputs, targets, "step")
-            self._prefetch(prefetch)
-            self.tied.begin()  # first: a tied weight's earlier gradient is put aside, not in a bucket
-            if self._replicas is not None:
-                self._replicas.begin_step(record)
-            self.executor.run(xs, ys, record)
-            if self._replicas is not None:  # every stage's buckets, launched during the step
-                self._replicas.wait(self.stages)
-            self.tied.reduce()  # each copy of a tied weight: the sum of every copy's gradient
-            return self._loss(self.executor.sizes)
+            with memory.measured(self, measure_memory and self.device.type != "cuda"):
+                xs, ys = self._microbatches(inputs, targets, "step")
+                self._prefetch(prefetch)
+                self.tied.begin()  # first: a tied weight's earlier gradient is put aside, not in a bucket
+                if self._replicas is not None:
+                    self._replicas.begin_step(record)
+                self.executor.run(xs, ys, record)
+                if self._replicas is not None:  # every stage's buckets, launched during the step
+                    self._replicas.wait(self.stages)
+                self.tied.reduce()  # each copy of a tied weight: the sum of every copy's gradient
+                return self._loss(self.executor.sizes)
 
     def evaluate(
         self,
@@ -662,11 +671,15 @@ class Pipeline:
         return self.executor.busy
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This rank's measured memory in the last ``step`` (bytes; see ``pipeline.runtime.memory``).
+        """This rank's memory in the last ``step`` (bytes; see ``pipeline.runtime.memory``).
 
-        ``peak``: parameters + buffers + gradients + optimizer state (0 unless ``optimizer`` is
-        given) + ``activations``, the most bytes held for backward at once (saved tensors, kept
-        stage inputs and outputs, transfer buffers; each storage once); ``allocator_peak`` and
+        ``peak``: the most bytes alive at once: on CUDA the allocator's peak; on CPU, after
+        ``step(..., measure_memory=True)``, every tensor storage alive (parameters, buffers,
+        gradients, optimizer state when ``optimizer`` is given, and all the step allocated,
+        transients included); after other CPU steps, ``counted_peak``. ``source`` says which.
+        ``counted_peak``: parameters + buffers + gradients + optimizer state + ``activations``,
+        the most bytes held for backward at once (saved tensors, kept stage inputs and outputs,
+        transfer buffers; each storage once), without transients. ``allocator_peak`` and
         ``allocated``: the CUDA allocator's (None on CPU); ``held``: per local stage, the most
         micro-batches whose activations it held at once.
         """

@@ -1,34 +1,21 @@
-"""Compile one rank's lowered action list into messages and bound instructions.
+"""Bind one rank's program (``pipeline.schedules.program``) to its stages and messages.
 
     # s: stage, i: micro-batch, r: this rank, q: a peer rank
 
-The rank's lowered list is compiled once, at the executor's construction:
+The program is data; this module makes it run, once, at the executor's construction:
 
-    lowered:   0F1 | 0SEND_F1 0RECV_B0 | 0B0 | 0SEND_B0 ... | ...
-    program:   [F(0,1)] [block: post sends + receives, and the next block's
-                         receives ahead of need] [B(0,0)] ...
+    program:    0F1 | post 0SEND_F1 0RECV_B0 | wait 0RECV_B0  free 0SEND_F0  0B0 ...
+    bound:      [F(0,1)] [block: post]        [B(0,0): take its input, then free the sends]
 
 Each compute instruction takes its input from a mailbox, filled either locally
-(the neighbour stage is on this rank: no copy, no comm) or by a receive that it
-waits for only now (posted one block earlier when lookahead is on, so the
-transfer overlaps the compute in between). Every message of the step is a
-``Msg`` made here, bound into the instructions that fill, post and consume it,
-with its peer and its description for errors: the step itself does no lookups
-and formats no strings.
-
-Sends are never waited for inside the step except where they are known to be
-done. A send X to rank q is done once q has waited for it; so if q, after the
-compute that consumes X, sends some Y back, X is done by the time Y arrives
-here. Each send is attached here to the first such receive (read off q's
-lowered list), and ordered just after it (it frees the send's tensors; on gloo
-the wait returns at once, on NCCL the compute stream waits for an event the
-device has passed already):
-
-    rank r:  SEND_F(s,i) ......................... RECV_B(s,i) -> reap SEND_F(s,i)
-    rank q:       RECV_F(s+1,i) -> F(s+1,i) ... B(s+1,i) -> SEND_B(s+1,i)
-
-Sends with no such receive (the last ones of the step) are ordered at the
-step's end.
+(the neighbour stage is on this rank: no copy, no comm) or by the receive that
+its ``wait`` names, waited for only now (it was posted one block earlier, so the
+transfer overlaps the compute in between). The ``free`` after a wait becomes that
+receive's ``reap``: the sends it proves delivered are ordered and dropped as the
+input is taken. Every message of the step is a ``Msg`` made here, bound into the
+instructions that fill, post and consume it, with its peer and its description
+for errors: the step itself does no lookups and formats no strings. Sends that no
+receive proves delivered are ordered at the step's end (the program's last free).
 """
 
 from __future__ import annotations
@@ -42,6 +29,7 @@ import torch
 from pipeline.runtime.microbatch import Batch, Signature
 from pipeline.runtime.stage import StageRuntime
 from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import Free, Post, Wait
 from pipeline.schedules.schedule import Schedule
 
 __all__ = ["Compiled", "Host", "Instruction", "Msg", "compile_rank"]
@@ -84,8 +72,10 @@ class Host(Protocol):
 
     def post(self, sends: list[Msg], recvs: list[Msg], what: str) -> None: ...
 
+    def release(self, sends: list[Msg]) -> None: ...
 
-# (action, callable) per instruction; a comm block's action is None
+
+# (action, callable) per instruction; a post's or a free's action is None
 Instruction = tuple[Action | None, Callable[[], None]]
 
 
@@ -96,7 +86,6 @@ class Compiled:
     program: list[Instruction]
     msgs: dict[Action, Msg] = field(default_factory=dict)  # by comm action on this rank
     local: dict[tuple[int, int], Msg] = field(default_factory=dict)  # (receiving stage, i) -> hand-over
-    first_recvs: list[Msg] = field(default_factory=list)  # posted at the step's start (lookahead)
 
 
 def compile_rank(
@@ -104,12 +93,11 @@ def compile_rank(
     rank: int,
     stages: dict[int, StageRuntime],
     host: Host,
-    lookahead: bool,
     name: Callable[[int], int] | None = None,
 ) -> Compiled:
-    """Compile rank ``rank``'s part of ``sched.lowered()`` over ``stages``, calling back into ``host``;
+    """Bind rank ``rank``'s ``sched.program(rank)`` to ``stages``, calling back into ``host``;
     ``name(q)``: how errors name rank q (default: q)."""
-    return _Compiler(sched, rank, stages, host, name).compile(sched.lowered(), lookahead)
+    return _Compiler(sched, rank, stages, host, name).compile()
 
 
 def _same(q: int) -> int:
@@ -156,52 +144,25 @@ class _Compiler:
             self.local[(s, i)] = Msg(None, self.rank)
         return self.local[(s, i)]
 
-    def compile(self, lowered: tuple[tuple[Action, ...], ...], lookahead: bool) -> Compiled:
-        mine = lowered[self.rank]
-        blocks: list[list[Action]] = []
-        program: list[tuple[Action | None, Any]] = []
-        for act in mine:
-            if act.kind.is_compute:
-                program.append((act, self._bind(act)))
-            elif program and program[-1][0] is None:
-                program[-1][1].append(act)
-            else:
-                blocks.append([act])
-                program.append((None, blocks[-1]))
-        self._attach_reaps(mine, lowered)
-        # receives of block k+1 are posted with block k (lookahead), the first block's at step start
-        recvs = [[self._msg(a) for a in b if a.kind.is_recv] for b in blocks]
-        first_recvs = recvs[0] if recvs and lookahead else []
+    def compile(self) -> Compiled:
         out: list[Instruction] = []
-        k = 0
-        for a, item in program:
-            if a is not None:
-                out.append((a, item))
-                continue
-            ahead = recvs[k + 1] if lookahead and k + 1 < len(blocks) else []
-            own = [] if lookahead else recvs[k]
-            sends = [self._msg(b) for b in blocks[k] if b.kind.is_send]
-            if sends or own or ahead:
-                out.append((None, self._bind_block(sends, own + ahead)))
-            k += 1
-        return Compiled(out, self.msgs, self.local, first_recvs)
-
-    def _attach_reaps(self, mine: tuple[Action, ...], lowered: tuple[tuple[Action, ...], ...]) -> None:
-        """Attach each send to the first receive here that proves it done (see the module docstring)."""
-        for a in mine:
-            if not a.kind.is_send:
-                continue
-            q = self.sched.rank_of(a.peer_stage)
-            theirs = lowered[q]
-            consumer = _consumer(a)
-            if consumer not in theirs:
-                continue
-            for b in theirs[theirs.index(consumer) + 1 :]:
-                if b.kind.is_send and self.sched.rank_of(b.peer_stage) == self.rank:
-                    back = _receiver(b)
-                    if back in mine:
-                        self._msg(back).reap.append(self._msg(a))
-                    break
+        waited: Msg | None = None
+        for x in self.sched.program(self.rank):
+            if isinstance(x, Post):
+                sends, recvs = [self._msg(a) for a in x.sends], [self._msg(a) for a in x.recvs]
+                out.append((None, self._bind_block(sends, recvs)))
+            elif isinstance(x, Wait):
+                waited = self._msg(x.recv)  # taken by the compute that follows
+            elif isinstance(x, Free):
+                sends = [self._msg(a) for a in x.sends]
+                if waited is not None:  # proven by the receive just waited for: freed as it is taken
+                    waited.reap += sends
+                else:
+                    out.append((None, self._bind_free(sends)))
+            elif isinstance(x, Action):
+                out.append((x, self._bind(x)))
+                waited = None
+        return Compiled(out, self.msgs, self.local)
 
     def _bind(self, a: Action) -> Callable[[], None]:
         s, i, stage, host = a.stage, a.microbatch, self.stages[a.stage], self.host
@@ -239,6 +200,14 @@ class _Compiler:
             stage.weight(i)
 
         return weight
+
+    def _bind_free(self, sends: list[Msg]) -> Callable[[], None]:
+        host = self.host
+
+        def free() -> None:
+            host.release(sends)
+
+        return free
 
     def _bind_block(self, sends: list[Msg], recvs: list[Msg]) -> Callable[[], None]:
         what, host = (sends or recvs)[0].what, self.host

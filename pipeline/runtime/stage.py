@@ -157,8 +157,8 @@ class StageRuntime:
             raise ValueError(
                 f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it, e.g. with .mean()"
             )
-        if record:
-            self.losses.append(loss.detach())
+        if record:  # a copy: a loss can be a view of a buffer as large as its input (mse_loss's is)
+            self.losses.append(loss.detach().clone())
         if self.share is not None:
             return loss * (self.share() * weight).to(loss.device, loss.dtype)
         return loss * weight

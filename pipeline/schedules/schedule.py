@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pipeline.schedules import generators
 from pipeline.schedules.actions import Action, Kind, parse_action
+from pipeline.schedules.program import Program, derive
 from pipeline.schedules.validate import ScheduleError, validate
 
 __all__ = [
@@ -88,6 +89,18 @@ class Schedule:
             if a.kind is Kind.B and prev_remote:
                 out.append(Action(s, Kind.SEND_B, i))
         return out
+
+    def program(self, rank: int) -> Program:
+        """Rank ``rank``'s step as data: computes, posts, waits, frees, reductions (program.py)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.n_ranks:
+            raise ValueError(
+                f"rank ({rank!r}) must be an integer in [0, {self.n_ranks}): one of the schedule's ranks"
+            )
+        return self._programs[rank]
+
+    @functools.cached_property
+    def _programs(self) -> tuple[Program, ...]:
+        return derive(self)
 
     def to_text(self) -> str:
         return "\n".join(" ".join(str(a) for a in actions) for actions in self.compute)

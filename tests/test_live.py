@@ -1,11 +1,11 @@
-"""``partitioner.LiveBytes``: live and peak bytes of what runs inside, freed when the storage is."""
+"""``pipeline.runtime.live.LiveBytes``: live and peak bytes of what runs inside, freed when the storage is."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from partitioner import LiveBytes
+from pipeline.runtime.live import LiveBytes
 
 
 def test_counts_new_storages_once_and_frees_them() -> None:

@@ -1,0 +1,230 @@
+"""pipeline/schedules/program.py: each rank's step as data (listings, the rules, the errors)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import Free, Post, Reduce, Wait
+from pipeline.schedules.schedule import SCHEDULES, Schedule, forward_only, schedule
+
+LISTINGS = {
+    ("1f1b", 2, 3, 1): [
+        """
+        0F0
+        post 0SEND_F0 0RECV_B0
+        0F1
+        post 0SEND_F1 0RECV_B1
+        wait 0RECV_B0
+        free 0SEND_F0
+        0B0
+        0F2
+        post 0SEND_F2 0RECV_B2
+        wait 0RECV_B1
+        free 0SEND_F1
+        0B1
+        wait 0RECV_B2
+        free 0SEND_F2
+        0B2
+        reduce 0
+        """,
+        """
+        post 1RECV_F0
+        post 1RECV_F1
+        wait 1RECV_F0
+        1F0
+        1B0
+        post 1SEND_B0 1RECV_F2
+        wait 1RECV_F1
+        1F1
+        1B1
+        post 1SEND_B1
+        wait 1RECV_F2
+        free 1SEND_B0
+        1F2
+        1B2
+        reduce 1
+        post 1SEND_B2
+        free 1SEND_B1 1SEND_B2
+        """,
+    ],
+    ("gpipe", 2, 2, 1): [
+        """
+        0F0
+        post 0SEND_F0 0RECV_B0
+        0F1
+        post 0SEND_F1 0RECV_B1
+        wait 0RECV_B0
+        free 0SEND_F0 0SEND_F1
+        0B0
+        wait 0RECV_B1
+        0B1
+        reduce 0
+        """,
+        """
+        post 1RECV_F0
+        post 1RECV_F1
+        wait 1RECV_F0
+        1F0
+        wait 1RECV_F1
+        1F1
+        1B0
+        post 1SEND_B0
+        1B1
+        reduce 1
+        post 1SEND_B1
+        free 1SEND_B0 1SEND_B1
+        """,
+    ],
+    ("zb-h1", 2, 2, 1): [
+        """
+        0F0
+        post 0SEND_F0 0RECV_B0
+        0F1
+        post 0SEND_F1 0RECV_B1
+        wait 0RECV_B0
+        free 0SEND_F0
+        0B0
+        0W0
+        wait 0RECV_B1
+        free 0SEND_F1
+        0B1
+        0W1
+        reduce 0
+        """,
+        None,
+    ],
+    ("interleaved-1f1b", 2, 2, 2): [
+        """
+        0F0
+        post 0SEND_F0 2RECV_F0
+        0F1
+        post 0SEND_F1 2RECV_F1
+        wait 2RECV_F0
+        free 0SEND_F0
+        2F0
+        post 2SEND_F0 2RECV_B0
+        wait 2RECV_F1
+        free 0SEND_F1
+        2F1
+        post 2SEND_F1 2RECV_B1
+        wait 2RECV_B0
+        free 2SEND_F0
+        2B0
+        post 2SEND_B0 0RECV_B0
+        wait 2RECV_B1
+        free 2SEND_F1
+        2B1
+        reduce 2
+        post 2SEND_B1 0RECV_B1
+        wait 0RECV_B0
+        free 2SEND_B0
+        0B0
+        wait 0RECV_B1
+        free 2SEND_B1
+        0B1
+        reduce 0
+        """,
+        None,
+    ],
+}
+
+
+def _text(listing: str) -> str:
+    return "\n".join(line.strip() for line in listing.strip().splitlines())
+
+
+@pytest.mark.parametrize("case", sorted(LISTINGS), ids=lambda c: f"{c[0]}-p{c[1]}-m{c[2]}-v{c[3]}")
+def test_the_listing_of_small_cases(case: tuple[str, int, int, int]) -> None:
+    name, p, m, v = case
+    sched = schedule(name, p, m, n_virtual=v)
+    for r, listing in enumerate(LISTINGS[case]):
+        if listing is not None:
+            assert sched.program(r).to_text() == _text(listing), f"rank {r}"
+            assert str(sched.program(r)) == _text(listing)
+
+
+def _cases() -> list[tuple[str, int, int, int]]:
+    out = []
+    for name in SCHEDULES:
+        for p in (1, 2, 3, 4):
+            for m in (p, 2 * p, 2 * p + 1):
+                v = 2 if name == "interleaved-1f1b" else 1
+                if name == "interleaved-1f1b" and m % p:
+                    continue
+                out.append((name, p, m, v))
+    return out
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-p{c[1]}-m{c[2]}-v{c[3]}")
+def test_every_message_is_posted_waited_and_freed_once_in_that_order(case: tuple[str, int, int, int]) -> None:
+    name, p, m, v = case
+    sched = schedule(name, p, m, n_virtual=v)
+    for r in range(p):
+        program = sched.program(r)
+        assert program.compute() == list(sched.compute[r])  # the schedule's row, in its order
+        lowered = sched.lowered()[r]
+        posted: dict[Action, int] = {}
+        waited: dict[Action, int] = {}
+        freed: dict[Action, int] = {}
+        reduced: dict[int, int] = {}
+        for k, x in enumerate(program):
+            if isinstance(x, Post):
+                assert x.sends or x.recvs, "an empty post"
+                for a in (*x.sends, *x.recvs):
+                    assert a not in posted, f"{a} posted twice"
+                    posted[a] = k
+            elif isinstance(x, Wait):
+                assert x.recv in posted and x.recv not in waited
+                waited[x.recv] = k
+                nxt = program.instructions[k + 1]
+                if isinstance(nxt, Free):
+                    nxt = program.instructions[k + 2]
+                assert isinstance(nxt, Action) and nxt.stage == x.recv.stage  # the compute it feeds
+                assert nxt.kind is (Kind.F if x.recv.kind is Kind.RECV_F else Kind.B)
+            elif isinstance(x, Free):
+                for a in x.sends:
+                    assert a.kind.is_send and posted[a] < k and a not in freed
+                    freed[a] = k
+            elif isinstance(x, Reduce):
+                assert x.stage not in reduced
+                reduced[x.stage] = k
+        comm = [a for a in lowered if not a.kind.is_compute]
+        assert set(posted) == set(comm)
+        assert set(waited) == {a for a in comm if a.kind.is_recv}
+        assert set(freed) == {a for a in comm if a.kind.is_send}
+        # a stage's gradients are reduced after its last gradient compute, and only then
+        last = Kind.W if sched.split_backward else Kind.B
+        for s in sched.stages_of(r):
+            final = max(k for k, x in enumerate(program) if isinstance(x, Action) and x.stage == s
+                        and x.kind is last)  # fmt: skip
+            assert reduced[s] == final + 1
+
+
+def test_a_send_is_freed_at_the_wait_of_the_first_message_its_peer_sends_back() -> None:
+    """1F1B on 2 ranks: rank 1 sends 1SEND_B{i} only after consuming 0SEND_F{i}."""
+    program = schedule("1f1b", 2, 4).program(0)
+    for i in range(4):
+        k = program.instructions.index(Wait(Action(0, Kind.RECV_B, i)))
+        assert program.instructions[k + 1] == Free((Action(0, Kind.SEND_F, i),))
+
+
+def test_a_forward_only_schedule_has_no_reduction() -> None:
+    sched = forward_only(schedule("1f1b", 2, 2))
+    assert not [x for r in range(2) for x in sched.program(r) if isinstance(x, Reduce)]
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 1.0, True, "0"])
+def test_a_rank_outside_the_schedule_is_refused(rank: object) -> None:
+    with pytest.raises(ValueError, match=r"rank .* must be an integer in \[0, 2\)"):
+        schedule("1f1b", 2, 2).program(rank)  # type: ignore[arg-type]
+
+
+def test_derived_once_per_schedule() -> None:
+    sched = schedule("1f1b", 4, 8)
+    assert sched.program(3) is sched.program(3)
+
+
+def test_custom_schedules_get_a_program_too() -> None:
+    sched = Schedule.from_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1")
+    assert sched.program(1).compute() == list(sched.compute[1])
