@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for p in args.ranks:
         with tempfile.TemporaryDirectory() as folder:
-            measured = launch(measure, p, store_dir=Path(folder), timeout=600.0)
+            measured = launch(measure, p, p, store_dir=Path(folder), timeout=600.0)
         for name in MODELS:
             for sched, v, mode in CASES:
                 predicted = predict(name, p, sched, v, mode)
