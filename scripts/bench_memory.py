@@ -1,7 +1,7 @@
 """Predicted against measured memory: each rank's peak in a step, every schedule and recompute mode.
 
     python scripts/bench_memory.py              # 2 and 4 ranks (about a minute on 2 cores)
-    python scripts/bench_memory.py --ranks 2
+    python scripts/bench_memory.py --ranks 2 --models mlp
 
 Per case, on every rank: the true peak of a training step, measured
 (``step(..., measure_memory=True)``: every tensor storage from allocation to free, transients
@@ -64,10 +64,10 @@ def plan_of(name: str, n: int, p: int, sched: str, v: int, mode: str) -> Plan:
     return Plan(balance=balance, schedule=sched, n_microbatches=M, n_virtual=v, recompute=mode)
 
 
-def measure(p: int) -> dict[tuple[str, str, str], int]:
+def measure(p: int, models: list[str]) -> dict[tuple[str, str, str], int]:
     """On each rank: the measured peak per (model, schedule, mode)."""
     out = {}
-    for name in MODELS:
+    for name in models:
         model, x, y, loss_fn = build(name, p)
         for sched, v, mode in CASES:
             pipe = Pipeline(model, plan_of(name, len(model), p, sched, v, mode), loss_fn=loss_fn)
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], choices=[2, 4])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     args = parser.parse_args(argv)
     worst = 0.0
     print(
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for p in args.ranks:
         with tempfile.TemporaryDirectory() as folder:
-            measured = launch(measure, p, p, store_dir=Path(folder), timeout=600.0)
-        for name in MODELS:
+            measured = launch(measure, p, p, args.models, store_dir=Path(folder), timeout=600.0)
+        for name in args.models:
             for sched, v, mode in CASES:
                 predicted = predict(name, p, sched, v, mode)
                 cells = []

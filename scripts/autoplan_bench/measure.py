@@ -25,7 +25,7 @@ class Measured:
     """One plan's measurements on one rank: its steps' (start, end) and its peak memory."""
 
     spans: list[tuple[float, float]] = field(default_factory=list)
-    peak: float | None = None  # the most memory_stats' "peak" gave over the measured steps
+    peak: float | None = None  # memory_stats' "peak" of a step measuring every live storage
     split: dict[str, Any] = field(default_factory=dict)  # the last step's memory_stats, by kind
     source: str = ""
 
@@ -92,10 +92,16 @@ def _rounds(
                 continue
             result = out[j]
             result.spans.append((start, end))
-            if stats.get("peak") is not None:
-                result.peak = max(result.peak or 0.0, float(stats["peak"]))
             result.split = {key: v for key, v in stats.items() if isinstance(v, int | float) or v is None}
-            result.source = str(stats.get("source", ""))
+    for j in chosen:  # one more step each, untimed, measuring every live storage: the true peak
+        pipe, params, optimizer = runs[j]
+        pipe.step(work.x, work.y, measure_memory=True)
+        stats = _stats(pipe, optimizer)
+        for param in params:
+            param.grad = None
+        if stats.get("peak") is not None:
+            out[j].peak = max(out[j].peak or 0.0, float(stats["peak"]))
+        out[j].source = str(stats.get("source", ""))
 
 
 def _rank_measure(

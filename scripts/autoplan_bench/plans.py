@@ -261,6 +261,10 @@ def plan_model(
                 for plan in _per_stage(work, limit, profiled, configs, runtime)
                 if plan_key(plan) not in known
             ]
+        unique: dict[str, Plan] = {}
+        for plan in fitting:  # gpipe and 1f1b at m = 1 are one plan: counted and measured once
+            unique.setdefault(plan_key(plan), plan)
+        fitting = list(unique.values())
         auto, seconds = _auto(work, limit, profiled, runtime)
         plans.update({plan_key(plan): plan for plan in (*fitting, auto)})
         noisy = list(profiled.whole.noisy_layers)
