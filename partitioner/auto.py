@@ -60,8 +60,8 @@ from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES, Recompute
-from pipeline.schedules import generators
-from pipeline.schedules.schedule import SCHEDULES, Schedule, schedule_options
+from pipeline.schedules.registry import REGISTRY, entry
+from pipeline.schedules.schedule import schedule_options, unchecked
 
 __all__ = ["PER_STAGE", "check_search", "rank_peaks", "search"]
 
@@ -96,7 +96,7 @@ def search(
     batch_size: int,
     sample_rows: int,
     memory_limit: float | Sequence[float] | None,
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[str] | None = None,
     n_microbatches: int | None = None,
     n_virtual: int | None = None,
     dp: int = 1,
@@ -120,6 +120,7 @@ def search(
     p = n_ranks
     runtime = DEFAULT_RUNTIME if runtime is None else runtime  # m and v change how many actions run
     check_search(batch_size, memory_limit, schedules, keep)
+    names = list(REGISTRY) if schedules is None else list(schedules)  # None: every registered one
     if isinstance(within, bool) or not within >= 0:
         raise ValueError(f"within ({within!r}) must be a fraction >= 0 (0.1: candidates within 10 %)")
     sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
@@ -130,7 +131,7 @@ def search(
     bounds: dict[tuple[int, bool, int], float] = {}
     skipped: list[str] = []
     unfit: list[_Group] = []  # groups that no balance fits, whatever the schedule's order
-    for name in schedules:
+    for name in names:
         for v in _virtual_range(name, p, len(sizes), n_virtual):
             if p * v > len(sizes):
                 skipped.append(f"{name} v={v}: {p * v} stages but only {len(sizes)} cuttable layer groups")
@@ -159,7 +160,7 @@ def search(
                     continue
                 if m not in scaled:
                     scaled[m] = scale_profile(profile, sample_rows, batch_size // m, second)
-                split = name == "zb-h1"
+                split = entry(name).split_backward
                 key = (m, split, p * v)
                 if key not in bounds:
                     bounds[key] = m * (
@@ -222,7 +223,7 @@ def _evaluate(
     (``best[0]``, updated here)."""
     shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
                  n_virtual=group.v, dp=dp)  # fmt: skip
-    sched = _unchecked(group.schedule, p, group.m, group.v)
+    sched = unchecked(group.schedule, p, group.m, group.v)
     k = shape.n_stages
     per_stage = Modes.build(profile, sched, net, sizes, [list(RECOMPUTE_MODES)] * k)
     uniform = [mode for mode in RECOMPUTE_MODES if group.m >= 2 or mode != "except_last"]
@@ -257,19 +258,6 @@ def _evaluate(
         out.append(plan)
         best[0] = min(best[0], plan.step_time)
     return out
-
-
-def _unchecked(name: str, p: int, m: int, v: int) -> Schedule:
-    """The named schedule straight from its generator: ``schedule()`` validates every one it builds
-    (seconds for k = 96 stages and m = 64), the search builds dozens and reads only their order of
-    actions, and the generators are validated for every shape in their own tests."""
-    if name == "gpipe":
-        return Schedule(name, p, p, m, False, generators.gpipe(p, m))
-    if name == "1f1b":
-        return Schedule(name, p, p, m, False, generators.one_f_one_b(p, m))
-    if name == "interleaved-1f1b":
-        return Schedule(name, p * v, p, m, False, generators.interleaved_1f1b(p, v, m))
-    return Schedule(name, p, p, m, True, generators.zb_h1(p, m))
 
 
 def rank_peaks(plan: Plan) -> list[float]:
@@ -389,7 +377,7 @@ def _nothing_fits(
         group = groups[i]
         if floor >= least:
             break
-        sched = _unchecked(group.schedule, p, group.m, group.v)
+        sched = unchecked(group.schedule, p, group.m, group.v)
         modes = Modes.build(
             scaled[group.m], sched, nets[group.v], sizes, [list(RECOMPUTE_MODES)] * (p * group.v)
         )
@@ -413,7 +401,7 @@ def _nothing_fits(
 def check_search(
     batch_size: int,
     memory_limit: float | Sequence[float] | None,
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[str] | None = None,
     keep: int = 1,
 ) -> None:
     """The search's own arguments, checked (a ValueError naming the value and the fix)."""
@@ -428,9 +416,10 @@ def check_search(
                 else f"memory_limit[{r}]"
             )
             raise ValueError(f"{where} ({x!r}) must be a finite number of bytes > 0 per rank")
-    unknown = [name for name in schedules if name not in SCHEDULES]
-    if unknown or not schedules:
-        raise ValueError(f"schedules {list(schedules)!r} must be some of {', '.join(SCHEDULES)}")
+    names = list(REGISTRY) if schedules is None else list(schedules)
+    unknown = [name for name in names if name not in REGISTRY]
+    if unknown or not names:
+        raise ValueError(f"schedules {names!r} must be some of {', '.join(REGISTRY)}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep ({keep!r}) must be an integer >= 1: how many candidates to keep")
 
@@ -456,9 +445,10 @@ def _microbatch_counts(batch_size: int, n_microbatches: int | None) -> list[int]
 
 
 def _virtual_range(name: str, p: int, n_groups: int, n_virtual: int | None) -> list[int]:
-    """The v to try: 1, or 2 up to what the cuttable places allow for interleaved-1f1b."""
-    if name != "interleaved-1f1b":
+    """The v to try: the schedule's own (registry.py), up to what the cuttable places allow."""
+    e = entry(name)
+    if e.max_virtual == 1:  # one stage per rank (more ranks than groups is refused with its reason)
         return [1] if n_virtual in (None, 1) else []
     if n_virtual is not None:
-        return [n_virtual] if n_virtual >= 2 and p * n_virtual <= n_groups else []
-    return list(range(2, n_groups // p + 1))
+        return [n_virtual] if e.takes_virtual(n_virtual) and p * n_virtual <= n_groups else []
+    return e.virtual_counts(n_groups // p)

@@ -47,7 +47,7 @@ from partitioner.shared import shared_across_ranks
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import Recompute
 from pipeline.runtime.tracing import Traced, trace
-from pipeline.schedules.schedule import SCHEDULES, schedule_options
+from pipeline.schedules.schedule import schedule_options
 
 # COSTS, layer_costs: costs.py's
 __all__ = ["COSTS", "check_stage_count", "layer_costs", "partition", "plan_for"]
@@ -302,7 +302,7 @@ def _auto(
         second = (_profiled(model, n_ranks, 1, _with_rows(sample, rows, other), None, **at_other), other)
     return search(
         prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit, second=second,
-        schedules=SCHEDULES if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
+        schedules=None if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
         dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
         optimizer_state_factor=optimizer_state_factor, runtime=runtime,
     )  # fmt: skip

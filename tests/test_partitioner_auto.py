@@ -449,13 +449,13 @@ def test_a_group_whose_static_bytes_exceed_the_rank_limit_over_v_is_never_built(
     static = least_memory(prof, 2.0)
     assert static[heavy] > 4 * sum(x for i, x in enumerate(static) if i != heavy)
     built: list[tuple[str, int]] = []
-    unchecked = auto._unchecked
+    unchecked = auto.unchecked
 
     def spy(name: str, p: int, m: int, v: int) -> object:
         built.append((name, v))
         return unchecked(name, p, m, v)
 
-    monkeypatch.setattr(auto, "_unchecked", spy)
+    monkeypatch.setattr(auto, "unchecked", spy)
     # prune=False: no time bound skips a group, so every group the fit check lets through is built
     kw = dict(batch_size=4, sample_rows=4, n_microbatches=4, schedules=["1f1b", "interleaved-1f1b"],
               prune=False, within=math.inf, keep=100)  # fmt: skip

@@ -28,9 +28,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from pipeline.schedules import generators
 from pipeline.schedules.actions import Action, Kind, parse_action
 from pipeline.schedules.program import Program, derive
+from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.validate import ScheduleError, validate
 
 __all__ = [
@@ -41,9 +41,10 @@ __all__ = [
     "forward_only",
     "schedule",
     "schedule_options",
+    "unchecked",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES: tuple[str, ...] = tuple(REGISTRY)  # the registered names (registry.py), in its order
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ class Schedule:
 
 
 def default_n_virtual(name: str) -> int:
-    """v when not given: 2 stages per rank for interleaved-1f1b, 1 for every other schedule."""
-    return 2 if name == "interleaved-1f1b" else 1
+    """v when not given: the fewest stages per rank the schedule takes (2 for interleaved-1f1b)."""
+    return entry(name).default_virtual
 
 
 def schedule_options(
@@ -155,34 +156,37 @@ def schedule_options(
 ) -> tuple[int, int]:
     """The one check of a schedule's options: ``(n_virtual, n_microbatches)``, defaults filled in.
 
-    Defaults: v = 2 for interleaved-1f1b and 1 otherwise; m = p. ``partition``,
+    Defaults: v = the fewest stages per rank the schedule takes; m = p. ``partition``,
     ``Pipeline``, ``Plan`` and the scripts all call this, so an option means the
-    same and is refused with the same message everywhere.
+    same and is refused with the same message everywhere. What each schedule takes is
+    its registry entry's (registry.py).
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid schedules are {', '.join(SCHEDULES)}")
+    e = entry(name)
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
         raise ValueError(f"n_ranks ({n_ranks!r}) must be an integer >= 1: the pipeline's ranks (devices)")
-    v = n_virtual if n_virtual is not None else default_n_virtual(name)
+    v = n_virtual if n_virtual is not None else e.default_virtual
     m = n_microbatches if n_microbatches is not None else n_ranks
     for label, value in (("n_virtual", v), ("n_microbatches", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} ({value!r}) must be an integer >= 1")
-    if name == "interleaved-1f1b" and v < 2:
+    several = [x.name for x in REGISTRY.values() if x.max_virtual != 1]
+    if v < e.min_virtual:
         raise ValueError(
-            f"n_virtual ({v}) must be >= 2 for interleaved-1f1b (stages per rank); "
-            "pass n_virtual=2 or more, or use schedule='1f1b'"
+            f"n_virtual ({v}) must be >= {e.min_virtual} for {name} (stages per rank); "
+            f"pass n_virtual={e.min_virtual} or more, or use schedule='1f1b'"
         )
-    if name != "interleaved-1f1b" and v != 1:
-        raise ValueError(
-            f"n_virtual ({v}) must be 1 for {name!r}, which runs one stage per rank; "
-            "use schedule='interleaved-1f1b' for several stages per rank"
-        )
-    if name == "interleaved-1f1b" and m % n_ranks != 0:
+    if not e.takes_virtual(v):
+        if e.max_virtual == 1:
+            raise ValueError(
+                f"n_virtual ({v}) must be 1 for {name!r}, which runs one stage per rank; "
+                f"use schedule={several[0]!r} for several stages per rank"
+            )
+        raise ValueError(f"n_virtual ({v}) must be at most {e.max_virtual} for {name!r}")
+    if e.m_multiple_of_p and m % n_ranks != 0:
         fixes = " or ".join(str(k) for k in (m - m % n_ranks, m - m % n_ranks + n_ranks) if k > 0)
         raise ValueError(
             f"n_microbatches ({m}) must be a multiple of the number of ranks ({n_ranks}) for "
-            f"interleaved-1f1b; use {fixes} micro-batches, or schedule='1f1b'"
+            f"{name}; use {fixes} micro-batches, or schedule='1f1b'"
         )
     return v, m
 
@@ -199,18 +203,18 @@ def schedule(
     1F0 1B0 1F1 1B1
     """
     v, m = schedule_options(name, n_ranks, n_microbatches, n_virtual)
-    p = n_ranks
-    if name == "gpipe":
-        compute, split = generators.gpipe(p, m), False
-    elif name == "1f1b":
-        compute, split = generators.one_f_one_b(p, m), False
-    elif name == "interleaved-1f1b":
-        compute, split = generators.interleaved_1f1b(p, v, m), False
-    else:
-        compute, split = generators.zb_h1(p, m), True
-    sched = Schedule(name, p * v, p, m, split, compute)
+    sched = unchecked(name, n_ranks, m, v)
     validate(sched)
     return sched
+
+
+def unchecked(name: str, p: int, m: int, v: int) -> Schedule:
+    """The named schedule straight from its generator, options taken as valid and not validated: for
+    the search, which builds dozens and reads only their order of actions (``schedule`` validates
+    every one, seconds for k = 96 stages and m = 64; the generators are validated for every shape in
+    their own tests)."""
+    e = entry(name)
+    return Schedule(name, p * v, p, m, e.split_backward, e.generate(p, v, m))
 
 
 def forward_only(sched: Schedule) -> Schedule:

@@ -19,11 +19,12 @@ from partitioner.overhead import RuntimeCosts
 from partitioner.scaling import scale_profile, second_rows
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.schedule import schedule as make_schedule
 
 P = 2  # ranks
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "i1f1b", "zb-h1": "zbh1"}
+SCHEDULES = tuple(REGISTRY)
+_SHORT = {"interleaved-1f1b": "i1f1b", "zb-h1": "zbh1"}  # in the table's plan names; others as they are
 _MODE = {"never": "n", "except_last": "l", "always": "a"}
 Recompute = str | tuple[str, ...]
 
@@ -64,10 +65,11 @@ def recompute_choices(k: int, m: int, per_stage: bool) -> list[Recompute]:
 
 
 def virtual_counts(name: str, n_ranks: int, n_layers: int, max_virtual: int | None = None) -> list[int]:
-    """The v the search tries: 1, or for interleaved-1f1b 2 up to n // p (at most ``max_virtual``)."""
-    if name != "interleaved-1f1b":
+    """The v the search tries: the schedule's own, up to n // p (at most ``max_virtual``)."""
+    e = entry(name)
+    if e.max_virtual == 1:
         return [1]
-    return list(range(2, min(n_layers // n_ranks, max_virtual or n_layers) + 1))
+    return e.virtual_counts(min(n_layers // n_ranks, max_virtual or n_layers))
 
 
 def grid(
