@@ -124,6 +124,8 @@ def search(
     if isinstance(within, bool) or not within >= 0:
         raise ValueError(f"within ({within!r}) must be a fraction >= 0 (0.1: candidates within 10 %)")
     sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
+    if memory_limit is not None:
+        _refuse_below_static(profile, p, memory_limit, optimizer_state_factor)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
     nets: dict[int, Options] = {}
@@ -311,6 +313,27 @@ def _least_runtime(net: Options, k: int, split: bool) -> float:
     and a rank's runtime seconds do not depend on the balance."""
     extra = _runtime_per_stage(net, k, split)
     return min(math.fsum(extra[r :: net.n_ranks]) for r in range(net.n_ranks))
+
+
+def _refuse_below_static(
+    profile: Profile, p: int, memory_limit: float | Sequence[float], optimizer_state_factor: float
+) -> None:
+    """At once, before any schedule is built: a limit that cannot hold the weights, gradients and
+    optimizer state alone, whatever the split (the ranks together hold every layer's, and one rank
+    the largest layer's), fits no configuration. Limits close to what fits are found by the search."""
+    static = least_memory(profile, optimizer_state_factor)
+    limits = [float(memory_limit)] * p if isinstance(memory_limit, int | float) else list(memory_limit)
+    total, largest = sum(static), max(static, default=0.0)
+    if sum(limits) >= total and max(limits) >= largest:
+        return
+    need = max(total / p, largest) if isinstance(memory_limit, int | float) else None
+    at_least = f"at least {need:.4g} bytes per rank" if need is not None else (
+        f"limits that add up to at least {total:.4g} bytes, one of them at least {largest:.4g}")  # fmt: skip
+    raise ValueError(
+        f"memory_limit ({memory_limit!r}) is too small for every configuration: the weights, gradients "
+        f"and optimizer state alone are {total:.4g} bytes over {p} ranks (the largest layer's "
+        f"{largest:.4g}), before any activation; it needs {at_least}: raise memory_limit or use more ranks"
+    )
 
 
 def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:

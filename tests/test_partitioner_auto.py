@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import random
+import re
 import time
 
 import pytest
@@ -23,7 +24,7 @@ from torch import nn
 from partitioner import partition, plan_for
 from partitioner._balance import Modes
 from partitioner._options import Options
-from partitioner._planning import predicted
+from partitioner._planning import least_memory, predicted
 from partitioner.auto import _balance_bound, _least_work, rank_peaks, search
 from partitioner.costs import cut_groups, recomputed_share
 from partitioner.figures import LayerProfile, Profile
@@ -74,9 +75,12 @@ def _fits(plan: Plan, limit: float) -> bool:
 
 
 def _least(prof: Profile, p: int, **kw: object) -> float:
-    """The smallest limit that fits, as the search's error states it."""
+    """The smallest limit that fits, as the search's error states it (for a limit that holds the
+    static bytes: one below them is refused at once, with what they need)."""
+    static = least_memory(prof, float(kw.get("optimizer_state_factor", 2.0)))  # type: ignore[arg-type]
+    floor = max(sum(static) / p, max(static))
     with pytest.raises(ValueError, match="the smallest memory_limit that fits is") as info:
-        search(prof, p, memory_limit=1.0, **kw)  # type: ignore[arg-type]
+        search(prof, p, memory_limit=floor, **kw)  # type: ignore[arg-type]
     return float(str(info.value).split("that fits is ")[1].split(" bytes")[0])
 
 
@@ -182,15 +186,34 @@ def test_joint_dp_is_the_best_over_every_balance_and_mode_vector(schedule: str, 
 def test_smallest_limit_in_the_error_is_exact() -> None:
     prof = synthetic(8, seed=3)
     kw = dict(batch_size=4, sample_rows=4, bandwidth=1e8, latency=1e-4)
+    static = least_memory(prof, 2.0)
+    floor = max(sum(static) / 2, max(static))  # below it, refused at once (the next test)
     with pytest.raises(
         ValueError, match=r"the smallest memory_limit that fits is ([0-9.e+]+) bytes per rank \(sch"
     ) as info:
-        search(prof, 2, memory_limit=1e5, **kw)  # type: ignore[arg-type]
+        search(prof, 2, memory_limit=floor * 1.001, **kw)  # type: ignore[arg-type]
     least = float(str(info.value).split("that fits is ")[1].split(" bytes")[0])
     plan = search(prof, 2, memory_limit=least, **kw)  # type: ignore[arg-type]
     assert _fits(plan, least)
     with pytest.raises(ValueError, match="too small for every configuration"):
         search(prof, 2, memory_limit=least * (1 - 1e-9), **kw)  # type: ignore[arg-type]
+
+
+def test_a_limit_below_the_static_bytes_is_refused_before_any_schedule_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prof = synthetic(8, seed=3)
+    static = least_memory(prof, 2.0)
+    need = max(sum(static) / 2, max(static))
+    from partitioner import auto
+
+    monkeypatch.setattr(auto, "unchecked", lambda *a: pytest.fail("a schedule was built"))
+    total, least = re.escape(f"{sum(static):.4g}"), re.escape(f"{need:.4g}")
+    expected = rf"alone are {total} bytes over 2 ranks .* at least {least} bytes per rank: raise memory_limit"
+    with pytest.raises(ValueError, match=expected):
+        search(prof, 2, memory_limit=need * 0.999, batch_size=4, sample_rows=4)
+    with pytest.raises(ValueError, match=r"limits that add up to at least"):
+        search(prof, 2, memory_limit=[need * 0.9, need * 0.9], batch_size=4, sample_rows=4)
 
 
 def test_a_tight_limit_turns_recomputation_on_where_it_pays() -> None:
@@ -313,7 +336,7 @@ def test_partition_auto_profiles_a_second_size_for_the_per_call_overhead(
         ({"recompute": "always"}, r"recompute \('always'\) is searched per stage"),
         (
             {"memory_limit": 1e3},
-            r"too small for every configuration searched .* smallest memory_limit that fits",
+            r"too small for every configuration: the weights, gradients and optimizer state alone",
         ),
     ],
 )

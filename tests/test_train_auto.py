@@ -82,7 +82,7 @@ def test_auto_defaults() -> None:
          "--schedule auto --microbatches 3 --stages 2 --batch-size 8 --dp 1: n_microbatches (3) does not "
          "divide batch_size (8)"),
         ([*TINY, "--schedule", "auto", "--memory-limit", "1KB"],
-         "--memory-limit 1000: memory_limit (1000) is too small for every configuration searched"),
+         "--memory-limit 1000: memory_limit (1000) is too small for every configuration: the weights"),
         ([*TINY, "--balance", "2,3", "--memory-limit", "1KB"],
          "--balance 2,3 --memory-limit 1000: the predicted peak exceeds the limit (rank 0 "),
         ([*TINY, "--memory-limit", "1KB"], "--memory-limit 1000: memory_limit"),  # the fixed schedule's
