@@ -41,6 +41,44 @@ def _build(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
     return model, x, torch.randint(0, 16, (GLOBAL, 8)), gpt_loss
 
 
+class _Sometimes(nn.Module):
+    """Its weight takes part only in a micro-batch whose first row starts positive: on replica 1's
+    rows never, so that replica has no gradient for it (the reduction must count zeros there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x) if bool(x[0, 0] > 0) else x * 1.0
+
+
+class _Transposed(nn.Module):
+    """A weight stored transposed: autograd gives it a gradient of the same (non-contiguous) strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight)
+
+
+def _uneven_use() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """A model with a data-dependent layer and a transposed weight; replica 0's micro-batches 0 and 2
+    use the layer, no micro-batch of replica 1 does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Transposed(), _Sometimes(), nn.Linear(8, 8))
+    x, y = torch.randn(GLOBAL, 8), torch.randn(GLOBAL, 8)
+    model[0].weight.data.zero_()
+    model[0].bias.data.fill_(0.0)
+    model[0].weight.data.copy_(torch.eye(8))  # layer 0 passes x on, so the sign reaching _Sometimes is x's
+    model[1].weight.data = torch.eye(8).t() * 3.0
+    x[:, 0] = -2.0
+    x[[0, 4], 0] = 2.0  # the first rows of replica 0's micro-batches 0 and 2 (2 rows each)
+    return model, x, y
+
+
 def _rows(rows: tuple[int, int] = (LOCAL, LOCAL)) -> slice:
     d = dist.get_rank() // P
     start = sum(rows[:d])
@@ -109,6 +147,12 @@ def _matrix() -> dict[str, Any]:
             pipe.step(x[_rows()], y[_rows()])
             opt.step()
         out[f"adamw/{zero}"] = {k: t.detach().clone() for k, t in pipe.named_parameters()}
+    # a parameter with a gradient on one replica only; a strided gradient in a bucket of its own
+    for bucket_mb in (25.0, 1e-4):
+        model, x, y = _uneven_use()
+        plan = Plan(balance=[2, 2], schedule="1f1b", n_microbatches=M, dp=DP)
+        pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss, timeout=30.0, bucket_mb=bucket_mb)
+        out[f"uneven_use/{bucket_mb}"] = (pipe.step(x[_rows()], y[_rows()]), _grads(pipe))
     # recorded: when each bucket was launched against the rank's compute
     for sched, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
         model, x, y, loss_fn = _build("mlp")
@@ -170,6 +214,39 @@ def test_the_mesh_s_groups_are_bounded_by_the_pipeline_s_timeout(results: list[d
     """Not torch's 30 minutes: a collective stuck on a stopped peer must end, or a rank that failed
     hangs at exit joining the group's threads (seen under torchrun with a SIGSTOPped replica)."""
     assert all(res["group_timeouts"] == [30.0, 30.0] for res in results)
+
+
+def _uneven_reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """One process over the same micro-batches (the layer's use is decided per micro-batch)."""
+    model, x, y = _uneven_use()
+    assert model[1].weight.grad is None and not model[1].weight.is_contiguous()
+    rows = [slice(d * LOCAL, (d + 1) * LOCAL) for d in range(DP)]
+    chunks = [c for r in rows for c in zip(x[r].chunk(M), y[r].chunk(M), strict=True)]
+    total = 0.0
+    for a, b in chunks:
+        loss = nn.functional.mse_loss(model(a), b) / len(chunks)
+        loss.backward()  # type: ignore[no-untyped-call]
+        total += float(loss)
+    want = {k: t.grad for k, t in model.named_parameters() if t.grad is not None}
+    assert "2.lin.weight" in want and not model[1].weight.grad.is_contiguous()  # type: ignore[union-attr]
+    return total, want
+
+
+def _check_uneven(results: list[dict[str, Any]], key: str) -> None:
+    total, want = _uneven_reference()
+    for g, res in enumerate(results):
+        loss, _ = res[key]
+        assert abs(loss - total) <= 1e-5 * abs(total), (g, loss, total)
+    for d in range(DP):
+        merged = {k: t for res in results[d * P : (d + 1) * P] for k, t in res[key][1].items()}
+        assert_close(merged, want, f"{key}, replica {d}")
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-4], ids=["shared-bucket", "bucket-per-parameter"])
+def test_a_gradient_on_one_replica_only_and_a_strided_one_equal_one_process(
+    results: list[dict[str, Any]], bucket_mb: float
+) -> None:
+    _check_uneven(results, f"uneven_use/{bucket_mb}")
 
 
 def test_replicas_start_from_replica_0_s_parameters(results: list[dict[str, Any]]) -> None:
@@ -250,6 +327,11 @@ def _emulated() -> dict[str, Any]:
         out[f"mlp/{sched}/never"] = (pipe.step(x[_rows()], y[_rows()]), _grads(pipe))
         norm = pipe.clip_grad_norm_(0.05)
         out[f"clip/{sched}"] = (norm, pipe.grads_finite(), _grads(pipe))
+    # a strided gradient alone in its bucket: NCCL takes only contiguous tensors
+    model, x, y = _uneven_use()
+    plan = Plan(balance=[2, 2], schedule="1f1b", n_microbatches=M, dp=DP)
+    pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss, timeout=30.0, bucket_mb=1e-4)
+    out["uneven_use"] = (pipe.step(x[_rows()], y[_rows()]), _grads(pipe))
     return out
 
 
@@ -263,6 +345,7 @@ def test_the_nccl_code_path_under_the_emulation_equals_one_process(
     results = _EMULATED.results(tmp_path_factory)
     for sched in ("1f1b", "interleaved-1f1b", "zb-h1"):
         _check(results, f"mlp/{sched}/never", "mlp")
+    _check_uneven(results, "uneven_use")
     model, x, y, loss_fn = _build("mlp")
     loss_fn(model(x), y).backward()
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))

@@ -233,6 +233,12 @@ class Comm:
                 f"rank {self.me}: {what} was handed a tensor on {t.device} ({_fmt(t)}), but this "
                 f"pipeline's {self.backend} communication runs on {self.device}; {hint}"
             )
+        if self.nccl and not t.is_contiguous():  # ProcessGroupNCCL refuses them; gloo copies them
+            raise ValueError(
+                f"rank {self.me}: {what} was handed a non-contiguous tensor ({_fmt(t)}, strides "
+                f"{tuple(t.stride())}), which NCCL refuses; pass t.contiguous() (or a copy in a "
+                "contiguous buffer)"
+            )
         if self.nccl and t.dtype not in NCCL_DTYPES:
             raise ValueError(
                 f"rank {self.me}: {what} was handed a {str(t.dtype).replace('torch.', '')} tensor "
