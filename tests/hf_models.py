@@ -62,17 +62,9 @@ def _opt() -> nn.Module:
     import transformers as tf
 
     config = tf.OPTConfig(
-        vocab_size=V,
-        hidden_size=16,
-        ffn_dim=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=32,
-        word_embed_proj_dim=16,
-        dropout=0.0,
-        attention_dropout=0.0,
-        **_TOKENS,
-    )
+        vocab_size=V, hidden_size=16, ffn_dim=32, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0, **_TOKENS,
+    )  # fmt: skip
     return CausalLM(tf.OPTForCausalLM(config))
 
 
@@ -80,16 +72,9 @@ def _neox() -> nn.Module:
     import transformers as tf
 
     config = tf.GPTNeoXConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=32,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        **_TOKENS,
-    )
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, attention_dropout=0.0, hidden_dropout=0.0, **_TOKENS,
+    )  # fmt: skip
     return CausalLM(tf.GPTNeoXForCausalLM(config))
 
 
@@ -97,16 +82,9 @@ def _gpt2() -> nn.Module:
     import transformers as tf
 
     config = tf.GPT2Config(
-        vocab_size=V,
-        n_embd=16,
-        n_layer=4,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        **_TOKENS,
-    )
+        vocab_size=V, n_embd=16, n_layer=4, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, **_TOKENS,
+    )  # fmt: skip
     return CausalLM(tf.GPT2LMHeadModel(config))
 
 
@@ -114,15 +92,9 @@ def _bert() -> nn.Module:
     import transformers as tf
 
     config = tf.BertConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
     return MaskedLM(tf.BertForMaskedLM(config))
 
 
@@ -130,16 +102,9 @@ def _vit() -> nn.Module:
     import transformers as tf
 
     config = tf.ViTConfig(
-        image_size=IMAGE,
-        patch_size=4,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_labels=5,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+        image_size=IMAGE, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
     return ImageClassifier(tf.ViTForImageClassification(config))
 
 
