@@ -19,6 +19,7 @@ autograd frees the graph, parameters not counted.
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,54 +30,26 @@ from torch import nn
 from partitioner import Profile, profile
 from partitioner.memory import rank_peaks, saved_io, stage_bytes
 from pipeline.plan import Plan
-from pipeline.reference.models import gpt, gpt_loss, mlp, resnet
+from pipeline.reference.models import mlp
 from pipeline.runtime.memory import ActivationMeter, storage_bytes
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import run_ranks
 
-M = 4
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
-MODES = ["never", "except_last", "always"]
-CASES = [(sched, v, mode) for sched, v in SCHEDULES for mode in MODES]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_memory  # the matrix: models, their plans, the cases
+from bench_memory import CASES, MODELS, M
+
 ADAM = ("1f1b", 1, "never")
-MODELS = ("mlp", "gpt", "resnet", "wide")
-# the ResNet's stages: the last starts at its Flatten (p = 2: stem, block, block, pool, flatten,
-# linear; p = 4: two blocks per width, 8 layers)
-RESNET_BALANCE = {(2, 1): [4, 2], (2, 2): [1, 2, 1, 2], (4, 1): [2, 2, 2, 2], (4, 2): [1] * 8}
-
-
-def _wide() -> tuple[nn.Sequential, torch.Tensor]:
-    """An MLP whose fourth layer is 8x wider than the rest: its activations dominate its stage."""
-    width, wide = 32, 256
-    layers: list[nn.Module] = [nn.Linear(width, width), nn.GELU(), nn.Linear(width, wide), nn.GELU(),
-                               nn.Linear(wide, width), nn.GELU(), nn.Linear(width, width),
-                               nn.GELU()]  # fmt: skip
-    return nn.Sequential(*layers), torch.randn(8 * M, width)
 
 
 def _model(name: str, p: int = 2) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
-    """The model, one step's inputs and targets (M micro-batches), and its loss."""
-    torch.manual_seed(0)
-    if name == "mlp":
-        model, x = mlp(width=32, depth=8, batch_size=8 * M)
-        return model, x, torch.randn(8 * M, 32), nn.functional.mse_loss
-    if name == "wide":
-        model, x = _wide()
-        return model, x, torch.randn(len(x), 32), nn.functional.mse_loss
-    if name == "resnet":
-        blocks = 1 if p == 2 else 2
-        model, x = resnet(widths=(4, 8), blocks_per_width=blocks, image_size=8, batch_size=2 * M)
-        return model, x, torch.randint(0, 10, (2 * M,)), nn.functional.cross_entropy
-    model, x = gpt(vocab_size=32, width=32, n_layers=5, n_heads=2, max_seq_len=16, batch_size=2 * M)
-    return model, x, torch.randint(0, 32, x.shape), gpt_loss
+    """The model, one step's inputs and targets (M micro-batches), and its loss: the benchmark's."""
+    return bench_memory.build(name, p)
 
 
 def _plan(name: str, model: nn.Sequential, p: int, sched: str, v: int, mode: str) -> Plan:
-    n, k = len(model), p * v
-    balance = [n // k + (1 if s < n % k else 0) for s in range(k)]
-    if name == "resnet":
-        balance = RESNET_BALANCE[(p, v)]
-    return Plan(balance=balance, schedule=sched, n_microbatches=M, n_virtual=v, recompute=mode)
+    return bench_memory.plan_of(name, len(model), p, sched, v, mode)
 
 
 def _measure(name: str, p: int) -> dict[tuple[str, str], tuple[int, int, int]]:

@@ -104,20 +104,6 @@ def _same(q: int) -> int:
     return q
 
 
-def _consumer(a: Action) -> Action:
-    """The compute action on the peer that takes what send ``a`` carries."""
-    if a.kind is Kind.SEND_F:
-        return Action(a.stage + 1, Kind.F, a.microbatch)
-    return Action(a.stage - 1, Kind.B, a.microbatch)
-
-
-def _receiver(a: Action) -> Action:
-    """The receive that matches send ``a``, on the peer."""
-    if a.kind is Kind.SEND_F:
-        return Action(a.stage + 1, Kind.RECV_F, a.microbatch)
-    return Action(a.stage - 1, Kind.RECV_B, a.microbatch)
-
-
 class _Compiler:
     def __init__(
         self,

@@ -213,17 +213,27 @@ def _frees(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> list[dict[Act
             if not a.kind.is_send:
                 continue
             q = sched.rank_of(a.peer_stage)
-            consumer = (Action(a.stage + 1, Kind.F, a.microbatch) if a.kind is Kind.SEND_F
-                        else Action(a.stage - 1, Kind.B, a.microbatch))  # fmt: skip
-            at = position[q].get(consumer)
+            at = position[q].get(_consumer(a))
             if at is None or r not in ahead[q]:
                 continue
             j = ahead[q][r][at + 1]
             if j == len(lowered[q]):
                 continue
-            b = lowered[q][j]
-            back = (Action(b.stage + 1, Kind.RECV_F, b.microbatch) if b.kind is Kind.SEND_F
-                    else Action(b.stage - 1, Kind.RECV_B, b.microbatch))  # fmt: skip
+            back = _receiver(lowered[q][j])
             if back in position[r]:
                 out[r].setdefault(back, []).append(a)
     return out
+
+
+def _consumer(send: Action) -> Action:
+    """The compute action on the peer that takes what ``send`` carries."""
+    if send.kind is Kind.SEND_F:
+        return Action(send.stage + 1, Kind.F, send.microbatch)
+    return Action(send.stage - 1, Kind.B, send.microbatch)
+
+
+def _receiver(send: Action) -> Action:
+    """The receive on the peer that matches ``send``."""
+    if send.kind is Kind.SEND_F:
+        return Action(send.stage + 1, Kind.RECV_F, send.microbatch)
+    return Action(send.stage - 1, Kind.RECV_B, send.microbatch)

@@ -35,7 +35,6 @@ class Entry:
     min_virtual: int = 1  # stages per rank: at least ...
     max_virtual: int | None = 1  # ... and at most (None: no bound)
     m_multiple_of_p: bool = False
-    summary: str = ""
 
     @property
     def default_virtual(self) -> int:
@@ -51,14 +50,11 @@ class Entry:
 
 
 _ENTRIES = (
-    Entry("gpipe", lambda p, v, m: generators.gpipe(p, m), False,
-          summary="all forwards, then all backwards: m micro-batches held"),
-    Entry("1f1b", lambda p, v, m: generators.one_f_one_b(p, m), False,
-          summary="one forward, one backward: at most p micro-batches held"),
+    Entry("gpipe", lambda p, v, m: generators.gpipe(p, m), False),  # all F, then all B
+    Entry("1f1b", lambda p, v, m: generators.one_f_one_b(p, m), False),  # at most p micro-batches held
     Entry("interleaved-1f1b", generators.interleaved_1f1b, False, min_virtual=2, max_virtual=None,
-          m_multiple_of_p=True, summary="1f1b over v stages per rank: a bubble v times smaller"),
-    Entry("zb-h1", lambda p, v, m: generators.zb_h1(p, m), True,
-          summary="1f1b with the backward split, W filling the bubble"),
+          m_multiple_of_p=True),  # 1f1b over v stages per rank: a bubble v times smaller
+    Entry("zb-h1", lambda p, v, m: generators.zb_h1(p, m), True),  # split backward, W fills the bubble
 )  # fmt: skip
 REGISTRY: dict[str, Entry] = {e.name: e for e in _ENTRIES}
 

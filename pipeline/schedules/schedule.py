@@ -169,7 +169,6 @@ def schedule_options(
     for label, value in (("n_virtual", v), ("n_microbatches", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} ({value!r}) must be an integer >= 1")
-    several = [x.name for x in REGISTRY.values() if x.max_virtual != 1]
     if v < e.min_virtual:
         raise ValueError(
             f"n_virtual ({v}) must be >= {e.min_virtual} for {name} (stages per rank); "
@@ -177,6 +176,7 @@ def schedule_options(
         )
     if not e.takes_virtual(v):
         if e.max_virtual == 1:
+            several = [x.name for x in REGISTRY.values() if x.max_virtual != 1]
             raise ValueError(
                 f"n_virtual ({v}) must be 1 for {name!r}, which runs one stage per rank; "
                 f"use schedule={several[0]!r} for several stages per rank"
