@@ -11,7 +11,7 @@
 ``model`` is an ``nn.Sequential`` (its children are the layers) or any module ``torch.export``
 (or ``torch.fx.symbolic_trace``) can trace: its layers are then groups of its traced calls, one
 per submodule such as a transformer block (``pipeline.runtime.tracing``), and a cut costs every
-tensor live across it (``graph_profile``, ``graph``). Tied weights are in ``plan.extra["ties"]``.
+tensor live across it (``graph_profile``, ``graph``). Tied weights are in ``plan.ties``.
 
 ``Plan`` and ``StagePlan`` are ``pipeline.plan``'s (one definition, re-exported here): the
 partitioner makes plans, the runtime runs them. Imports go one way, partitioner -> pipeline.

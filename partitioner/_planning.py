@@ -7,7 +7,7 @@ cut splits, and a plan's predictions (stage times, memory, simulated step).
 walk into the solver's rows: per stage, the walk's coefficients (unit bytes) times per-layer
 bounds, plus an offset for its input and output buffers; the rows bound the walk from above, so
 a balance fitting them fits what a run holds. ``predicted`` records the walk itself per rank
-(``extra["rank_peaks"]``): what decides fit and what ``memory_stats`` measures. ``recompute`` is
+(``Plan.rank_peaks``): what decides fit and what ``memory_stats`` measures. ``recompute`` is
 one mode for every stage or one per stage (``Plan.recompute``); each stage's rows follow its own
 mode, and so does its recomputed forward time.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -38,7 +37,7 @@ from partitioner.memory import rank_peaks as walked_peaks
 from partitioner.overhead import stage_extras
 from partitioner.solve import stage_costs, stage_memory
 from partitioner.timing import predict
-from pipeline.plan import Plan, StagePlan
+from pipeline.plan import Plan, StagePlan, TracedGraph
 from pipeline.runtime.recompute import Recompute, mode_of
 from pipeline.schedules.schedule import Schedule
 
@@ -142,20 +141,14 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         [st.backward_time for st in stages],
         [st.weight_time for st in stages],
     )
-    extra: dict[str, Any] = {"autocast": profile.autocast, "loss": profile.loss is not None}
-    problems = cut_problems(profile.layers, balance, profile.cut_reasons)
-    if problems:
-        extra["problems"] = problems
+    graph: TracedGraph | None = None
+    begins: list[str] = []  # the layer each stage after the first begins with
     if profile.traced is not None:  # what Pipeline checks the model against, and where it cuts
-        extra["graph"] = dict(profile.traced, layers=[lp.name for lp in profile.layers])
-        extra["cuts"] = [st.names[0] for st in stages[1:]]
-    ties = ties_of(profile.layers, balance)
-    if ties:
-        extra["ties"] = ties
+        graph = TracedGraph(**profile.traced, layers=[lp.name for lp in profile.layers])
+        begins = [st.names[0] for st in stages[1:]]
     # per rank: the schedule walked action by action, each storage once (what memory_stats measures);
     # (the decision); the stages' memory_bytes above are the solver's rows, a bound of it per stage
     bytes_ = stage_bytes(profile, balance, net.optimizer_state_factor)
-    extra["rank_peaks"] = walked_peaks(sched, bytes_, shape.recompute)
     return shape.replace(
         stages=stages,
         bottleneck=max(per_stage),
@@ -163,7 +156,13 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         bubble=bubble,
         cost=net.cost,
         prediction="simulator",
-        extra=extra,
+        rank_peaks=walked_peaks(sched, bytes_, shape.recompute),
+        ties=ties_of(profile.layers, balance),
+        cuts=begins,
+        problems=cut_problems(profile.layers, balance, profile.cut_reasons),
+        graph=graph,
+        autocast=profile.autocast,
+        loss_profiled=profile.loss is not None,
     )
 
 

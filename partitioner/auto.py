@@ -35,7 +35,7 @@ Pruning, with bounds that never cut off a config that could be faster than the b
                    above the best step found is not simulated
 
 Both bounds are compared with the best step found times 1 + ``within`` (default 0.1), so every
-config predicted within 10 % of the best is simulated: ``extra["candidates"]`` lists exactly those
+config predicted within 10 % of the best is simulated: ``Plan.candidates`` lists exactly those
 (the fastest ``keep`` of them), the runners-up a user may prefer. ``search(..., prune=False)``
 evaluates the whole grid: the tests compare the two.
 """
@@ -45,8 +45,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
 
 from partitioner._balance import Modes, balance_of
 from partitioner._fit import fits, smallest
@@ -58,7 +57,7 @@ from partitioner.figures import Profile
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
-from pipeline.plan import Plan
+from pipeline.plan import Candidate, Plan, SearchStats
 from pipeline.runtime.recompute import RECOMPUTE_MODES, Recompute
 from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.schedule import schedule_options, unchecked
@@ -79,14 +78,16 @@ class _Group:
 
 @dataclass
 class _Stats:
-    grid: int = 0  # configs in the grid
-    simulated: int = 0
-    pruned_group: int = 0  # configs skipped with their group
-    pruned_fit: int = 0  # configs no balance fits
-    pruned_balance: int = 0  # configs whose balance bound reached the best step
+    """``SearchStats``' counts while the search runs (the plan's record of them is frozen)."""
 
-    def as_dict(self, seconds: float) -> dict[str, Any]:
-        return dict(self.__dict__, seconds=seconds)
+    grid: int = 0
+    simulated: int = 0
+    pruned_group: int = 0
+    pruned_fit: int = 0
+    pruned_balance: int = 0
+
+    def done(self, seconds: float) -> SearchStats:
+        return SearchStats(**asdict(self), seconds=seconds)
 
 
 def search(
@@ -111,8 +112,8 @@ def search(
     within: float = 0.1,
     prune: bool = True,
 ) -> Plan:
-    """The fastest plan that fits (see the module docstring); ``extra["candidates"]`` holds the
-    fastest ``keep`` configs within ``within`` of it and ``extra["search"]`` what the search did.
+    """The fastest plan that fits (see the module docstring); its ``candidates`` are the fastest
+    ``keep`` configs within ``within`` of it and its ``search`` what the search did.
     ``profile`` was taken at ``sample_rows`` rows (``second``: another profile at other rows, for
     the per-call overhead); ``runtime``: the runtime's seconds per action and message
     (``partitioner.overhead``; None: ``DEFAULT_RUNTIME``)."""
@@ -202,12 +203,13 @@ def search(
     found.sort(key=lambda plan: plan.step_time)
     winner = found[0]
     winner.build_schedule()  # validated (the search ran the generators' schedules unchecked)
-    extra = dict(winner.extra)
     kept = [plan for plan in found if plan.step_time <= winner.step_time * (1.0 + within)][:keep]
-    extra["candidates"] = [_candidate(plan) for plan in kept]
-    extra["search"] = stats.as_dict(time.perf_counter() - start)
-    extra["batch_size"], extra["micro_batch_rows"] = batch_size, batch_size // winner.n_microbatches
-    return winner.replace(extra=extra)
+    return winner.replace(
+        candidates=[_candidate(plan) for plan in kept],
+        search=stats.done(time.perf_counter() - start),
+        batch_size=batch_size,
+        micro_batch_rows=batch_size // winner.n_microbatches,
+    )
 
 
 def _evaluate(
@@ -264,8 +266,8 @@ def _evaluate(
 
 def rank_peaks(plan: Plan) -> list[float]:
     """Per rank, the predicted peak bytes: the schedule walked action by action (what
-    ``pipe.memory_stats()`` measures; ``predicted`` records it in ``extra["rank_peaks"]``)."""
-    return [float(x) for x in plan.extra["rank_peaks"]]
+    ``pipe.memory_stats()`` measures; ``predicted`` records it in ``Plan.rank_peaks``)."""
+    return list(plan.rank_peaks)
 
 
 def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> float:
@@ -367,18 +369,17 @@ def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, siz
     return max(bottleneck, math.fsum(costs) / math.fsum(speeds))
 
 
-def _candidate(plan: Plan) -> dict[str, Any]:
-    mode = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
-    return {
-        "schedule": plan.schedule,
-        "n_microbatches": plan.n_microbatches,
-        "n_virtual": plan.n_virtual,
-        "recompute": mode,
-        "balance": list(plan.balance),
-        "step_time": plan.step_time,
-        "bubble": plan.bubble,
-        "peak_bytes": rank_peaks(plan),
-    }
+def _candidate(plan: Plan) -> Candidate:
+    return Candidate(
+        schedule=plan.schedule,
+        n_microbatches=plan.n_microbatches,
+        n_virtual=plan.n_virtual,
+        recompute=plan.recompute,
+        balance=plan.balance,
+        step_time=plan.step_time,
+        bubble=plan.bubble,
+        peak_bytes=rank_peaks(plan),
+    )
 
 
 def _nothing_fits(

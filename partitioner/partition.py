@@ -15,7 +15,7 @@ layer and a cut cost is ``partitioner.costs``'s; the memory model ``partitioner.
 Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast: 2.0), and
 ``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages.
 The rows bound the schedule walked rank by rank (``partitioner.memory``): every plan returned
-under ``memory_limit`` has each rank's walked peak (``plan.extra["rank_peaks"]``, what
+under ``memory_limit`` has each rank's walked peak (``plan.rank_peaks``, what
 ``pipe.memory_stats()`` measures) within its limit. A stage's input and output buffers are
 charged at the largest activation any cut can carry.
 
@@ -101,9 +101,9 @@ def partition(
     ``model`` is an ``nn.Sequential`` (its children are the layers) or any module that
     ``torch.export`` (or else ``torch.fx.symbolic_trace``) can trace with ``sample``: its layers
     are then groups of its traced calls (one per transformer block), a cut costs every tensor
-    live across it, and the plan records in ``extra`` the ``cuts`` (the layer each stage after
-    the first begins with) and the trace (``graph``), which ``Pipeline`` checks against the
-    model. Parameters that layers of several stages hold (tied weights) are in ``extra["ties"]``
+    live across it, and the plan records its ``cuts`` (the layer each stage after the first
+    begins with) and the trace (``graph``), which ``Pipeline`` checks against the model.
+    Parameters that layers of several stages hold (tied weights) are in ``plan.ties``
     (name -> stages).
 
     ``schedule="auto"`` and/or ``n_microbatches="auto"`` search the schedule (all, or the one
@@ -112,7 +112,7 @@ def partition(
     per stage, with the exact balance of each, and return the fastest predicted plan whose every
     rank fits ``memory_limit`` (``recompute`` is then searched, not given). ``sample`` may then
     have any rows: the profile is scaled to each micro-batch (``partitioner.scaling``). The plan's
-    ``candidates()`` lists the runners-up; see ``partitioner.auto``.
+    ``candidates`` lists the runners-up; see ``partitioner.auto``.
     """
     if schedule == "auto" or n_microbatches == "auto":
         return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
@@ -156,7 +156,7 @@ def _check_walk(plan: Plan, net: Options) -> None:
         return
     over = [
         f"rank {r}: {peak:g} > {limit:g}"
-        for r, (peak, limit) in enumerate(zip(plan.extra["rank_peaks"], net.memory_limit, strict=True))
+        for r, (peak, limit) in enumerate(zip(plan.rank_peaks, net.memory_limit, strict=True))
         if peak > limit
     ]
     if over:
@@ -184,7 +184,7 @@ def plan_for(
 ) -> Plan:
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
-    with a boundary where the model cannot be cut is planned, and ``extra["problems"]`` says why
+    with a boundary where the model cannot be cut is planned, and ``plan.problems`` says why
     no pipeline can run it. ``dp``: pipeline replicas, recorded in the plan."""
     given: Any = balance  # Plan names what is wrong with it
     shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp)

@@ -10,7 +10,9 @@ what the partitioner predicted for one pipeline (per-stage times, memory and
 bytes sent, the step time and bubble). ``partition`` makes one,
 ``Pipeline(model, plan, loss_fn=...)`` runs it, ``to_json`` / ``from_json`` carry it
 between processes. A plan without predictions (``Plan(balance=[3, 4])``) is
-valid too: that is what ``Pipeline`` builds from a plain balance list.
+valid too: that is what ``Pipeline`` builds from a plain balance list. What the
+partitioner found besides (each rank's predicted peak, tied weights, a traced
+model's graph and cuts, the auto search's runners-up) is in typed fields too.
 
     stage  layers       fwd ms   bwd ms    cost ms  memory MB  sent MB
         0  0-2            1.20     2.40      3.600      12.50     0.52
@@ -32,7 +34,7 @@ from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.program import Program
 from pipeline.schedules.schedule import Schedule, default_n_virtual, schedule, schedule_options
 
-__all__ = ["Plan", "StagePlan"]
+__all__ = ["Candidate", "Plan", "SearchStats", "StagePlan", "TracedGraph"]
 
 _UNITS = {
     "time": ("cost ms", 1e3),
@@ -62,6 +64,53 @@ class StagePlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TracedGraph:
+    """How ``partition`` traced a model that is not an ``nn.Sequential``: what every rank traces again,
+    and checks its model against, to build its stages (``pipeline.runtime.graph_stages``)."""
+
+    method: str  # "export" or "symbolic_trace"
+    fingerprint: str  # identifies the graph: its layers, their calls, the sample's signature
+    sample: list[tuple[list[int], str]]  # per input of the sample: its shape and dtype name
+    layers: list[str] = field(default_factory=list)  # the layers' names in order, to name a difference
+
+    def __post_init__(self) -> None:  # JSON gives lists: the same values either way, so equal plans
+        object.__setattr__(self, "sample", [(list(shape), str(dtype)) for shape, dtype in self.sample])
+        object.__setattr__(self, "layers", list(self.layers))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A configuration the auto search ranked, with its predicted step (s), bubble and peak bytes per rank."""
+
+    schedule: str
+    n_microbatches: int
+    n_virtual: int
+    recompute: Recompute  # one mode, or one per stage
+    balance: list[int]
+    step_time: float
+    bubble: float
+    peak_bytes: list[float]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, str):  # JSON has no tuples: one mode per stage
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        object.__setattr__(self, "balance", list(self.balance))
+        object.__setattr__(self, "peak_bytes", [float(x) for x in self.peak_bytes])
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchStats:
+    """What the auto search did: configurations in its grid, simulated, skipped by each bound; seconds."""
+
+    grid: int = 0
+    simulated: int = 0
+    pruned_group: int = 0  # skipped with their (schedule, v, m) group
+    pruned_fit: int = 0  # no balance fits the memory limit
+    pruned_balance: int = 0  # their balance's bound reached the best step found
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Balance, schedule, m, v, recomputation and predictions; checked when made (see ``schedule_options``).
 
@@ -82,7 +131,19 @@ class Plan:
     bubble: float = 0.0
     cost: str = "time"  # the unit of StagePlan.cost and bottleneck
     prediction: str = "none"  # "simulator" when predicted
-    extra: dict[str, Any] = field(default_factory=dict)
+    # what the partitioner found besides; empty for a plan it did not make
+    rank_peaks: list[float] = field(default_factory=list)  # per rank, peak bytes: its program walked
+    ties: dict[str, list[int]] = field(default_factory=dict)  # tied parameter name -> the stages holding it
+    cuts: list[str] = field(default_factory=list)  # a traced model: the layer each stage but the first begins
+    problems: list[str] = field(default_factory=list)  # why a cut of the balance is impossible (plan_for)
+    graph: TracedGraph | None = None  # a traced model: how, to trace it again on every rank
+    autocast: str | None = None  # the dtype the profile ran under (None: fp32)
+    loss_profiled: bool = False  # the last stage's predictions include the loss
+    # the auto search (partition(..., schedule="auto")) only
+    candidates: list[Candidate] = field(default_factory=list)  # the configs within reach, fastest first
+    search: SearchStats | None = None  # how much of the grid it simulated and pruned, and its seconds
+    batch_size: int = 0  # rows of one step (one replica's)
+    micro_batch_rows: int = 0  # batch_size // n_microbatches
 
     def __post_init__(self) -> None:
         balance = self.balance
@@ -114,6 +175,34 @@ class Plan:
             )
         if self.stages and len(self.stages) != len(balance):
             raise ValueError(f"plan has {len(self.stages)} stage predictions for {len(balance)} stages")
+        self._check_found()
+
+    def _check_found(self) -> None:
+        """The partitioner's findings, typed: a plain dict where a record belongs (the old ``extra``'s
+        form) or a lone string for a list is refused, naming the field; lists are copied as lists."""
+        for name, kind in (("graph", TracedGraph), ("search", SearchStats)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(
+                    f"{name} must be a {kind.__name__} or None, got {type(value).__name__} {value!r}; build "
+                    f"one ({kind.__name__}(...)), or read a recorded plan with Plan.from_json"
+                )
+        peaks = _listed(self.rank_peaks, "rank_peaks", (int, float), "peak bytes, one per rank")
+        object.__setattr__(self, "rank_peaks", [float(x) for x in peaks])
+        object.__setattr__(self, "cuts", _listed(self.cuts, "cuts", str, "layer names"))
+        object.__setattr__(self, "problems", _listed(self.problems, "problems", str, "messages"))
+        object.__setattr__(self, "candidates", _listed(self.candidates, "candidates", Candidate, "Candidate"))
+        if not isinstance(self.ties, dict) or not all(isinstance(k, str) for k in self.ties):
+            raise TypeError(
+                f"ties must be a dict of parameter name -> the stages holding it (e.g. {{'wte.weight': "
+                f"[0, 3]}}), got {type(self.ties).__name__} {self.ties!r}"
+            )
+        ties = {name: _listed(at, f"ties[{name!r}]", int, "stage indices") for name, at in self.ties.items()}
+        object.__setattr__(self, "ties", ties)
+        for name in ("batch_size", "micro_batch_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} ({value!r}) must be an integer >= 0 (0: not searched)")
 
     # ---- shape
 
@@ -147,8 +236,9 @@ class Plan:
         return _build(self.schedule, self.n_ranks, self.n_microbatches, self.n_virtual)
 
     def program(self, rank: int) -> Program:
-        """Rank ``rank``'s step as data, one instruction per line when printed (``Schedule.program``)."""
-        return self.build_schedule().program(rank)
+        """Rank ``rank``'s step as data, one instruction per line when printed (``Schedule.program``),
+        with the plan's ``dp`` replicas and tied weights."""
+        return self.build_schedule().program(rank, dp=self.dp, ties=list(self.ties.values()))
 
     def replace(self, **changes: Any) -> Plan:
         """A copy with ``changes`` applied and checked again (predictions are kept as they are)."""
@@ -187,10 +277,22 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """The plan ``to_json`` wrote; also one written before the typed fields, whose findings were in
+        an ``"extra"`` object (its known keys are read into their fields, any others dropped)."""
         data = json.loads(text)
+        old = data.pop("extra", None) or {}
+        for key, value in old.items():
+            name = _OLD_KEYS.get(key, key)
+            if name in _FOUND and name not in data:
+                data[name] = value
         data["stages"] = [StagePlan(**s) for s in data.get("stages", [])]
         if isinstance(data.get("recompute"), list):  # JSON has no tuples: one mode per stage
             data["recompute"] = tuple(data["recompute"])
+        if data.get("graph") is not None:
+            data["graph"] = TracedGraph(**_known(TracedGraph, data["graph"]))
+        if data.get("search") is not None:
+            data["search"] = SearchStats(**_known(SearchStats, data["search"]))
+        data["candidates"] = [Candidate(**_known(Candidate, c)) for c in data.get("candidates", [])]
         return cls(**data)
 
     def summary(self) -> str:
@@ -222,12 +324,12 @@ class Plan:
             )
         else:
             lines.append(f"balance {self.balance}  {self.summary()} (no predictions)")
-        if self.extra.get("cuts"):  # a traced model: the layer each stage after the first begins with
-            lines.append("cuts before " + ", ".join(str(c) for c in self.extra["cuts"]))
-        if self.extra.get("ties"):
-            ties = "; ".join(f"{name}: stages {stages}" for name, stages in self.extra["ties"].items())
+        if self.cuts:
+            lines.append("cuts before " + ", ".join(self.cuts))
+        if self.ties:
+            ties = "; ".join(f"{name}: stages {stages}" for name, stages in self.ties.items())
             lines.append(f"tied weights {ties}")
-        if self.extra.get("candidates"):
+        if self.candidates:
             lines.append("candidates (auto search, fastest first):")
             lines.append(self.candidates_table())
         return "\n".join(lines)
@@ -235,15 +337,9 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
-    def candidates(self) -> list[dict[str, Any]]:
-        """The configurations the auto search (``partition(..., schedule="auto")``) ranked, fastest
-        first: each a dict of schedule, n_microbatches, n_virtual, recompute (one mode or one per
-        stage), balance, step_time (s), bubble and peak_bytes (per rank); [] for any other plan."""
-        return [dict(c) for c in self.extra.get("candidates", [])]
-
     def candidates_table(self) -> str:
-        """``candidates()`` as a printable table, one configuration per line."""
-        rows = self.candidates()
+        """``candidates`` as a printable table, one configuration per line."""
+        rows = self.candidates
         if not rows:
             return "no candidates (the plan was not made by the auto search)"
         lines = [
@@ -251,13 +347,37 @@ class Plan:
             f"{'peak MB (max)':>13}  recompute / balance"
         ]
         for at, c in enumerate(rows):
-            mode = c["recompute"] if isinstance(c["recompute"], str) else ",".join(c["recompute"])
+            mode = c.recompute if isinstance(c.recompute, str) else ",".join(c.recompute)
             lines.append(
-                f"{at:>2}  {c['schedule']:<16} {c['n_microbatches']:>4} {c['n_virtual']:>3}  "
-                f"{c['step_time'] * 1e3:>9.2f} {c['bubble']:>7.3f} {max(c['peak_bytes']) / 1e6:>13.2f}  "
-                f"{mode} / {c['balance']}"
+                f"{at:>2}  {c.schedule:<16} {c.n_microbatches:>4} {c.n_virtual:>3}  "
+                f"{c.step_time * 1e3:>9.2f} {c.bubble:>7.3f} {max(c.peak_bytes) / 1e6:>13.2f}  "
+                f"{mode} / {c.balance}"
             )
         return "\n".join(lines)
+
+
+# the findings a plan written before the typed fields kept in "extra" (each under its field's name
+# but "loss"); any other key there (a script's note) has no field and is dropped
+_FOUND = ("rank_peaks", "ties", "cuts", "problems", "graph", "autocast", "loss_profiled", "candidates",
+          "search", "batch_size", "micro_batch_rows")  # fmt: skip
+_OLD_KEYS = {"loss": "loss_profiled"}
+
+
+def _listed(value: Any, name: str, kind: type | tuple[type, ...], what: str) -> list[Any]:
+    """``value`` as a list, or a TypeError naming ``name`` when it is no sequence of ``kind``."""
+    items = None if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__") else list(value)
+    if items is None or not all(isinstance(x, kind) and not isinstance(x, bool) for x in items):
+        raise TypeError(
+            f"{name} must be a list of {what}, got {type(value).__name__} {value!r}; pass a list, or leave "
+            "it out (the partitioner fills it in)"
+        )
+    return items
+
+
+def _known(cls: type, record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` without the keys that are no field of ``cls`` (an older or newer writer's)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in record.items() if k in names}
 
 
 @functools.lru_cache(maxsize=64)

@@ -33,6 +33,7 @@ from torch import nn
 from partitioner import Plan, equal_balance, layer_costs, partition, plan_for, profile, torchgpipe_balance
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
+from partitioner.graph_profile import traced_record
 from pipeline.reference.graph_models import gpt_tied, two_stream, unet
 from pipeline.runtime.layers import cut_blocks, group_layers, live_values
 from pipeline.runtime.tracing import trace
@@ -110,7 +111,7 @@ def _row(label: str, plan: Plan | None, ours: Plan) -> str:
     if plan is None:
         return f"    {label:<11} {'-':>10}"
     sent = 2 * plan.n_microbatches * sum(st.sent_bytes for st in plan.stages) / 1e6
-    bad = "  (cuts where no boundary can be)" if plan.extra.get("problems") else ""
+    bad = "  (cuts where no boundary can be)" if plan.problems else ""
     ratio = plan.bottleneck / ours.bottleneck
     return f"    {label:<11} {plan.bottleneck * 1e3:>10.3f} {ratio:>7.3f} {sent:>11.2f}   {plan.balance}{bad}"
 
@@ -162,7 +163,8 @@ def scale() -> None:
             ]
         )
         tensors = [(v.name, v.layer, v.uses, v.nbytes) for v in values.values()]
-        prof = Profile(figures, "cpu", layer_graph(figures, tensors=tensors), cut_reasons=reasons, traced={})
+        prof = Profile(figures, "cpu", layer_graph(figures, tensors=tensors), cut_reasons=reasons,
+                       traced=traced_record(traced))  # fmt: skip
         partition(model, 8, x, profile=prof, bandwidth=BANDWIDTH, latency=LATENCY)
         times.append(time.perf_counter() - start)
     print(

@@ -193,7 +193,7 @@ def check_memory_one_gpu(rows: list[Row], group: Any) -> None:
         pipe.step(x, y)
         stats = pipe.memory_stats()
         planned = plan_for(prof, _balance(len(model), v), schedule=name, n_microbatches=8, n_virtual=v,
-                           optimizer_state_factor=0.0).extra["rank_peaks"][0]  # fmt: skip
+                           optimizer_state_factor=0.0).rank_peaks[0]  # fmt: skip
         peak = stats["allocator_peak"]
         rows.append((f"{label} (width {width}, {name} v={v}, m=8)", "info",
                      f"allocator peak {_mib(peak)} MiB, memory_stats {_mib(stats['peak'])} MiB, planned "
@@ -519,7 +519,7 @@ def _matrix_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str
             model, x, _ = _model(2 * p)
             prof = profile(model.to(dev), x.chunk(m)[0].to(dev), device=dev)
             planned = plan_for(prof, plan.balance, schedule=name, n_microbatches=m, n_virtual=v,
-                               optimizer_state_factor=0.0).extra["rank_peaks"]  # fmt: skip
+                               optimizer_state_factor=0.0).rank_peaks  # fmt: skip
             ratios = [per_rank[r][key][4] / planned[r] for r in range(p)]
             detail += f"; CUDA peak / planned bytes per rank {[round(x, 2) for x in ratios]}"
         rows.append((f"memory {name} v={v} m={m}: micro-batches held", "ok" if held == want else "FAIL",

@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, plan in plans.items():
         print()
         print(plan.table(f"== {label}", reference=ours.bottleneck))
-        for problem in plan.extra.get("problems", []):
+        for problem in plan.problems:
             print(f"cannot run: {problem}")
     if args.measure:
         print()
@@ -404,12 +404,13 @@ def _auto(
                      cost=args.cost, profile=prof, **net)  # fmt: skip
     print_profile(prof)
     print()
-    print(plan.table(f"== auto: {plan.summary()}, micro-batches of {plan.extra['micro_batch_rows']} rows"))
-    found = plan.extra["search"]
+    print(plan.table(f"== auto: {plan.summary()}, micro-batches of {plan.micro_batch_rows} rows"))
+    found = plan.search
+    assert found is not None  # the search's plan records it
     print(
-        f"\nsearched {found['grid']} configurations in {found['seconds']:.2f} s: simulated "
-        f"{found['simulated']}, pruned {found['pruned_group']} by the time bound, {found['pruned_fit']} by "
-        f"memory, {found['pruned_balance']} by their balance"
+        f"\nsearched {found.grid} configurations in {found.seconds:.2f} s: simulated "
+        f"{found.simulated}, pruned {found.pruned_group} by the time bound, {found.pruned_fit} by "
+        f"memory, {found.pruned_balance} by their balance"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -407,7 +407,7 @@ def _fixed_plan(cfg: Config, device: torch.device, amp: torch.dtype | None) -> P
             f"--balance gives {plan.n_stages} stages, {plan.n_ranks} ranks x {plan.n_virtual}, but --stages "
             f"is {cfg.stages}: give {cfg.stages * plan.n_virtual} layer counts"
         )
-    over = [(r, peak) for r, peak in enumerate(plan.extra.get("rank_peaks", [])) if
+    over = [(r, peak) for r, peak in enumerate(plan.rank_peaks) if
             cfg.memory_limit is not None and peak > cfg.memory_limit]  # fmt: skip
     if over:
         peaks = ", ".join(f"rank {r} {peak / 1e6:.2f} MB" for r, peak in over)
@@ -422,16 +422,15 @@ def _auto_plan(cfg: Config, device: torch.device, amp: torch.dtype | None) -> Pl
     """The searched plan; or, when ``--checkpoint-dir`` holds a checkpoint of this very request, the plan
     that run chose (recorded in the checkpoint), so that a restart continues the same run."""
     recorded = _recorded_plan(cfg)
-    if recorded is not None:
-        shape, path = recorded
+    if recorded is not None:  # ``chosen`` finds the same record, to say where the plan came from
+        shape, _ = recorded
         m = int(shape["n_microbatches"])
         mode = shape["recompute"] if isinstance(shape["recompute"], str) else tuple(shape["recompute"])
         *_, prof = _profiled(cfg, m, device, amp)
         with _blame(cfg, "stages", "layers"):
             v = int(shape["n_virtual"])
-            plan = plan_for(prof, list(shape["balance"]), schedule=shape["schedule"], n_microbatches=m,
+            return plan_for(prof, list(shape["balance"]), schedule=shape["schedule"], n_microbatches=m,
                             n_virtual=v, recompute=mode, dp=cfg.dp, cost=cfg.cost)  # fmt: skip
-        return plan.replace(extra={**plan.extra, "recorded_in": str(path)})
     # the sample may have any rows (the profile is scaled to each m searched): the fixed m, or the
     # default's rows
     given_m = cfg.microbatches if isinstance(cfg.microbatches, int) else 4
@@ -589,17 +588,17 @@ def chosen(cfg: Config, plan: Plan) -> str:
     lists the runners-up."""
     asked = cfg.flags("schedule", "microbatches", "virtual", "memory_limit")
     what = f"{plan.summary()} balance {plan.balance}"
-    if "recorded_in" in plan.extra:
-        return (f"auto ({asked}): reusing the plan recorded in {plan.extra['recorded_in']}, {what}, not "
+    recorded = _recorded_plan(cfg)  # what _auto_plan reused, if anything (no checkpoint is saved before)
+    if recorded is not None:
+        return (f"auto ({asked}): reusing the plan recorded in {recorded[1]}, {what}, not "
                 "searching again (a new profile may choose another plan, and the run would not continue "
                 "as it began)")  # fmt: skip
-    peaks = plan.extra.get("rank_peaks", [])
     limit = "" if cfg.memory_limit is None else f" (limit {cfg.memory_limit / 1e6:.2f} MB)"
-    found = plan.extra.get("search", {})
+    grid, seconds = (plan.search.grid, plan.search.seconds) if plan.search is not None else ("?", 0.0)
     return (f"auto ({asked}): chose {what}: predicted step {plan.step_time * 1e3:.2f} ms, bubble "
-            f"{plan.bubble:.3f}, peak per rank {', '.join(f'{x / 1e6:.2f}' for x in peaks)} MB{limit}; "
-            f"searched {found.get('grid', '?')} configurations in {found.get('seconds', 0.0):.2f} s, "
-            f"{len(plan.candidates())} within 10 % in the table above")  # fmt: skip
+            f"{plan.bubble:.3f}, peak per rank {', '.join(f'{x / 1e6:.2f}' for x in plan.rank_peaks)} "
+            f"MB{limit}; searched {grid} configurations in {seconds:.2f} s, "
+            f"{len(plan.candidates)} within 10 % in the table above")  # fmt: skip
 
 
 CONFIG_KEYS = ("model", "layers", "width", "seq_len", "stages", "dp", "zero", "schedule", "virtual",

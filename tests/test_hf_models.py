@@ -135,7 +135,8 @@ def test_size_derived_tensors_are_no_layer_and_recomputed_per_stage() -> None:
     """Llama's position ids, causal mask and rotary tables come from the input's sizes and a buffer:
     no layer of their own, and every decoder layer reads the rotary buffer it recomputes them from."""
     plan = _plan("llama", 2)
-    names = plan.extra["graph"]["layers"]
+    assert plan.graph is not None
+    names = plan.graph.layers
     assert not any(n.startswith(("arange", "ones", "full")) or "rotary" in n for n in names), names
     assert names[0] == "model.model.embed_tokens" and names[-1] == "model.lm_head"
     assert sum(n.startswith("model.model.layers.") for n in names) == 4

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
-import json
 import math
 import random
 import re
@@ -31,7 +30,7 @@ from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts
 from partitioner.scaling import batch_rows, scale_profile
-from pipeline.plan import Plan
+from pipeline.plan import Candidate, Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
@@ -104,10 +103,11 @@ def test_pruned_search_finds_the_best_of_the_whole_grid(
         auto = search(prof, p, **kw)  # type: ignore[arg-type]
         grid = search(prof, p, prune=False, keep=10_000, within=math.inf, **kw)  # type: ignore[arg-type]
         assert auto.step_time == grid.step_time
-        assert auto.extra["search"]["simulated"] < grid.extra["search"]["simulated"]
+        assert auto.search is not None and grid.search is not None
+        assert auto.search.simulated < grid.search.simulated
         if limit is not None:
             assert _fits(auto, limit)
-            assert all(max(c["peak_bytes"]) <= limit for c in grid.candidates())
+            assert all(max(c.peak_bytes) <= limit for c in grid.candidates)
         # every uniform configuration partition() plans by itself, on the profile scaled to its m
         for name in SCHEDULES:
             for m in [d for d in range(1, batch + 1) if batch % d == 0]:
@@ -245,12 +245,13 @@ def test_100_layers_on_8_ranks_is_pruned_not_simulated_whole() -> None:
     start = time.perf_counter()
     plan = search(prof, 8, batch_size=64, sample_rows=8, memory_limit=limit, bandwidth=1e9, latency=1e-5)
     seconds = time.perf_counter() - start
-    stats = plan.extra["search"]
+    stats = plan.search
     assert seconds < 120, seconds  # a sanity bound on a loaded machine: seconds when idle
-    assert stats["grid"] > 200 and stats["simulated"] * 20 < stats["grid"], stats
-    assert stats["pruned_fit"] > 0 and stats["pruned_group"] + stats["pruned_balance"] > 0, stats
-    unlimited = free.extra["search"]  # no limit: the time bounds alone prune
-    assert unlimited["pruned_group"] > 0 and unlimited["simulated"] * 20 < unlimited["grid"], unlimited
+    assert stats is not None and stats.grid > 200 and stats.simulated * 20 < stats.grid, stats
+    assert stats.pruned_fit > 0 and stats.pruned_group + stats.pruned_balance > 0, stats
+    unlimited = free.search  # no limit: the time bounds alone prune
+    assert unlimited is not None, free
+    assert unlimited.pruned_group > 0 and unlimited.simulated * 20 < unlimited.grid, unlimited
 
 
 # -- candidates and the plan ---------------------------------------------------------------------------
@@ -259,21 +260,20 @@ def test_100_layers_on_8_ranks_is_pruned_not_simulated_whole() -> None:
 def test_candidates_are_ranked_kept_in_json_and_printed() -> None:
     prof = synthetic(8, seed=6)
     plan = search(prof, 2, batch_size=8, sample_rows=4, memory_limit=None, within=1.0)
-    rows = plan.candidates()
-    assert len(rows) >= 2
-    assert [c["step_time"] for c in rows] == sorted(c["step_time"] for c in rows)
+    rows = plan.candidates
+    assert len(rows) >= 2 and all(isinstance(c, Candidate) for c in rows)
+    assert [c.step_time for c in rows] == sorted(c.step_time for c in rows)
     first = rows[0]
-    mode = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
-    config = [first[key] for key in ("schedule", "n_microbatches", "n_virtual", "recompute", "balance")]
-    assert config == [plan.schedule, plan.n_microbatches, plan.n_virtual, mode, plan.balance]
-    assert first["step_time"] == plan.step_time and first["peak_bytes"] == rank_peaks(plan)
-    assert all(c["step_time"] <= plan.step_time * 2.0 for c in rows)  # within=1.0: within 100 %
+    config = (first.schedule, first.n_microbatches, first.n_virtual, first.recompute, first.balance)
+    assert config == (plan.schedule, plan.n_microbatches, plan.n_virtual, plan.recompute, plan.balance)
+    assert first.step_time == plan.step_time and first.peak_bytes == rank_peaks(plan)
+    assert all(c.step_time <= plan.step_time * 2.0 for c in rows)  # within=1.0: within 100 %
     again = Plan.from_json(plan.to_json())
-    assert again.candidates() == json.loads(json.dumps(rows))
+    assert again.candidates == rows and again.search == plan.search
     table = plan.candidates_table()
     assert len(table.splitlines()) == len(rows) + 1 and plan.schedule in table.splitlines()[1]
     assert "candidates (auto search" in plan.table()
-    assert Plan(balance=[1, 1]).candidates() == []
+    assert Plan(balance=[1, 1]).candidates == []
 
 
 def test_partition_auto_on_a_real_model_with_any_sample_rows() -> None:
@@ -281,11 +281,11 @@ def test_partition_auto_on_a_real_model_with_any_sample_rows() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
     sample = torch.randn(3, 32)  # any rows: the profile is scaled to each micro-batch
     plan = partition(model, 2, sample, schedule="auto", batch_size=8, memory_limit=10e6)
-    assert plan.extra["batch_size"] == 8 and 8 % plan.n_microbatches == 0
-    assert plan.extra["micro_batch_rows"] == 8 // plan.n_microbatches
+    assert plan.batch_size == 8 and 8 % plan.n_microbatches == 0
+    assert plan.micro_batch_rows == 8 // plan.n_microbatches
     assert _fits(plan, 10e6) and plan.prediction == "simulator"
     fixed = partition(model, 2, sample, schedule="1f1b", n_microbatches="auto", batch_size=8)
-    assert fixed.schedule == "1f1b" and {c["schedule"] for c in fixed.candidates()} == {"1f1b"}
+    assert fixed.schedule == "1f1b" and {c.schedule for c in fixed.candidates} == {"1f1b"}
 
 
 @pytest.mark.parametrize("rows", [1, 6])
@@ -390,16 +390,15 @@ def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
     links = dict(bandwidth=1e8, latency=1e-4, runtime=RUNTIME)
     grid = search(prof, 2, batch_size=8, sample_rows=4, memory_limit=None, prune=False, keep=10_000,
                   within=math.inf, **links)  # type: ignore[arg-type]  # fmt: skip
-    assert len(grid.candidates()) > 20
-    for c in grid.candidates():
-        m, v = c["n_microbatches"], c["n_virtual"]
+    assert len(grid.candidates) > 20
+    for c in grid.candidates:
+        m, v = c.n_microbatches, c.n_virtual
         scaled = scale_profile(prof, 4, 8 // m)
-        mode = c["recompute"] if isinstance(c["recompute"], str) else tuple(c["recompute"])
-        plan = plan_for(scaled, c["balance"], schedule=c["schedule"], n_microbatches=m, n_virtual=v,
-                        recompute=mode, **links)  # type: ignore[arg-type]  # fmt: skip
-        assert plan.step_time == c["step_time"]
+        plan = plan_for(scaled, c.balance, schedule=c.schedule, n_microbatches=m, n_virtual=v,
+                        recompute=c.recompute, **links)  # type: ignore[arg-type]  # fmt: skip
+        assert plan.step_time == c.step_time
         net = Options.make("time", 2, v, None, 1e8, 1e-4, None, 2.0, RUNTIME)
-        split = c["schedule"] == "zb-h1"
+        split = c.schedule == "zb-h1"
         assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
         sizes, _ = cut_groups(scaled.layers)
         assert m * _least_work(scaled, net, 2 * v, m, split, sizes) <= plan.step_time * (1 + 1e-12), c
@@ -432,8 +431,8 @@ def test_every_plan_returned_under_a_limit_fits_by_the_walk(seed: int) -> None:
     least = _least(prof, p, **kw)
     for limit in (least, (least + max(rank_peaks(free))) / 2):
         plan = search(prof, p, memory_limit=limit, **kw)  # type: ignore[arg-type]
-        assert max(plan.extra["rank_peaks"]) <= limit
-        assert all(max(c["peak_bytes"]) <= limit for c in plan.extra["candidates"])
+        assert max(plan.rank_peaks) <= limit
+        assert all(max(c.peak_bytes) <= limit for c in plan.candidates)
         name = rng.choice([s for s in SCHEDULES if s != "interleaved-1f1b"])
         m = plan.n_microbatches
         modes = tuple(rng.choice(RECOMPUTE_MODES) for _ in range(p))
@@ -445,7 +444,7 @@ def test_every_plan_returned_under_a_limit_fits_by_the_walk(seed: int) -> None:
             text = str(err).split("the smallest limit that fits is ")[1].split(";")[0]
             fixed = partition(_identity(len(prof.layers)), p, None, memory_limit=float(text), **opts)  # type: ignore[arg-type]
             limit = float(text)
-        assert max(fixed.extra["rank_peaks"]) <= limit
+        assert max(fixed.rank_peaks) <= limit
 
 
 # -- the static-bytes fit check prunes a group before its schedule is built ----------------------------
@@ -485,13 +484,14 @@ def test_a_group_whose_static_bytes_exceed_the_rank_limit_over_v_is_never_built(
     roomy = search(prof, 2, memory_limit=1e12, **kw)  # type: ignore[arg-type]
     assert sorted(built) == [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
                              ("interleaved-1f1b", 4)]  # fmt: skip
-    assert roomy.extra["search"]["pruned_fit"] == 0
+    assert roomy.search is not None and roomy.search.pruned_fit == 0
 
     built.clear()
     limit = 1.5 * static[heavy]
     plan = search(prof, 2, memory_limit=limit, **kw)  # type: ignore[arg-type]
     assert plan.schedule == "1f1b" and _fits(plan, limit)
     assert built == [("1f1b", 1)], built  # no interleaved schedule built: its static bytes do not fit
-    stats = plan.extra["search"]
-    assert stats["grid"] == 4 * 4 and stats["pruned_fit"] == 3 * 4, stats  # v = 2, 3, 4: 4 configs each
-    assert all(c["schedule"] == "1f1b" for c in plan.candidates())
+    stats = plan.search
+    assert stats is not None
+    assert stats.grid == 4 * 4 and stats.pruned_fit == 3 * 4, stats  # v = 2, 3, 4: 4 configs each
+    assert all(c.schedule == "1f1b" for c in plan.candidates)

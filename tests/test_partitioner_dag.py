@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from partitioner import LayerProfile, Profile, cut_bytes, layer_graph, partition, profile, solve
-from pipeline.plan import Plan
+from pipeline.plan import Plan, TracedGraph
 from pipeline.reference.graph_models import gpt_tied, unet
 from pipeline.runtime.traced import build_stages
 from pipeline.runtime.tracing import trace
@@ -24,6 +24,7 @@ def _layer(at: int, forward: float) -> LayerProfile:
 
 # one skip: l1 -> l3 (1000 bytes) besides the chain's 10-byte tensors; l1 and l2 cost nothing
 SKIP = [("t0", 0, (1,), 10), ("t1", 1, (2,), 10), ("skip", 1, (3,), 1000), ("t2", 2, (3,), 10)]
+_HAND = {"method": "export", "fingerprint": "hand", "sample": [([1], "float32")]}  # a trace's record, by hand
 
 
 def test_a_skip_is_paid_at_every_cut_it_crosses() -> None:
@@ -38,11 +39,11 @@ def test_the_cheaper_cut_of_equal_compute_balance_is_chosen() -> None:
     # [1 | 0 0 1], [1 0 | 0 1], [1 0 0 | 1]: the same compute on both stages (1), but the last two
     # cuts also carry the skip. 2 * 10 B / (1000 B/s) = 0.02 s per stage vs 2 * 1010 / 1000 = 2.02 s.
     layers = [_layer(at, f) for at, f in enumerate([1.0, 0.0, 0.0, 1.0])]
-    prof = Profile(layers, "cpu", layer_graph(layers, tensors=SKIP), traced={"fingerprint": "hand"})
+    prof = Profile(layers, "cpu", layer_graph(layers, tensors=SKIP), traced=_HAND)
     plan = partition(nn.Module(), 2, None, profile=prof, bandwidth=1000.0)
     assert plan.balance == [1, 3]
     assert plan.bottleneck == pytest.approx(1.02)
-    assert plan.extra["cuts"] == ["l1"]
+    assert plan.cuts == ["l1"] and plan.graph == TracedGraph(**_HAND, layers=["l0", "l1", "l2", "l3"])
     assert [st.sent_bytes for st in plan.stages] == [10, 0]
 
 
@@ -103,9 +104,9 @@ def test_a_traced_plan_charges_what_its_stages_send(small_unet: tuple[nn.Module,
             y = stages[s](y)
             sent.append(sum(t.numel() * t.element_size() for t in (y if isinstance(y, tuple) else (y,))))
         assert [st.sent_bytes for st in plan.stages[:-1]] == sent[:-1]  # the skips included, each once
-        assert plan.extra["cuts"] == [prof.layers[sum(plan.balance[:s])].name for s in range(1, p)]
+        assert plan.cuts == [prof.layers[sum(plan.balance[:s])].name for s in range(1, p)]
         again = Plan.from_json(plan.to_json())
-        assert again.extra == plan.extra and again.balance == plan.balance
+        assert again == plan
 
 
 def test_the_plan_names_tied_weights() -> None:
@@ -113,8 +114,8 @@ def test_the_plan_names_tied_weights() -> None:
     model, x = gpt_tied(vocab_size=11, width=16, n_layers=2, n_heads=2, max_seq_len=8, batch_size=2)
     prof = profile(model, x, warmup=0, repeat=1)
     plan = partition(model, 2, x, profile=prof)
-    assert plan.extra["ties"] == {"tok.weight": [0, 1]}
-    assert plan.extra["graph"]["layers"] == [  # the positions' arange is no layer: each stage makes it
+    assert plan.ties == {"tok.weight": [0, 1]} and plan.graph is not None
+    assert plan.graph.layers == [  # the positions' arange is no layer: each stage makes it
         "tok",
         "pos",
         "add",
@@ -126,4 +127,4 @@ def test_the_plan_names_tied_weights() -> None:
     shared = nn.Linear(4, 4)
     seq = nn.Sequential(shared, nn.ReLU(), shared)  # a Parameter object referenced twice
     plan = partition(seq, 2, torch.randn(3, 4))
-    assert plan.extra["ties"] == {"0.weight": [0, 1], "0.bias": [0, 1]} and "cuts" not in plan.extra
+    assert plan.ties == {"0.weight": [0, 1], "0.bias": [0, 1]} and plan.cuts == [] and plan.graph is None

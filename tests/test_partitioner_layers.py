@@ -24,8 +24,8 @@ def test_inplace_relu_entries_profile_and_partition() -> None:
     # four equal layers over two stages would be [2, 2]: stage 1 would start with the ReLU, which
     # autograd refuses on a stage's input (a leaf); so the ReLU stays with the layer before it
     plan = partition(model, 2, x, cost="uniform", profile=prof)
-    assert plan.balance == [3, 1] and "problems" not in plan.extra
-    (problem,) = plan_for(prof, [2, 2], cost="uniform").extra["problems"]
+    assert plan.balance == [3, 1] and plan.problems == []
+    (problem,) = plan_for(prof, [2, 2], cost="uniform").problems
     assert problem == "the boundary between stages 0 and 1: layer 2 (2: ReLU) writes into its input"
     # the split runs as the pipeline runs it: each stage's input a leaf that takes a gradient
     first, second = plan.split(model)
@@ -71,5 +71,5 @@ def test_dict_returning_layer() -> None:
     assert not heads.sendable and merge.sendable  # the pipeline sends tensors or tuples of them
     plan = partition(model, 2, x, cost="uniform", profile=prof)
     assert plan.balance == [3, 1]  # [2, 2] would send the dict
-    (problem,) = plan_for(prof, [2, 2], cost="uniform").extra["problems"]
+    (problem,) = plan_for(prof, [2, 2], cost="uniform").problems
     assert "layer 1 (1: _Heads) returns what the pipeline cannot send" in problem

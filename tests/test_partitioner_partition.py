@@ -113,9 +113,9 @@ def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-d
     assert [c["saved"] for c in coefficients(schedule("1f1b", 2, 4), "never")] == [2, 1]
     one = partition(model, 2, sample, schedule="1f1b", n_microbatches=4, cost="uniform", profile=prof)
     for p in (plan, one):  # v = 1: a stage's bound is >= its rank's walked peak (what a run holds)
-        for st, walked in zip(p.stages, p.extra["rank_peaks"], strict=True):
+        for st, walked in zip(p.stages, p.rank_peaks, strict=True):
             assert walked <= st.memory_bytes
-    assert one.extra["rank_peaks"][1] < plan.extra["rank_peaks"][1]  # 1 set held, not 4
+    assert one.rank_peaks[1] < plan.rank_peaks[1]  # 1 set held, not 4
     # The smallest feasible limit, by brute force over the 6 two-stage splits, is what the error states;
     # at that limit the plan fits exactly, and it moves the boundary when time alone wanted another.
     opts = {"schedule": "gpipe", "n_microbatches": 4}
@@ -126,7 +126,7 @@ def test_memory_model_and_limit(small_gpt) -> None:  # type: ignore[no-untyped-d
         partition(model, 2, sample, profile=prof, memory_limit=smallest - 1, **opts)
     ok = partition(model, 2, sample, profile=prof, memory_limit=smallest, **opts)
     assert peaks[ok.balance[0]] == smallest
-    assert max(ok.extra["rank_peaks"]) <= smallest
+    assert max(ok.rank_peaks) <= smallest
     if peaks[free.balance[0]] > smallest:
         assert ok.balance != free.balance
 
@@ -144,10 +144,10 @@ def test_recompute_costs_a_forward_and_keeps_inputs(small_gpt) -> None:  # type:
         assert b.backward_time == pytest.approx(a.backward_time + fwd)
         assert c.backward_time == pytest.approx(a.backward_time + 0.75 * fwd)  # 3 of 4 recompute
         for p in (never, always, last):  # each stage's bound covers its rank's walk
-            assert p.extra["rank_peaks"][s] <= p.stages[s].memory_bytes
+            assert p.rank_peaks[s] <= p.stages[s].memory_bytes
     # stage 0 holds 2 micro-batches: recomputing keeps 1 set (the replay) instead of 2
-    assert always.extra["rank_peaks"][0] < never.extra["rank_peaks"][0]
-    assert last.extra["rank_peaks"][0] == never.extra["rank_peaks"][0]  # its 2nd is the last one
+    assert always.rank_peaks[0] < never.rank_peaks[0]
+    assert last.rank_peaks[0] == never.rank_peaks[0]  # its 2nd is the last one
     assert always.step_time > never.step_time
     costs = layer_costs(prof, "time", recompute="always", n_microbatches=4)
     assert costs == [lp.forward_time * 2 + lp.backward_time for lp in prof.layers]
@@ -163,7 +163,7 @@ def test_recompute_memory_limit_is_kept(small_gpt) -> None:  # type: ignore[no-u
     limit = sorted(peaks.values())[len(peaks) // 2] * 1.5
     plan = partition(model, 2, sample, profile=prof, memory_limit=limit, **opts)
     assert max(st.memory_bytes for st in plan.stages) <= limit
-    assert max(plan.extra["rank_peaks"]) <= limit
+    assert max(plan.rank_peaks) <= limit
     with pytest.raises(ValueError, match=r"recompute='always', where a stage keeps up to .* bytes of inputs"):
         partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
 
@@ -351,9 +351,9 @@ def test_the_loss_runs_on_the_last_stage() -> None:
     assert last.forward_time == pytest.approx(plain.forward_time + loss.forward_time)
     assert last.backward_time == pytest.approx(plain.backward_time + loss.backward_time)
     assert last.memory_bytes == plain.memory_bytes + 2 * loss.saved_bytes  # m = 2 held under gpipe
-    assert with_loss.extra["loss"] and not without.extra["loss"]
+    assert with_loss.loss_profiled and not without.loss_profiled
     plan = partition(model, 2, sample, loss_fn=gpt_loss, target=target, profile=prof)
-    assert plan.extra["loss"]
+    assert plan.loss_profiled
     costs = layer_costs(prof, "time")
     head = prof.layers[-1]
     whole = head.forward_time + head.backward_time + loss.forward_time + loss.backward_time
@@ -431,4 +431,4 @@ def test_plans_at_the_smallest_limit_fit_the_walk(schedule_name: str) -> None:
         partition(model, 3, None, memory_limit=1.0, **opts)  # type: ignore[arg-type]
     smallest = float(str(info.value).split("the smallest limit that fits is ")[1].split(";")[0])
     plan = partition(model, 3, None, memory_limit=smallest, **opts)  # type: ignore[arg-type]
-    assert max(plan.extra["rank_peaks"]) <= smallest
+    assert max(plan.rank_peaks) <= smallest

@@ -111,7 +111,7 @@ def test_bf16_autocast_cut_bytes_and_saved_bytes() -> None:
         lps = bf16.layers[st.start : st.stop]
         assert fig.static == sum(4 * lp.param_bytes + lp.cache_bytes + lp.buffer_bytes for lp in lps)
         assert st.memory_bytes >= fig.static + 4 * fig.saved  # the solver's row bounds the walk
-    assert plan.extra["autocast"] == "bfloat16"
+    assert plan.autocast == "bfloat16"
 
 
 def test_the_precision_is_profile_s_to_set() -> None:
@@ -127,4 +127,4 @@ def test_the_precision_is_profile_s_to_set() -> None:
     with pytest.raises(ValueError, match="autocast=bfloat16 but the profile ran under fp32"):
         partition(model, 1, x, autocast=torch.bfloat16, profile=fp32)
     plan = partition(model, 1, x, autocast=torch.bfloat16)  # profiles under bf16 itself
-    assert plan.extra["autocast"] == "bfloat16"
+    assert plan.autocast == "bfloat16"

@@ -131,7 +131,7 @@ def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def test_losses_and_gradients_equal_one_process(ran: Any, name: str) -> None:
     p, configs, plans, results = ran
     if name == "gpt_tied":
-        assert plans[name].extra["ties"] == {"tok.weight": [0, p - 1]}  # the head sits on the last rank
+        assert plans[name].ties == {"tok.weight": [0, p - 1]}  # the head sits on the last rank
     ref_loss, ref = _reference(name)
     for c, (schedule, recompute) in enumerate(configs):
         merged: Grads = {}

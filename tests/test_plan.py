@@ -1,4 +1,5 @@
-"""``pipeline.plan.Plan``: the contract's defaults and checks, JSON of every field, split, the table.
+"""``pipeline.plan.Plan``: the contract's defaults and checks, JSON of every field (and of the old
+``extra``), split, the table.
 
 # p: ranks, v: stages per rank, m: micro-batches (letters: pipeline/__init__.py)
 """
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import partitioner
-from pipeline.plan import Plan, StagePlan
+from pipeline.plan import Candidate, Plan, SearchStats, StagePlan, TracedGraph
 
 
 def _stage(start: int, stop: int, fwd: float, bwd: float, weight: float = 0.0) -> StagePlan:
@@ -45,6 +46,14 @@ def _plan() -> Plan:
     )
 
 
+def _candidate(balance: list[int], step: float, recompute: str | tuple[str, ...] = "never") -> Candidate:
+    return Candidate(schedule="interleaved-1f1b", n_microbatches=4, n_virtual=2, recompute=recompute,
+                     balance=balance, step_time=step, bubble=0.25, peak_bytes=[3e6, 2.5e6])  # fmt: skip
+
+
+_GRAPH = TracedGraph(method="export", fingerprint="9f2c", sample=[([2, 8], "int64")], layers=["tok", "head"])
+
+
 def test_one_definition() -> None:
     assert partitioner.Plan is Plan and partitioner.StagePlan is StagePlan
 
@@ -53,7 +62,8 @@ def test_defaults_follow_schedule_options() -> None:
     plan = Plan(balance=[1, 2, 3])
     assert (plan.schedule, plan.n_microbatches, plan.n_virtual, plan.recompute) == ("1f1b", 3, 1, "never")
     assert (plan.n_ranks, plan.n_stages, plan.n_layers) == (3, 3, 6)
-    assert (plan.stages, plan.prediction, plan.extra) == ([], "none", {})
+    assert (plan.stages, plan.prediction, plan.rank_peaks, plan.ties, plan.cuts) == ([], "none", [], {}, [])
+    assert (plan.graph, plan.candidates, plan.search, plan.batch_size) == (None, [], None, 0)
     inter = Plan(balance=[1, 1, 1, 1, 1, 1], schedule="interleaved-1f1b")
     assert (inter.n_virtual, inter.n_ranks, inter.n_microbatches) == (2, 3, 3)  # v = 2, m = p
     three = Plan(balance=[1] * 6, schedule="interleaved-1f1b", n_virtual=3, n_microbatches=4)
@@ -82,7 +92,17 @@ def test_json_round_trips_every_field() -> None:
         bubble=0.125,
         cost="flops",
         prediction="simulator",
-        extra={"note": "measured on cpu", "speeds": [1.0, 2.0], "nested": {"k": 4}},
+        rank_peaks=[4e6, 3.5e6],
+        ties={"tok.weight": [0, 3]},
+        cuts=["blocks.0", "blocks.1", "head"],
+        problems=["the boundary between stages 0 and 1: layer 1 (1: ReLU) writes into its input"],
+        graph=_GRAPH,
+        autocast="bfloat16",
+        loss_profiled=True,
+        candidates=[_candidate([1, 2, 1, 3], 30.5), _candidate([2, 1, 1, 3], 31.0, ("always",) * 4)],
+        search=SearchStats(grid=48, simulated=7, pruned_group=30, pruned_fit=4, pruned_balance=7, seconds=1),
+        batch_size=32,
+        micro_batch_rows=8,
     )
     defaults = Plan(balance=[1, 1])
     for f in dataclasses.fields(Plan):  # every field is set away from its default, so the test sees it
@@ -96,6 +116,9 @@ def test_json_round_trips_every_field() -> None:
     for f in dataclasses.fields(Plan):
         assert getattr(back, f.name) == getattr(plan, f.name), f.name
     assert all(isinstance(st, StagePlan) for st in back.stages)
+    assert isinstance(back.graph, TracedGraph) and isinstance(back.search, SearchStats)
+    assert all(isinstance(c, Candidate) for c in back.candidates)
+    assert back.candidates[1].recompute == ("always",) * 4  # a tuple again, as given
     assert Plan.from_json(Plan(balance=[3, 4]).to_json()) == Plan(balance=[3, 4])  # no predictions
 
 
@@ -239,8 +262,63 @@ def test_recompute_per_stage_is_checked(recompute: object, error: type[Exception
         Plan(balance=[1, 1], recompute=recompute)  # type: ignore[arg-type]
 
 
+def test_a_plan_written_with_extra_reads_into_the_typed_fields() -> None:
+    """Run folders hold plans written before the typed fields: their findings in an "extra" object."""
+    new = Plan(balance=[2, 2], rank_peaks=[1e6, 2e6], ties={"tok.weight": [0, 1]}, cuts=["blocks.1"],
+               problems=["a boundary"], graph=_GRAPH, autocast="bfloat16", loss_profiled=True,
+               candidates=[_candidate([2, 2], 0.5)], search=SearchStats(grid=3, simulated=2, seconds=0.1),
+               batch_size=8, micro_batch_rows=4)  # fmt: skip
+    old = {k: v for k, v in json.loads(new.to_json()).items() if k in ("balance", "schedule", "dp")}
+    old["extra"] = {
+        "rank_peaks": [1e6, 2e6],
+        "ties": {"tok.weight": [0, 1]},
+        "cuts": ["blocks.1"],
+        "problems": ["a boundary"],
+        "graph": {"method": "export", "fingerprint": "9f2c", "sample": [[[2, 8], "int64"]],
+                  "layers": ["tok", "head"]},
+        "autocast": "bfloat16",
+        "loss": True,  # now loss_profiled
+        "candidates": [json.loads(json.dumps(dataclasses.asdict(_candidate([2, 2], 0.5))))],
+        "search": {"grid": 3, "simulated": 2, "pruned_group": 0, "pruned_fit": 0, "pruned_balance": 0,
+                   "seconds": 0.1},
+        "batch_size": 8,
+        "micro_batch_rows": 4,
+        "recorded_in": "runs/ckpt/step-00000200",  # a script's note: no field, dropped
+    }  # fmt: skip
+    assert Plan.from_json(json.dumps(old)) == new
+    bare = {"balance": [2, 2], "extra": {"autocast": None, "loss": False, "note": "x"}}  # a balance's plan
+    assert Plan.from_json(json.dumps(bare)) == Plan(balance=[2, 2])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"graph": {"method": "fx"}}, TypeError, r"graph must be a TracedGraph or None, got dict"),
+        ({"search": {"grid": 3}}, TypeError, r"search must be a SearchStats or None, got dict"),
+        ({"candidates": [{"schedule": "1f1b"}]}, TypeError, r"candidates must be a list of Candidate, got"),
+        ({"cuts": "blocks.1"}, TypeError, r"cuts must be a list of layer names, got str 'blocks.1'; pass a"),
+        ({"rank_peaks": 1e6}, TypeError, r"rank_peaks must be a list of peak bytes, one per rank, got float"),
+        ({"rank_peaks": [1e6, "2MB"]}, TypeError, r"rank_peaks must be a list .*got list \[1000000.0, '2MB'"),
+        ({"ties": ["tok.weight"]}, TypeError, r"ties must be a dict of parameter name -> the stages holding"),
+        ({"ties": {"tok.weight": 1}}, TypeError, r"ties\['tok.weight'\] must be a list of stage indices"),
+        ({"batch_size": -1}, ValueError, r"batch_size \(-1\) must be an integer >= 0 \(0: not searched\)"),
+        ({"micro_batch_rows": 2.5}, ValueError, r"micro_batch_rows \(2.5\) must be an integer >= 0"),
+    ],
+)  # fmt: skip
+def test_bad_findings_are_named(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Plan(balance=[1, 1], **kwargs)  # type: ignore[arg-type]
+
+
+def test_findings_are_kept_as_lists() -> None:
+    plan = Plan(balance=[1, 1], rank_peaks=(1, 2.5), ties={"w": (0, 1)}, cuts=("l1",))  # type: ignore[arg-type]
+    assert (plan.rank_peaks, plan.ties, plan.cuts) == ([1.0, 2.5], {"w": [0, 1]}, ["l1"])
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.replace(dp=2).ties == plan.ties  # replace keeps the findings
+
+
 def test_table_shows_a_traced_plans_cuts_and_ties() -> None:
-    plan = Plan(balance=[2, 2], extra={"cuts": ["blocks.2"], "ties": {"wte.weight": [0, 1]}})
+    plan = Plan(balance=[2, 2], cuts=["blocks.2"], ties={"wte.weight": [0, 1]})
     text = plan.table()
     assert "cuts before blocks.2" in text and "tied weights wte.weight: stages [0, 1]" in text
     assert "cuts before" not in Plan(balance=[2, 2]).table()
@@ -253,3 +331,8 @@ def test_a_plan_prints_each_ranks_program() -> None:
     assert str(plan.program(0)).splitlines()[:2] == ["0F0", "post 0SEND_F0 0RECV_B0"]
     with pytest.raises(ValueError, match=r"rank \(2\) must be an integer in \[0, 2\)"):
         plan.program(2)
+    # the plan's replicas and tied weights are in it: its reductions and collectives
+    tied = plan.replace(dp=2, ties={"wte.weight": [0, 1]})
+    assert [str(x) for x in tied.program(0).tail()] == [
+        "wait reduce 0", "all_reduce ties 0,1", "broadcast loss 1 0,1", "all_reduce loss replicas",
+    ]  # fmt: skip

@@ -117,11 +117,8 @@ def test_precision_links_and_limits_reach_the_plan(
     out = capsys.readouterr().out
     assert "per-layer profile on cpu, autocast bfloat16" in out and "bfloat16" in out.split("== ours")[0]
     plan = Plan.from_json(path.read_text())
-    assert {k: plan.extra[k] for k in ("autocast", "loss")} == {
-        "autocast": "bfloat16",
-        "loss": True,
-    }  # the loss --measure trains with
-    assert len(plan.extra["rank_peaks"]) == plan.n_ranks  # each rank's peak, the schedule walked
+    assert (plan.autocast, plan.loss_profiled) == ("bfloat16", True)  # the loss --measure trains with
+    assert len(plan.rank_peaks) == plan.n_ranks  # each rank's peak, the schedule walked
     sent = plan.stages[0].sent_bytes
     assert sent > 0 and plan.stages[1].forward_time > 1e-4 + sent / 1e8  # the receiver pays too
 

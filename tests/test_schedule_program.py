@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pipeline.schedules.actions import Action, Kind
-from pipeline.schedules.program import Free, Post, Reduce, Wait
+from pipeline.schedules.program import Collective, Free, Post, Reduce, ReduceWait, Wait
 from pipeline.schedules.schedule import SCHEDULES, Schedule, forward_only, schedule
 
+# with dp = 2: each stage's reduction starts after its last gradient compute, and the tail waits
 LISTINGS = {
     ("1f1b", 2, 3, 1): [
         """
@@ -27,6 +28,9 @@ LISTINGS = {
         free 0SEND_F2
         0B2
         reduce 0
+        wait reduce 0
+        broadcast loss 1 0,1
+        all_reduce loss replicas
         """,
         """
         post 1RECV_F0
@@ -46,6 +50,9 @@ LISTINGS = {
         reduce 1
         post 1SEND_B2
         free 1SEND_B1 1SEND_B2
+        wait reduce 1
+        broadcast loss 1 0,1
+        all_reduce loss replicas
         """,
     ],
     ("gpipe", 2, 2, 1): [
@@ -60,6 +67,9 @@ LISTINGS = {
         wait 0RECV_B1
         0B1
         reduce 0
+        wait reduce 0
+        broadcast loss 1 0,1
+        all_reduce loss replicas
         """,
         """
         post 1RECV_F0
@@ -74,6 +84,9 @@ LISTINGS = {
         reduce 1
         post 1SEND_B1
         free 1SEND_B0 1SEND_B1
+        wait reduce 1
+        broadcast loss 1 0,1
+        all_reduce loss replicas
         """,
     ],
     ("zb-h1", 2, 2, 1): [
@@ -91,6 +104,9 @@ LISTINGS = {
         0B1
         0W1
         reduce 0
+        wait reduce 0
+        broadcast loss 1 0,1
+        all_reduce loss replicas
         """,
         None,
     ],
@@ -124,6 +140,10 @@ LISTINGS = {
         free 2SEND_B1
         0B1
         reduce 0
+        wait reduce 2
+        wait reduce 0
+        broadcast loss 1 0,1
+        all_reduce loss replicas
         """,
         None,
     ],
@@ -140,8 +160,8 @@ def test_the_listing_of_small_cases(case: tuple[str, int, int, int]) -> None:
     sched = schedule(name, p, m, n_virtual=v)
     for r, listing in enumerate(LISTINGS[case]):
         if listing is not None:
-            assert sched.program(r).to_text() == _text(listing), f"rank {r}"
-            assert str(sched.program(r)) == _text(listing)
+            assert sched.program(r, dp=2).to_text() == _text(listing), f"rank {r}"
+            assert str(sched.program(r, dp=2)) == _text(listing)
 
 
 def _cases() -> list[tuple[str, int, int, int]]:
@@ -161,7 +181,7 @@ def test_every_message_is_posted_waited_and_freed_once_in_that_order(case: tuple
     name, p, m, v = case
     sched = schedule(name, p, m, n_virtual=v)
     for r in range(p):
-        program = sched.program(r)
+        program = sched.program(r, dp=2)
         assert program.compute() == list(sched.compute[r])  # the schedule's row, in its order
         lowered = sched.lowered()[r]
         posted: dict[Action, int] = {}
@@ -199,6 +219,56 @@ def test_every_message_is_posted_waited_and_freed_once_in_that_order(case: tuple
             final = max(k for k, x in enumerate(program) if isinstance(x, Action) and x.stage == s
                         and x.kind is last)  # fmt: skip
             assert reduced[s] == final + 1
+        # the tail: every local stage's reduction waited for, then the loss over the pipeline and replicas
+        tail = program.tail()
+        started = [x.stage for x in program if isinstance(x, Reduce)]
+        assert [x.stage for x in tail if isinstance(x, ReduceWait)] == started
+        assert sorted(started) == sched.stages_of(r)
+        loss = [x for x in tail if isinstance(x, Collective)]
+        assert loss[-1] == Collective("all_reduce", "loss", ())
+        if p > 1:
+            assert loss[-2] == Collective("broadcast", "loss", tuple(range(p)), root=sched.rank_of(p * v - 1))
+        assert program.instructions[: len(program) - len(tail)][-1] not in tail
+
+
+def test_without_replicas_or_ties_the_tail_is_the_loss_alone() -> None:
+    sched = schedule("1f1b", 2, 2)
+    for r in range(2):
+        program = sched.program(r)
+        assert not [x for x in program if isinstance(x, Reduce | ReduceWait)]
+        assert program.tail() == (Collective("broadcast", "loss", (0, 1), root=1),)
+    assert schedule("1f1b", 1, 2).program(0).tail() == ()  # one rank: nothing to share
+
+
+def test_tied_weights_reduce_once_per_group_of_ranks_in_the_order_found() -> None:
+    """Ties over stages (0, 3) and (1, 3) and (0, 3) again, on 4 ranks: two groups, the first tie's
+    first; a tie within one rank (stages 0 and 4 with v = 2) needs no collective."""
+    sched = schedule("interleaved-1f1b", 4, 4, n_virtual=2)
+    ties = [(0, 3), (1, 3), (3, 0), (0, 4)]
+    tails = [[str(x) for x in sched.program(r, ties=ties).tail()] for r in range(4)]
+    loss = "broadcast loss 3 0,1,2,3"
+    assert tails == [
+        ["all_reduce ties 0,3", loss],
+        ["all_reduce ties 1,3", loss],
+        [loss],
+        ["all_reduce ties 0,3", "all_reduce ties 1,3", loss],
+    ]
+    assert sched.program(0, ties=ties) is sched.program(0, ties=[list(t) for t in ties])  # derived once
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dp": 0}, r"dp \(0\) must be an integer >= 1"),
+        ({"dp": True}, r"dp \(True\) must be an integer >= 1"),
+        ({"ties": [(0, 2)]}, r"tie \(0, 2\) must be a sequence of stage indices in \[0, 2\)"),
+        ({"ties": ["ab"]}, r"tie 'ab' must be a sequence of stage indices"),
+        ({"ties": [3]}, r"tie 3 must be a sequence of stage indices"),
+    ],
+)
+def test_bad_replicas_or_ties_are_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        schedule("1f1b", 2, 2).program(0, **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_send_is_freed_at_the_wait_of_the_first_message_its_peer_sends_back() -> None:

@@ -7,7 +7,7 @@ import pytest
 from pipeline.schedules.actions import parse_action
 from pipeline.schedules.schedule import Schedule, ScheduleError, schedule
 from pipeline.schedules.simulate import simulate
-from pipeline.schedules.timeline import TimedAction, Timeline
+from pipeline.schedules.timeline import TimedAction, TimedReduction, Timeline
 
 
 def _spans(timeline: Timeline) -> dict[str, tuple[float, float]]:
@@ -30,6 +30,38 @@ def test_exact_timeline_1f1b_two_ranks() -> None:
     assert t.busy_time == [6, 6]
     assert t.bubble_fraction == pytest.approx(1 - 12 / 18)
     assert [e.rank for e in t.of_rank(1)] == [1] * 4
+
+
+def test_reductions_over_replicas_overlap_what_follows_and_the_tail_waits_for_them() -> None:
+    """The 1F1B timeline above with replicas: stage 1's reduction (1 s) starts at rank 1's last B
+    (7) and is hidden behind rank 0's last B (7-9); stage 0's (3 s) starts at 9, and the loss's
+    broadcast waits for it, so the step ends at 12: 3 s exposed."""
+    t = simulate(schedule("1f1b", 2, 2), forward=1, backward=2, reduce=[3, 1])
+    assert t.reductions == [TimedReduction(1, 1, 7, 8), TimedReduction(0, 0, 9, 12)]
+    assert t.makespan == 12 and t.exposed_tail == 3
+    assert _spans(t) == _spans(simulate(schedule("1f1b", 2, 2), forward=1, backward=2))  # computes alike
+    # the tail's collectives: the broadcast waits for the later rank, then both replicas' all-reduce
+    assert t.ends == [12, 12]  # rank 1 waited in the broadcast for rank 0
+    t = simulate(schedule("1f1b", 2, 2), forward=1, backward=2, reduce=[3, 1], collective=0.5)
+    assert t.makespan == 12 + 0.5 + 0.5 and t.ends == [13, 13]
+
+
+def test_a_reduction_hides_behind_the_computes_of_another_stage_of_its_rank() -> None:
+    """Interleaved, 2 ranks x 2 stages: rank 0's stage 2 is final before stage 0's backwards
+    (0B0, 0B1: 2 s each) run, so its reduction overlaps them; rank 0 reduces one stage at a time."""
+    sched = schedule("interleaved-1f1b", 2, 2, n_virtual=2)
+    plain = simulate(sched, forward=1, backward=2)
+    last_b = {e.action.stage: e.end for e in plain.events if e.action.kind.value == "B"}
+    end = plain.makespan
+    hidden = simulate(sched, forward=1, backward=2, reduce=[0, 0, end - last_b[2], 0])
+    assert hidden.makespan == end and hidden.exposed_tail == 0
+    assert [x for x in hidden.reductions if x.stage == 2] == [TimedReduction(0, 2, last_b[2], end)]
+    longer = simulate(sched, forward=1, backward=2, reduce=[0, 0, end - last_b[2] + 5, 0])
+    assert longer.exposed_tail == 5
+    # stage 0's reduction queues behind stage 2's on rank 0's one reducer
+    both = simulate(sched, forward=1, backward=2, reduce=[1, 0, end - last_b[2] + 5, 0])
+    assert [x for x in both.reductions if x.stage == 0] == [TimedReduction(0, 0, end + 5, end + 6)]
+    assert both.exposed_tail == 6
 
 
 def test_comm_latency_only_across_ranks() -> None:
@@ -65,6 +97,9 @@ def test_split_backward_costs() -> None:
         ({"comm": -0.1}, r"comm \(-0.1\) must be a finite latency"),
         ({"comm": math.nan}, r"comm \(nan\) must be"),
         ({"forward": "1"}, "forward cost '1' is a string"),
+        ({"reduce": [1.0, 1.0]}, "reduce has 2 costs but the schedule has 3 stages"),
+        ({"reduce": -1.0}, "reduce cost of stage 0 is -1.0"),
+        ({"collective": -1.0}, r"collective \(-1.0\) must be a finite latency"),
     ],
 )
 def test_bad_costs(kwargs: dict[str, object], match: str) -> None:

@@ -16,6 +16,8 @@ from torch import nn
 
 from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
 from pipeline.runtime.ties import Tie, TiedGrads, find_ties
+from pipeline.schedules.program import Collective
+from pipeline.schedules.schedule import schedule
 from tests.dist import run_ranks
 
 
@@ -79,7 +81,11 @@ def _four_ranks() -> dict[str, list[float]]:
     tied.begin()
     for name, p in made.items():
         p.grad = torch.full((2,), float(r + 1), dtype=p.dtype) if not (name == "c" and r == 2) else None
-    tied.reduce()
+    # one group at a time, in the order of the program's tail (what Pipeline.step runs)
+    sched = schedule("interleaved-1f1b", 4, 4, n_virtual=2)
+    for x in sched.program(r, ties=[tie.stages for tie in ties]).tail():
+        if isinstance(x, Collective) and x.what == "ties":
+            tied.reduce(x.ranks)
     tied.close()
     return {name: p.grad.tolist() for name, p in made.items()}
 

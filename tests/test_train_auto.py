@@ -99,9 +99,9 @@ def test_bad_auto_flags_exit_2_with_one_line(args: list[str], message: str, caps
 def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
     cfg = train.parse_args([*TINY, "--schedule", "auto", "--memory-limit", LIMIT])
     plan = train.make_plan(cfg, CPU)
-    assert max(plan.extra["rank_peaks"]) <= 200_000 and plan.n_ranks == 2
-    best = plan.candidates()[0]
-    assert (best["schedule"], best["n_microbatches"], best["balance"]) == (
+    assert max(plan.rank_peaks) <= 200_000 and plan.n_ranks == 2
+    best = plan.candidates[0]
+    assert (best.schedule, best.n_microbatches, best.balance) == (
         plan.schedule, plan.n_microbatches, plan.balance,
     )  # fmt: skip
     assert 8 % plan.n_microbatches == 0
@@ -120,9 +120,9 @@ def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     # an integer --microbatches stays fixed under --schedule auto; a fixed schedule's m is searched
     fixed_m = train.make_plan(train.parse_args([*TINY, "--schedule", "auto", "--microbatches", "2"]), CPU)
-    assert fixed_m.n_microbatches == 2 and all(c["n_microbatches"] == 2 for c in fixed_m.candidates())
+    assert fixed_m.n_microbatches == 2 and all(c.n_microbatches == 2 for c in fixed_m.candidates)
     only_m = train.make_plan(train.parse_args([*TINY, "--schedule", "gpipe", "--microbatches", "auto"]), CPU)
-    assert {c["schedule"] for c in only_m.candidates()} == {"gpipe"}
+    assert {c.schedule for c in only_m.candidates} == {"gpipe"}
     # without auto, the limit bounds the partitioner's balance and is recorded; no plan balance then
     capped = train.parse_args([*TINY, "--memory-limit", "1GB"])
     config = train.run_config(capped, train.make_plan(capped, CPU))
@@ -151,12 +151,12 @@ def test_a_restart_reuses_the_recorded_plan_instead_of_searching(tmp_path: Path)
         "1f1b", 4, 1, [3, 2], ("always", "never"),
     )  # fmt: skip
     assert train.run_config(cfg, plan) == saved  # so resume finds no difference
-    assert plan.extra["recorded_in"] == str(path) and plan.stages  # predicted, for the busy-time report
+    assert plan.search is None and plan.stages  # not searched; predicted, for the busy-time report
     said = train.chosen(cfg, plan)
     assert f"reusing the plan recorded in {path}, [1f1b, m=4, v=1, recompute (always, never)]" in said
     # another request (here the limit) is searched afresh: resume then names the differences
     other = train.parse_args([*args[:-2], "--checkpoint-dir", str(tmp_path), "--memory-limit", "250KB"])
-    assert "recorded_in" not in train.make_plan(other, CPU).extra
+    assert train.make_plan(other, CPU).search is not None
     # a fixed-schedule run's checkpoint records no plan balance: nothing to reuse
     fixed = train.parse_args([*TINY, "--checkpoint-dir", str(tmp_path / "fixed")])
     _record(tmp_path / "fixed", 2, train.run_config(fixed, theirs))

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.schedules.actions import Action, Kind, parse_action
+from pipeline.schedules.program import Collective, Program
 from pipeline.schedules.schedule import Schedule, ScheduleError, schedule
 from pipeline.schedules.validate import render_program, validate
 
@@ -62,40 +63,29 @@ def test_deadlock() -> None:
     # while rank 1 wants both activations before its first backward.
     msg = _error("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1")
     assert msg.startswith("schedule 'custom' (p=2, m=2): deadlock")
-    assert "rank 0 waits at 0RECV_B0" in msg and "rank 1 waits at 1RECV_F1" in msg
+    assert "rank 0 is stuck at wait 0RECV_B0; rank 1 is stuck at wait 1RECV_F1" in msg
     grid = msg.splitlines()[1:]
     assert grid[0].split()[:3] == ["step", "0", "1"]
-    assert grid[1].split() == [
-        "rank",
-        "0",
-        "0F0",
-        "0SEND_F0",
-        "[0RECV_B0]",
-        "0B0",
-        "0F1",
-        "0SEND_F1",
-        "0RECV_B1",
-        "0B1",
-    ]
-    assert grid[2].split() == [
-        "rank",
-        "1",
-        "1RECV_F0",
-        "1F0",
-        "[1RECV_F1]",
-        "1F1",
-        "1B0",
-        "1SEND_B0",
-        "1B1",
-        "1SEND_B1",
-    ]
+    # the grid is the programs', the stuck instruction of each rank bracketed
+    assert grid[1].startswith("rank 0 post 0RECV_B0 0F0") and "[wait 0RECV_B0]" in grid[1]
+    assert (
+        grid[2].startswith("rank 1 post 1RECV_F0 post 1RECV_F1 wait 1RECV_F0")
+        and "[wait 1RECV_F1]" in grid[2]
+    )
+    assert msg.count("[") == 2
+
+
+def test_the_blocking_sends_model_reports_on_the_lowered_lists() -> None:
+    with pytest.raises(ScheduleError) as info:
+        validate(_load("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1"), blocking_sends=True)
+    assert "deadlock: with blocking sends" in str(info.value) and "[0RECV_B0]" in str(info.value)
 
 
 def test_deadlock_across_virtual_stages() -> None:
     # Every rank starts with the forward of its later stage, whose input never comes.
     msg = _error("3F0 0F0 3B0 0B0\n4F0 1F0 4B0 1B0\n5F0 2F0 5B0 2B0")
     assert "deadlock" in msg
-    assert all(f"[{s}RECV_F0]" in msg for s in (3, 4, 5))
+    assert all(f"[wait {s}RECV_F0]" in msg for s in (3, 4, 5))
 
 
 def test_order_mismatch() -> None:
@@ -104,7 +94,7 @@ def test_order_mismatch() -> None:
         "order mismatch on rank 0 -> rank 1: message 0 is sent as 0SEND_F0 but received as the one of "
         "0SEND_F1" in msg
     )
-    assert "[0SEND_F0]" in msg and "[1RECV_F1]" in msg
+    assert "[post 0SEND_F0 0RECV_B0]" in msg and "[post 1RECV_F1]" in msg
 
 
 def test_wrong_rank_range_and_w_without_split() -> None:
@@ -157,3 +147,52 @@ def test_blocking_sends_model() -> None:
     for blocking in (False, True):
         with pytest.raises(ScheduleError, match="deadlock"):
             validate(deadlocked, blocking_sends=blocking)
+
+
+def _with_tails(sched: Schedule, tails: dict[int, list[Collective]]) -> Schedule:
+    """``sched`` whose programs end in ``tails`` (rank -> its collectives) instead of their own."""
+    programs = list(sched.programs())
+    for r, tail in tails.items():
+        body = programs[r].instructions[: len(programs[r]) - len(programs[r].tail())]
+        programs[r] = Program(r, (*body, *tail))
+    object.__setattr__(sched, "programs", lambda **_: tuple(programs))  # an edited copy's programs
+    return sched
+
+
+TIES01, TIES012 = Collective("all_reduce", "ties", (0, 1)), Collective("all_reduce", "ties", (0, 1, 2))
+LOSS = Collective("broadcast", "loss", (0, 1, 2), root=2)
+
+
+def test_tied_weights_and_the_loss_are_checked_in_the_programs() -> None:
+    sched = schedule("1f1b", 3, 3)
+    validate(sched, dp=2, ties=[(0, 1), (0, 1, 2), (1, 0)])
+    assert [str(x) for x in sched.program(1, ties=[(0, 1), (0, 1, 2)]).tail()] == [
+        "all_reduce ties 0,1", "all_reduce ties 0,1,2", "broadcast loss 2 0,1,2",
+    ]  # fmt: skip
+
+
+def test_collectives_out_of_order_within_a_group() -> None:
+    sched = _with_tails(schedule("1f1b", 3, 3), {0: [TIES012, LOSS], 1: [LOSS, TIES012], 2: [TIES012, LOSS]})
+    with pytest.raises(ScheduleError) as info:
+        validate(sched)
+    msg = str(info.value)
+    assert (
+        "collective order mismatch on ranks 0,1,2: as its collective 0 on them, rank 0 runs all_reduce "
+        "ties 0,1,2; rank 1 runs broadcast loss 2 0,1,2; rank 2 runs all_reduce ties 0,1,2" in msg
+    )
+    assert msg.count("[") == 3
+
+
+def test_collectives_of_two_groups_in_crossed_orders_deadlock() -> None:
+    """Each group's order agrees, but rank 0 waits in ties 0,1 for rank 1, which waits in ties 0,1,2
+    for rank 0."""
+    tails = {0: [TIES01, TIES012, LOSS], 1: [TIES012, TIES01, LOSS], 2: [TIES012, LOSS]}
+    sched = _with_tails(schedule("1f1b", 3, 3), tails)
+    with pytest.raises(ScheduleError) as info:
+        validate(sched)
+    msg = str(info.value)
+    assert "deadlock" in msg
+    assert (
+        "rank 0 is stuck at all_reduce ties 0,1; rank 1 is stuck at all_reduce ties 0,1,2; rank 2 is stuck "
+        "at all_reduce ties 0,1,2" in msg
+    )

@@ -145,12 +145,11 @@ class Channels:
         lanes = {self._lane(q, send) for _, q, send in ops}
         if len(lanes) != 1:  # an NCCL group on several channels would couple them again
             raise RuntimeError(f"{what}: one NCCL group must stay on one channel, got {len(lanes)}")
-        ((pg, peer, global_peer),) = lanes
+        ((pg, _, global_peer),) = lanes
         tensors = [t for t, _, _ in ops]
-        if len(ops) == 1:
-            t, _, send = ops[0]
-            work = pg.send([t], peer, 0) if send else pg.recv([t], peer, 0)
-            return NcclTransfer([work], tensors)
+        # always batched, one tensor too: ProcessGroupNCCL runs a batch on the group's communicator
+        # but a lone send/recv on a second one, keyed by the pair, with its own stream and setup;
+        # the channel would be two queues, not one FIFO (and hold two communicators' memory)
         p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, global_peer, pg) for t, _, send in ops]
         return NcclTransfer(list(dist.batch_isend_irecv(p2p)), tensors)
 

@@ -113,7 +113,7 @@ def reduction_points(sched: Schedule, rank: int) -> dict[Action, int]:
     action -> stage)."""
     points: dict[Action, int] = {}
     last: Action | None = None
-    for x in sched.program(rank):
+    for x in sched.program(rank, dp=2):  # where the reductions start: the same for every dp > 1
         if isinstance(x, Action):
             last = x
         elif isinstance(x, Reduce) and last is not None:
@@ -248,7 +248,7 @@ class GradReducer:
         self._pending: list[int] = []  # stages whose buckets were all launched this step, in order
         self.record = False
         self.events: list[Reduction] = []
-        self.exposed = 0.0  # seconds the last step's wait blocked the host
+        self.exposed = 0.0  # seconds the last step's waits blocked the host
         # every accumulation: into the bucket's view; while armed, launch what is final. The hooks live
         # in autograd's C++ state, which the garbage collector cannot see into: they hold the reducer
         # weakly, so that a Pipeline dropped without close() frees its Comm (and its watchdog)
@@ -372,16 +372,17 @@ class GradReducer:
         )
 
     def wait(self, stages: Iterable[int]) -> None:
-        """Wait for every launched bucket and leave the reduced gradients in ``.grad``; ``stages``:
-        the local stages, each of which must have been launched this step."""
-        unlaunched = sorted(set(stages) - set(self._pending))
+        """Wait for the buckets of ``stages`` (each launched this step) and leave their reduced
+        gradients in ``.grad``: the program's ``wait reduce``, stage by stage or all at once."""
+        wanted = set(stages)
+        unlaunched = sorted(wanted - set(self._pending))
         if unlaunched:
             raise RuntimeError(f"rank {self.rank}: stages {unlaunched} finished the step without launching "
                                "their gradient all-reduce")  # fmt: skip
         start = time.perf_counter()
         if self._rows_work is not None and self._share is None:  # every collective ends in its step
             self.share()
-        for s in self._pending:
+        for s in [s for s in self._pending if s in wanted]:  # in launch order
             for b in self.buckets[s]:
                 self.comm.finish(b.work, self._what(b))
                 b.work, b.reduced = None, None  # a zero_grad must be able to free the gradient
@@ -391,8 +392,10 @@ class GradReducer:
             has, work = self._has.pop(s)
             self.comm.finish(work, self._what_has(s))
             self._adopt(s, has)
-        self.exposed = time.perf_counter() - start
-        self._pending, self._rows_work = [], None
+            self._pending.remove(s)
+        self.exposed += time.perf_counter() - start
+        if not self._pending:
+            self._rows_work = None
 
     def _adopt(self, stage: int, has: torch.Tensor) -> None:
         """A parameter without a gradient here gets the reduced one when another replica had one."""

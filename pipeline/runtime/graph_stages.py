@@ -2,8 +2,8 @@
 
     # p: ranks, k: stages, s: stage, r: rank
 
-``partition`` records in a traced model's plan how it traced it (``plan.extra["graph"]``: method,
-fingerprint, the sample's shapes and dtypes, the layers' names). Every rank then::
+``partition`` records in a traced model's plan how it traced it (``plan.graph``, a ``TracedGraph``:
+method, fingerprint, the sample's shapes and dtypes, the layers' names). Every rank then::
 
     model (real or meta) --trace(zeros of the sample's shapes, on the model's device)--> graph
         --fingerprint == the plan's?--> no: ValueError naming the first layer that differs
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.plan import Plan
+from pipeline.plan import Plan, TracedGraph
 from pipeline.runtime.materialize import materialize
 from pipeline.runtime.ties import Tie, find_ties
 from pipeline.runtime.traced import build, holder, stage_specs
@@ -53,7 +53,7 @@ def plan_stages(
 ) -> tuple[dict[int, nn.Module], list[Tie]]:
     """This rank's stage modules (``local``: stage indices) on ``device``, and every tie of the plan;
     ``unset``: see ``materialize``."""
-    if "graph" not in plan.extra:
+    if plan.graph is None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(
                 f"this plan splits an nn.Sequential of {plan.n_layers} layers, but the model is a "
@@ -80,19 +80,24 @@ def plan_stages(
 
 def traced_for_plan(model: nn.Module, plan: Plan) -> Traced:
     """``model`` traced as ``partition`` traced it for ``plan``; a ValueError if it is another model."""
-    record: dict[str, Any] = plan.extra["graph"]
+    record = plan.graph
+    if record is None:
+        raise ValueError(
+            f"this plan (balance {plan.balance}) records no traced graph: it splits an nn.Sequential; make "
+            "the plan for this model with partition(model, n_ranks, sample)"
+        )
     where = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     sample = tuple(
-        torch.zeros(shape, dtype=getattr(torch, dtype), device=where) for shape, dtype in record["sample"]
+        torch.zeros(shape, dtype=getattr(torch, dtype), device=where) for shape, dtype in record.sample
     )
-    key = (str(where), repr(record["sample"]), tuple((name, id(sub)) for name, sub in model.named_modules()))
+    key = (str(where), repr(record.sample), tuple((name, id(sub)) for name, sub in model.named_modules()))
     cached = _traces.get(model)
     if cached is not None and cached[0] == key:
         traced = dataclasses.replace(cached[1], root=model)
     else:
         traced = trace(model, sample if len(sample) > 1 else sample[0])
         _traces[model] = (key, dataclasses.replace(traced, root=nn.Module()))  # not the model itself
-    if traced.fingerprint != record["fingerprint"]:
+    if traced.fingerprint != record.fingerprint:
         raise ValueError(_another_model(model, record, traced))
     if len(traced.layers) != plan.n_layers:
         raise ValueError(
@@ -102,8 +107,8 @@ def traced_for_plan(model: nn.Module, plan: Plan) -> Traced:
     return traced
 
 
-def _another_model(model: nn.Module, record: dict[str, Any], traced: Traced) -> str:
-    theirs: list[str] = list(record.get("layers", []))
+def _another_model(model: nn.Module, record: TracedGraph, traced: Traced) -> str:
+    theirs = record.layers
     ours = [layer.name for layer in traced.layers]
     differ = next((at for at, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), None)
     if differ is not None:
@@ -114,6 +119,6 @@ def _another_model(model: nn.Module, record: dict[str, Any], traced: Traced) -> 
     else:
         what = "the layers have the same names but their calls differ (the code or a size changed)"
     return (
-        f"this plan was made for another model ({what}; fingerprint {record['fingerprint']} in the plan, "
+        f"this plan was made for another model ({what}; fingerprint {record.fingerprint} in the plan, "
         f"{traced.fingerprint} here); make the plan for this model with partition(model, n_ranks, sample)"
     )

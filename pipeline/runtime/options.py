@@ -191,7 +191,7 @@ def check_group(options: Options, distributed: bool, world: int) -> None:
 def check_model(model: Any, balance: list[int], plan: Plan | None = None) -> nn.Module:
     """``model`` as the plan cuts it, or a TypeError / ValueError saying what to change: an
     nn.Sequential for a balance, any module for a plan ``partition`` made by tracing it."""
-    if plan is not None and "graph" in plan.extra:
+    if plan is not None and plan.graph is not None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be the nn.Module the plan was made for, got {type(model).__name__}")
         return model  # checked against the plan's graph when the stages are built (graph_stages.py)

@@ -66,17 +66,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from pipeline.runtime import emulation
+from pipeline.runtime.board import FailureBoard
 from pipeline.runtime.channels import Channels, Transfer, abort_nccl, channels_for
 from pipeline.runtime.emulation import EmuStream, EmuTransfer
 from pipeline.runtime.stream import from_host
-from pipeline.runtime.watchdog import (
-    CHECK_STORE_S,
-    Liveness,
-    PeerFailure,
-    PipelineTimeout,
-    Watchdog,
-    quiet_store,
-)
+from pipeline.runtime.watchdog import CHECK_STORE_S, PeerFailure, PipelineTimeout, Watchdog, quiet_store
 
 __all__ = ["NCCL_DTYPES", "Comm", "PeerFailure", "PipelineTimeout", "world_store"]
 
@@ -176,7 +170,6 @@ class Comm:
         clamp = self.pg_timeout is not None and timeout >= self.pg_timeout
         self.timeout = _CLAMP * self.pg_timeout if clamp and self.pg_timeout else timeout
         self.store = _group_store(group)
-        self.failure_store, self.failure_key = failure or (self.store, f"{key_prefix}/failed")
         self._global = [dist.get_global_rank(group, q) if group is not None else q for q in range(n)]
         self._names = self._global if global_names else list(range(n))
         self.me = self._names[self.rank]  # this rank as errors name it
@@ -189,9 +182,9 @@ class Comm:
             )
         pairs = [(self._be, q) for q in range(n) if q != self.rank] if self._be is not None else []
         pairs += self.channels.pairs() if self.channels is not None else []
-        self.liveness = Liveness(self.store, f"{key_prefix}/proc", self.rank, n)
-        self.liveness.register()
-        self._watchdog = Watchdog(self.failure_store, self.failure_key, pairs, self.liveness)
+        self.board = FailureBoard(self.store, failure, key_prefix, self.rank, self._names)
+        self.liveness = self.board.liveness
+        self._watchdog = Watchdog(self.board.store, self.board.key, pairs, self.liveness)
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
@@ -349,7 +342,7 @@ class Comm:
                 self._raise(what(), None)
             if now >= check_at:
                 check_at = now + CHECK_STORE_S
-                if self.failure() is not None:
+                if self.board.first() is not None:
                     self._raise(what(), None)
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
@@ -359,12 +352,12 @@ class Comm:
         start = time.monotonic()
         try:
             while True:
-                if not self._store_usable():
+                if not self.board.usable():
                     raise RuntimeError("the process that served the store is gone")
                 with quiet_store():
                     if self.store.check([key]):
                         return bytes(self.store.get(key))
-                    failed = self.failure_store.check([self.failure_key])
+                    failed = self.board.store.check([self.board.key])
                 if failed or time.monotonic() - start > self.timeout:
                     self._raise(what, None)
                 time.sleep(0.002)
@@ -377,7 +370,7 @@ class Comm:
 
     def set_key(self, key: str, value: bytes) -> None:
         try:
-            if not self._store_usable():
+            if not self.board.usable():
                 raise RuntimeError("the process that served the store is gone")
             with quiet_store():
                 self.store.set(key, value)
@@ -385,60 +378,12 @@ class Comm:
             self.liveness.store_gone = True
             self._raise(f"the store to set {key}", exc)
 
-    def learn_peers(self) -> None:
-        """Read the peers' processes from the store (call once every rank has built its Comm)."""
-        if not self.liveness.store_gone:
-            self.liveness.learn()
-
-    # ---- failure signalling
+    # ---- failure signalling (the board's)
 
     def publish(self, message: str) -> None:
         """Record this rank's failure unless another rank's came first; stop transfers in flight."""
-        self._publish_as(self.me, message)
+        self.board.publish_as(self.me, message)
         self.abort()
-
-    def _publish_as(self, name: int, message: str) -> None:
-        if self._store_usable():  # a store that is gone: its host died, or the launcher tears down
-            try:
-                with quiet_store():
-                    self.failure_store.compare_set(self.failure_key, "", f"{name}|{message}")
-            except Exception:
-                self.liveness.store_gone = True
-
-    def _store_usable(self) -> bool:
-        return not self.liveness.store_lost()
-
-    def failure(self) -> tuple[int, str] | None:
-        """(rank, message) of the first published failure, if any."""
-        if not self._store_usable():
-            return None
-        try:
-            with quiet_store():
-                if not self.failure_store.check([self.failure_key]):
-                    return None
-                rank, message = bytes(self.failure_store.get(self.failure_key)).decode().split("|", 1)
-        except Exception:
-            self.liveness.store_gone = True
-            return None
-        return int(rank), message
-
-    def _blame_dead(self) -> tuple[int, str] | None:
-        """A peer on this host whose process is gone, published in its name; the first failure
-        published, if another came first; None when every known peer lives."""
-        if self._store_usable():
-            self.liveness.learn()
-        dead = self.liveness.dead()
-        if not dead:
-            return None
-        q = dead[0]
-        message = (
-            f"rank {self.name(q)}'s process (pid {self.liveness.pids[q]}) is gone: it was killed or "
-            "crashed without a Python error (SIGKILL, the OOM killer, a native crash)"
-        )
-        if q == self.liveness.store_host:
-            message += "; the store it served went with it"
-        self._publish_as(self.name(q), message)
-        return self.failure() or (self.name(q), message)
 
     def abort(self) -> None:
         """Stop every transfer in flight (the channels; on NCCL also the group). Idempotent."""
@@ -452,16 +397,16 @@ class Comm:
 
     def _raise(self, what: str, exc: BaseException | None) -> None:
         timed_out = exc is None or "Timed out" in str(exc)
-        failed = self.failure()
+        failed = self.board.first()
         deadline = time.monotonic() + _LOST_GRACE_S
         # a lost connection (or store): a peer whose process is gone is the cause; else give the
         # failed peer's publish a moment to land
         while failed is None and (not timed_out or self.liveness.store_gone):
-            failed = self._blame_dead()
+            failed = self.board.blame_dead()
             if failed is not None or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
-            failed = self.failure()
+            failed = self.board.first()
         if failed is not None:
             q, message = failed
             if q != self.me:

@@ -147,6 +147,7 @@ from torch import nn
 
 from pipeline.plan import Plan
 from pipeline.runtime import emulation, grads, memory, pretrained, replicas
+from pipeline.runtime.agree import agree, summary
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor, Prefetched
 from pipeline.runtime.gather import gather_state_dict
@@ -161,8 +162,10 @@ from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.runtime.stream import from_host
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
+from pipeline.schedules.program import Collective, Program, ReduceWait
 from pipeline.schedules.schedule import Schedule, forward_only
 from pipeline.schedules.timeline import Timeline
+from pipeline.schedules.validate import validate
 
 __all__ = ["Pipeline"]
 
@@ -255,7 +258,7 @@ class Pipeline:
         self._transient = set(names) - saved  # non-persistent buffers
         local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
         self._modules = [local[s] for s in self._stage_ids]
-        self.fingerprint = str(shape.extra.get("graph", {}).get("fingerprint", ""))  # a traced model
+        self.fingerprint = shape.graph.fingerprint if shape.graph is not None else ""  # a traced model
         self.module: nn.Module = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
         self.stages = {
             s: StageRuntime(
@@ -271,6 +274,11 @@ class Pipeline:
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
+        # this rank's step as data; the executor runs its computes and messages, ``_finish`` its tail,
+        # whose collectives every group must run in one order (the validator proves it, ties included)
+        tie_stages = [tie.stages for tie in ties]
+        validate(self.schedule, dp=self.dp, ties=tie_stages)
+        self.program = self.schedule.program(self.rank, dp=self.dp, ties=tie_stages)
         self._replicas: replicas.Replicas | None = None
         if self.dp > 1:
             assert failure is not None
@@ -282,7 +290,7 @@ class Pipeline:
                     self.executor, bucket_mb, config,
                 )  # fmt: skip
         params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
-        shared = (self.comm.failure_store, self.comm.failure_key) if self.comm is not None else None
+        shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
         self.tied = TiedGrads(
             ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
             key_prefix=f"{self._prefix}/ties", failure=shared,
@@ -475,10 +483,7 @@ class Pipeline:
                 if self._replicas is not None:
                     self._replicas.begin_step(record)
                 self.executor.run(xs, ys, record)
-                if self._replicas is not None:  # every stage's buckets, launched during the step
-                    self._replicas.wait(self.stages)
-                self.tied.reduce()  # each copy of a tied weight: the sum of every copy's gradient
-                return self._loss(self.executor.sizes)
+                return self._finish(self.program, self.executor.sizes)
 
     def evaluate(
         self,
@@ -549,7 +554,8 @@ class Pipeline:
                     ys = ys if want_loss else [None] * self.n_microbatches
                 with torch.no_grad():
                     self._eval_executor.run(xs, ys, False)
-                loss = self._loss(self._eval_executor.sizes) if want_loss else None
+                tail = self._eval_executor.sched.program(self.rank, dp=self.dp)  # the loss's collectives
+                loss = self._finish(tail, self._eval_executor.sizes) if want_loss else None
                 kept = last.outputs if last is not None else None
                 out = share_outputs(kept, self.comm, self.last_loss_rank, dst, method) if outputs else None
                 return loss, out
@@ -625,22 +631,22 @@ class Pipeline:
         if self.comm is not None and self.comm.world_size > 1:
             traced = f" (traced graph {self.fingerprint})" if self.fingerprint else ""
             mine = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}{traced}"
-            key = f"{self._prefix}/config"
-            self.comm.set_key(f"{key}/{self.rank}", mine.encode())
-            for q in range(self.comm.world_size):
-                theirs = self.comm.wait_key(f"{key}/{q}", f"rank {q}'s configuration").decode()
-                if theirs != mine:
-                    raise ValueError(
-                        f"ranks disagree about the pipeline: rank {self.rank} has {_summary(mine)}, rank {q} "
-                        f"has {_summary(theirs)}; build the Pipeline with the same schedule, n_microbatches "
-                        "and balance on every rank: make the plan once and give every rank that Plan "
-                        "(e.g. partition before pipeline.launch(fn, p, plan)), rather than on each rank"
-                    )
-            self.comm.learn_peers()  # every rank has built its Comm: their processes, to name a dead one
+            differs = agree(self.comm, f"{self._prefix}/config", mine)
+            if differs is not None:
+                q, theirs = differs
+                raise ValueError(
+                    f"ranks disagree about the pipeline: rank {self.rank} has {summary(mine)}, rank {q} "
+                    f"has {summary(theirs)}; build the Pipeline with the same schedule, n_microbatches "
+                    "and balance on every rank: make the plan once and give every rank that Plan "
+                    "(e.g. partition before pipeline.launch(fn, p, plan)), rather than on each rank"
+                )
+            self.comm.board.learn_peers()  # every rank built its Comm: their processes, to name a dead one
         self._agreed = True
 
-    def _loss(self, sizes: Sequence[int]) -> float:
-        """The batch's mean loss on every rank; with replicas, over every replica's rows."""
+    def _finish(self, program: Program, sizes: Sequence[int]) -> float:
+        """Run ``program``'s tail in its order (the order every rank of each group runs it, which
+        the validator checks): the replicas' reductions finish, tied weights' gradients are summed
+        (each copy: every copy's sum), the loss goes out. The batch's mean loss, on every rank."""
         last = self.stages.get(self.schedule.n_stages - 1)
         comm = self.comm
         value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
@@ -648,12 +654,20 @@ class Pipeline:
             losses = torch.stack(last.losses).float()
             shares = from_host(last.weights, torch.float32, losses.device)
             value += (losses * shares).sum().to(value.device)
-        if self.comm is not None and self.comm.world_size > 1:
-            src = self.comm.name(self.last_loss_rank)
-            self.comm.broadcast(value, self.last_loss_rank, f"the loss from rank {src}")
-        if self._replicas is not None:
-            return self._replicas.global_mean(float(value), sum(sizes))
-        return float(value)
+        mean: float | None = None
+        for x in program.tail():
+            if isinstance(x, ReduceWait):
+                assert self._replicas is not None
+                self._replicas.wait([x.stage])
+            elif isinstance(x, Collective) and x.what == "ties":
+                self.tied.reduce(x.ranks)
+            elif isinstance(x, Collective) and x.op == "broadcast":
+                assert comm is not None
+                comm.broadcast(value, x.root, f"the loss from rank {comm.name(x.root)}")
+            elif isinstance(x, Collective):  # the loss over the replicas
+                assert self._replicas is not None
+                mean = self._replicas.global_mean(float(value), sum(sizes))
+        return float(value) if mean is None else mean
 
     def _dp_comm(self) -> Comm | None:
         return self._replicas.comm if self._replicas is not None else None
@@ -738,8 +752,3 @@ def _store_prefix(group: Any, distributed: bool) -> str:
     if distributed:
         members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     return f"stagewise/pipe{next(_instances.setdefault(members, itertools.count()))}"
-
-
-def _summary(config: str) -> str:
-    text, m, balance = config.split("|")
-    return f"{m}, {balance}, schedule {' / '.join(text.splitlines())!r}"

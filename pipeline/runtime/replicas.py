@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.runtime.agree import agree, summary
 from pipeline.runtime.dp import GradReducer, Reduction, assign_parameters, reduction_points
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.mesh import Layout, bound_timeouts, build_mesh, check_mesh, check_world, layout_of
@@ -145,16 +146,14 @@ class Replicas:
 
     def _agree(self, mine: str, key: str) -> None:
         """This rank's pipeline (``mine``) is its replicas'; a ValueError naming two that differ."""
-        comm = self.comm
-        comm.set_key(f"{key}/{comm.rank}", mine.encode())
-        for q in range(comm.world_size):
-            theirs = comm.wait_key(f"{key}/{q}", f"rank {comm.name(q)}'s configuration").decode()
-            if theirs != mine:
-                raise ValueError(
-                    f"replicas disagree about the pipeline: rank {comm.me} (replica {comm.rank}) has "
-                    f"{_summary(mine)}, rank {comm.name(q)} (replica {q}) has {_summary(theirs)}; build "
-                    "every replica's Pipeline from the same model and Plan (and bucket_mb)"
-                )
+        differs = agree(self.comm, key, mine)
+        if differs is not None:
+            q, theirs = differs
+            raise ValueError(
+                f"replicas disagree about the pipeline: rank {self.comm.me} (replica {self.comm.rank}) has "
+                f"{summary(mine)}, rank {self.comm.name(q)} (replica {q}) has {summary(theirs)}; build "
+                "every replica's Pipeline from the same model and Plan (and bucket_mb)"
+            )
 
     def global_mean(self, value: float, rows: int) -> float:
         """The replicas' losses weighted by their rows: the mean over the global batch."""
@@ -192,8 +191,3 @@ def _state(modules: Iterable[nn.Module]) -> dict[tuple[torch.dtype, torch.device
 def _shares_parameters(module: nn.Module) -> bool:
     ids = [id(p) for layer in module.children() for p in layer.parameters()]
     return len(ids) != len(set(ids))
-
-
-def _summary(config: str) -> str:
-    text, *rest = config.split("|")
-    return f"{', '.join(rest)}, schedule {' / '.join(text.splitlines())!r}"

@@ -147,9 +147,15 @@ class TiedGrads:
                 self._stash[id(p)] = p.grad
                 p.grad = None
 
-    def reduce(self) -> None:
-        """After a step's backward: sum this step's gradients of every tie over its ranks (see above)."""
+    def reduce(self, only: tuple[int, ...] | None = None) -> None:
+        """After a step's backward: sum this step's gradients of every tie over its ranks (see above);
+        ``only``: the ties over those ranks alone (the program's ``all_reduce ties``, one per group)."""
+        if only is not None and only not in [ranks for _, ranks, _ in self._groups]:
+            raise RuntimeError(f"rank {self.rank} holds no tied weight over ranks {list(only)}: the program "
+                               "and the ties found in the stages disagree")  # fmt: skip
         for comm, ranks, members in self._groups:
+            if only is not None and ranks != only:
+                continue
             params = self._params(members)
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for p in params:
@@ -169,7 +175,6 @@ class TiedGrads:
                     at += p.numel()
                     old = self._stash.pop(id(p), None)
                     p.grad = part if old is None else old.add_(part)
-        self._stash = {}
 
     def close(self) -> None:
         for comm, _, _ in self._groups:

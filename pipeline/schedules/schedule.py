@@ -26,10 +26,11 @@ same rank gets no communication at all: the tensor is passed locally.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.schedules.actions import Action, Kind, parse_action
-from pipeline.schedules.program import Program, derive
+from pipeline.schedules.program import Program, derive, options
 from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.validate import ScheduleError, validate
 
@@ -91,17 +92,25 @@ class Schedule:
                 out.append(Action(s, Kind.SEND_B, i))
         return out
 
-    def program(self, rank: int) -> Program:
-        """Rank ``rank``'s step as data: computes, posts, waits, frees, reductions (program.py)."""
+    def program(self, rank: int, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> Program:
+        """Rank ``rank``'s step as data: computes, posts, waits, frees, reductions and collectives
+        (program.py), for ``dp`` replicas and the weights tied across ``ties`` (stage tuples)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.n_ranks:
             raise ValueError(
                 f"rank ({rank!r}) must be an integer in [0, {self.n_ranks}): one of the schedule's ranks"
             )
-        return self._programs[rank]
+        return self.programs(dp=dp, ties=ties)[rank]
+
+    def programs(self, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> tuple[Program, ...]:
+        """Every rank's program (derived once per dp > 1 or not and tie set)."""
+        key = options(self, dp, ties)
+        if key not in self._derived:
+            self._derived[key] = derive(self, dp=dp, ties=ties)
+        return self._derived[key]
 
     @functools.cached_property
-    def _programs(self) -> tuple[Program, ...]:
-        return derive(self)
+    def _derived(self) -> dict[tuple[bool, tuple[tuple[int, ...], ...]], tuple[Program, ...]]:
+        return {}
 
     def to_text(self) -> str:
         return "\n".join(" ".join(str(a) for a in actions) for actions in self.compute)

@@ -11,11 +11,11 @@ count as busy time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.schedules.actions import Action, Kind
 
-__all__ = ["TimedAction", "Timeline"]
+__all__ = ["TimedAction", "TimedReduction", "Timeline"]
 
 
 @dataclass(frozen=True)
@@ -30,17 +30,41 @@ class TimedAction:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class TimedReduction:
+    """Stage ``stage``'s gradient reduction over the replicas, on rank ``rank``."""
+
+    rank: int
+    stage: int
+    start: float
+    end: float
+
+
 @dataclass
 class Timeline:
     events: list[TimedAction]
     n_ranks: int
+    reductions: list[TimedReduction] = field(default_factory=list)
+    ends: list[float] = field(
+        default_factory=list
+    )  # per rank, when its step ended (simulated: its tail's end)
 
     @property
     def makespan(self) -> float:
-        """Wall time from the first start to the last end (0 for no events)."""
+        """Wall time from the first start to the step's end: its last event, reduction or collective
+        (0 for no events)."""
         if not self.events:
             return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        last = max([e.end for e in self.events] + [x.end for x in self.reductions] + self.ends)
+        return last - min(e.start for e in self.events)
+
+    @property
+    def exposed_tail(self) -> float:
+        """Seconds the step ran on after its last compute: the reductions (and collectives) the
+        computes did not hide (0 without them)."""
+        if not self.events:
+            return 0.0
+        return self.makespan - (max(e.end for e in self.events) - min(e.start for e in self.events))
 
     @property
     def busy_time(self) -> list[float]:

@@ -11,19 +11,24 @@ Checks, in order, each with its own message:
    same rank runs (F(s, i) before B(s, i) before W(s, i); a neighbour stage on the same
    rank: F(s-1, i) before F(s, i), B(s+1, i) before B(s, i));
 4. order mismatch: for every pair of ranks src -> dst, the sends of src to dst and the
-   receives of dst from src name the same messages in the same order (NCCL and gloo
-   match point-to-point messages in posting order);
-5. deadlock: the lowered program, run with non-blocking sends and blocking receives,
-   finishes (``blocking_sends=True``: also when each block between two compute actions
-   waits for all its sends and receives to be matched, as a batch that waits on
-   every request does).  The grid brackets the step each rank is stuck at::
+   receives of dst from src, in the order each rank's program posts them, name the same
+   messages (NCCL and gloo match point-to-point messages in posting order);
+5. collective order: every rank of a group (tied weights' ranks, the whole pipeline for
+   the loss) runs the same collectives on it in the same order (NCCL matches a
+   communicator's collectives by their order: a mismatch hangs or mixes data);
+6. deadlock: every rank's program (program.py: what the executor runs), with sends that
+   never block, a ``wait`` that blocks until its message is sent, and a collective that
+   blocks until every rank of its group reaches it, finishes.  The grid brackets the
+   instruction each rank is stuck at::
 
-       step   0        1        2          3   4   5        6        7
-       rank 0 0F0      0SEND_F0 [0RECV_B0] 0B0 0F1 0SEND_F1 0RECV_B1 0B1
-       rank 1 1RECV_F0 1F0      [1RECV_F1] 1F1 1B0 1SEND_B0 1B1      1SEND_B1
+       step   0   1                      2        3     4    5                      ...
+       rank 0 0F0 post 0SEND_F0 0RECV_B0 [wait 0RECV_B0]  0B0  0F1 post 0SEND_F1 0RECV_B1 ...
+       rank 1 post 1RECV_F0 wait 1RECV_F0 1F0 post 1RECV_F1 [wait 1RECV_F1] 1F1 ...
 
    (rank 0 waits for a gradient that rank 1 computes only after an activation
-   that rank 0 sends only after that gradient.)
+   that rank 0 sends only after that gradient.)  ``blocking_sends=True`` checks
+   instead the lowered lists under a stricter executor, one that posts each block
+   between two computes as a batch and waits for all of it, sends included.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import Collective, Post, Program, play, sender
 
 __all__ = ["ScheduleError", "render_program", "validate"]
 
@@ -61,11 +67,13 @@ class Schedule(Protocol):
 
     def lowered(self) -> tuple[tuple[Action, ...], ...]: ...
 
+    def programs(self, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> tuple[Program, ...]: ...
+
 
 _MAX_COLUMNS = 16  # wider grids keep only the columns around the marked steps
 
 
-def render_program(program: Sequence[Sequence[Action]], marks: set[tuple[int, int]] | None = None) -> str:
+def render_program(program: Sequence[Sequence[object]], marks: set[tuple[int, int]] | None = None) -> str:
     """A rank x step grid of ``program``; the (rank, step) cells in ``marks`` are bracketed."""
     marks = marks or set()
     n_steps = max((len(row) for row in program), default=0)
@@ -103,7 +111,7 @@ def render_program(program: Sequence[Sequence[Action]], marks: set[tuple[int, in
 
 
 def _fail(
-    sched: Schedule, what: str, program: Sequence[Sequence[Action]], marks: set[tuple[int, int]]
+    sched: Schedule, what: str, program: Sequence[Sequence[object]], marks: set[tuple[int, int]]
 ) -> None:
     grid = render_program(program, marks)
     raise ScheduleError(
@@ -192,21 +200,19 @@ def _check_local_order(sched: Schedule) -> None:
 
 def _message(sched: Schedule, a: Action) -> tuple[int, int, Action]:
     """(src rank, dst rank, the SEND naming the message) of a send or receive."""
-    if a.kind.is_send:
-        send = a
-    else:
-        send = Action(a.peer_stage, Kind.SEND_F if a.kind is Kind.RECV_F else Kind.SEND_B, a.microbatch)
+    send = a if a.kind.is_send else sender(a)
     return sched.rank_of(send.stage), sched.rank_of(send.peer_stage), send
 
 
-def _check_channels(sched: Schedule, lowered: Sequence[Sequence[Action]]) -> None:
+def _check_channels(sched: Schedule, programs: Sequence[Program]) -> None:
     sent: dict[tuple[int, int], list[tuple[Action, int]]] = {}
     recv: dict[tuple[int, int], list[tuple[Action, int]]] = {}
-    for actions in lowered:
-        for t, a in enumerate(actions):
-            if a.kind.is_send or a.kind.is_recv:
-                src, dst, msg = _message(sched, a)
-                (sent if a.kind.is_send else recv).setdefault((src, dst), []).append((msg, t))
+    for program in programs:
+        for t, x in enumerate(program):
+            if isinstance(x, Post):
+                for a in (*x.sends, *x.recvs):
+                    src, dst, msg = _message(sched, a)
+                    (sent if a.kind.is_send else recv).setdefault((src, dst), []).append((msg, t))
     for src, dst in sorted(set(sent) | set(recv)):
         sends, recvs = sent.get((src, dst), []), recv.get((src, dst), [])
         for n in range(max(len(sends), len(recvs))):
@@ -221,15 +227,67 @@ def _check_channels(sched: Schedule, lowered: Sequence[Sequence[Action]]) -> Non
                     f"order mismatch on rank {src} -> rank {dst}: message {n} is sent as {s_msg} but "
                     f"received as the one of {r_msg}; sends and receives between two ranks must be posted in "
                     "the same order",
-                    lowered,
+                    _rows(programs),
                     marks,
                 )
 
 
-def _check_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]], blocking_sends: bool) -> None:
-    # A receive waits until its sender has posted the matching send.  With blocking_sends,
-    # a rank posts a whole block of sends and receives at once and leaves it only when
-    # every op in it is matched (a send also waits for its receive to be posted).
+def _rows(programs: Sequence[Program]) -> list[tuple[object, ...]]:
+    return [program.instructions for program in programs]
+
+
+def _collectives(programs: Sequence[Program]) -> dict[tuple[int, ...], list[list[tuple[Collective, int]]]]:
+    """Per group of pipeline ranks, per member, its collectives on the group (with their steps);
+    collectives over the replicas are left out: every replica runs the same program."""
+    out: dict[tuple[int, ...], list[list[tuple[Collective, int]]]] = {}
+    for r, program in enumerate(programs):
+        for t, x in enumerate(program):
+            if isinstance(x, Collective) and x.ranks:
+                members = out.setdefault(x.ranks, [[] for _ in x.ranks])
+                if r not in x.ranks:
+                    raise ScheduleError(f"rank {r}'s program runs {x}, a collective of a group without it")
+                members[x.ranks.index(r)].append((x, t))
+    return out
+
+
+def _check_collective_order(sched: Schedule, programs: Sequence[Program]) -> None:
+    for group, seqs in _collectives(programs).items():
+        for n in range(max(len(seq) for seq in seqs)):
+            seen = [seq[n] if n < len(seq) else None for seq in seqs]
+            ops = {x for x, _ in (c for c in seen if c is not None)}
+            if len(ops) == 1 and None not in seen:
+                continue
+            each = "; ".join(
+                f"rank {q} runs {c[0] if c is not None else 'none'}" for q, c in zip(group, seen, strict=True)
+            )
+            marks = {(q, c[1]) for q, c in zip(group, seen, strict=True) if c is not None}
+            _fail(
+                sched,
+                f"collective order mismatch on ranks {','.join(map(str, group))}: as its collective {n} on "
+                f"them, {each}; every rank of a group must run its collectives in the same order",
+                _rows(programs),
+                marks,
+            )
+
+
+def _check_program_deadlock(sched: Schedule, programs: Sequence[Program]) -> None:
+    # played at no cost (program.play: a wait blocks until its message is posted, a collective until
+    # its whole group reaches it; the order check made each rank's n-th collective on a group the same)
+    stuck = set(play(programs).stuck(programs))
+    if stuck:
+        waits = "; ".join(f"rank {r} is stuck at {programs[r].instructions[t]}" for r, t in sorted(stuck))
+        _fail(
+            sched,
+            f"deadlock: with sends that never block, waits that block until their message is sent and "
+            f"collectives that block until their whole group reaches them, no rank can proceed ({waits})",
+            _rows(programs),
+            stuck,
+        )
+
+
+def _check_blocking_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]]) -> None:
+    # A rank posts a whole block of sends and receives at once and leaves it only when every op
+    # in it is matched (a send also waits for its receive to be posted).
     posted: dict[bool, Counter[tuple[int, int]]] = {True: Counter(), False: Counter()}  # is_send -> count
     pending: list[list[tuple[int, bool, tuple[int, int], int]]] = [[] for _ in lowered]  # (step, send, ch, n)
     pos = [0] * len(lowered)
@@ -249,8 +307,7 @@ def _check_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]], blocki
                     pending[r] = []
                 if pos[r] == len(actions):
                     break
-                a = actions[pos[r]]
-                if a.kind.is_compute:
+                if actions[pos[r]].kind.is_compute:
                     pos[r] += 1
                 else:
                     while pos[r] < len(actions) and not actions[pos[r]].kind.is_compute:
@@ -258,35 +315,38 @@ def _check_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]], blocki
                         channel = _message(sched, op)[:2]
                         n = posted[op.kind.is_send][channel]
                         posted[op.kind.is_send][channel] += 1
-                        if op.kind.is_recv or blocking_sends:
-                            pending[r].append((pos[r], op.kind.is_send, channel, n))
+                        pending[r].append((pos[r], op.kind.is_send, channel, n))
                         pos[r] += 1
-                        if not blocking_sends:
-                            break  # without blocking sends, every op is its own block
                 progressed = True
     stuck = {
         (r, next(op[0] for op in pending[r] if not matched(op))) for r in range(len(lowered)) if pending[r]
     }
     if stuck:
-        model = "blocking sends (a batch waits for all its ops)" if blocking_sends else "non-blocking sends"
         waits = "; ".join(f"rank {r} waits at {lowered[r][t]}" for r, t in sorted(stuck))
         _fail(
             sched,
-            f"deadlock: with {model} and blocking receives no rank can proceed ({waits})",
+            f"deadlock: with blocking sends (a batch waits for all its ops) no rank can proceed ({waits})",
             lowered,
             stuck,
         )
 
 
-def validate(schedule: Schedule, *, blocking_sends: bool = False) -> None:
+def validate(
+    schedule: Schedule, *, blocking_sends: bool = False, dp: int = 1, ties: Sequence[Sequence[int]] = ()
+) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` can run; see the module docstring for the checks.
 
-    ``blocking_sends`` checks the stricter model of an executor that waits for a whole
-    send/receive block, sends included, before computing on.
+    The programs checked are those for ``dp`` replicas and the weights tied across ``ties`` (one
+    sequence of stages per tied parameter). ``blocking_sends`` checks the lowered lists under the
+    stricter model of an executor that waits for a whole send/receive block, sends included.
     """
     _check_shape(schedule)
     _check_once(schedule)
     _check_local_order(schedule)
-    lowered = schedule.lowered()
-    _check_channels(schedule, lowered)
-    _check_deadlock(schedule, lowered, blocking_sends)
+    programs = schedule.programs(dp=dp, ties=ties)
+    _check_channels(schedule, programs)
+    _check_collective_order(schedule, programs)
+    if blocking_sends:
+        _check_blocking_deadlock(schedule, schedule.lowered())
+    else:
+        _check_program_deadlock(schedule, programs)

@@ -191,7 +191,7 @@ def _per_stage(
                 continue  # nothing of this group fits
             raise
         if not isinstance(plan.recompute, str):
-            out.append(plan.replace(extra={}))
+            out.append(plan.replace(candidates=[], search=None))  # the group's best alone, no search record
     return out
 
 
