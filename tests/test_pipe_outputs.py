@@ -251,3 +251,46 @@ def test_prefetched_batches_give_the_same_steps(world: tuple[int, list[Any]]) ->
         assert all(_rel(a, b) < 1e-5 for a, b in zip(got, losses, strict=True)), (r, got, losses)
         # every batch after the first came from its prefetched copy, where it is used
         assert used == (len(PREFETCH_ROWS) - 1) * (int(needs_inputs) + int(needs_targets)), (r, used)
+
+
+def _first_call_to_one_rank() -> dict[str, Any]:
+    """On NCCL a group's communicator is made at its first operation, with all its ranks: a first
+    message between two non-neighbours alone would hang (the emulation raises). Each call here is
+    the first on a fresh group: ``predict(dst=d)`` of the tuple model, and ``gather_state_dict(d)``."""
+    p = dist.get_world_size()
+    model, x, _, loss_fn = _build("pair", 8)
+    out: dict[str, Any] = {}
+    for dst in range(p):
+        for call in ("predict", "gather"):
+            group = dist.new_group(list(range(p)))  # a fresh communicator: the call below is its first use
+            plan = Plan(balance=balance_of(len(model), p), schedule="1f1b", n_microbatches=2)
+            pipe = Pipeline(model, plan, loss_fn=loss_fn, group=group, timeout=30.0)
+            got = pipe.predict(x if pipe.needs_inputs else None, dst=dst) if call == "predict" else None
+            state = pipe.gather_state_dict(dst) if call == "gather" else None
+            out[f"{call}/{dst}"] = got if call == "predict" else None if state is None else sorted(state)
+            pipe.close()
+    return out
+
+
+_FIRST = {
+    p: job(p, _first_call_to_one_rank, backend="nccl-emulated", timeout=120.0, batch="b") for p in (4, 8)
+}
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_output_to_one_rank_works_as_the_groups_first_call(
+    p: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results = _FIRST[p].results(tmp_path_factory)
+    model, x, _, _ = _build("pair", 8)
+    model.eval()
+    with torch.no_grad():
+        ref = model(x)
+    names = sorted(model.state_dict())
+    for dst in range(p):
+        for r, res in enumerate(results):
+            if r == dst:
+                _same_outputs(res[f"predict/{dst}"], ref, f"p={p} predict(dst={dst}) first")
+                assert res[f"gather/{dst}"] == names, (p, dst)
+            else:
+                assert res[f"predict/{dst}"] is None and res[f"gather/{dst}"] is None, (p, dst, r)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.runtime import emulation
 from pipeline.runtime.emulation import EmuTransfer
 from pipeline.runtime.watchdog import Pairs, close_pairs
 
@@ -133,6 +134,7 @@ class Channels:
             received: list[tuple[torch.Tensor, torch.Tensor]] = []
             for t, q, send in ops:
                 pg, peer, _ = self._lane(q, send)
+                emulation.first_use(pg, dist.get_world_size(pg), 2, what)
                 be = pg._get_backend(torch.device("cpu"))
                 if send:
                     works.append(be.send([t], peer, 0))

@@ -23,6 +23,12 @@ asynchrony  a receive lands in a staging buffer; the buffer compute reads holds
                                      \\  order(default, transfer): staging -> buffer
     default stream   [F0] ............ [F1 reads buffer]      (no order: F1 reads NaN)
 
+communicators  NCCL makes a group's communicator at the group's first operation,
+            a blocking rendezvous of all its ranks; a first operation that is a
+            point-to-point between two of three or more ranks waits forever for
+            the others. Here it raises (``first_use``); a collective on the group,
+            which every rank takes part in, makes the communicator (``made``).
+
 Host-to-device copies of the inputs (``copy``) are emulated the same way: the
 copy reads as poison until compute is ordered after the copy stream it was
 queued on (a prefetched batch used without that ordering gives NaN).
@@ -54,6 +60,8 @@ __all__ = [
     "copy",
     "current",
     "enabled",
+    "first_use",
+    "made",
     "order",
     "poison",
     "record_event",
@@ -69,6 +77,29 @@ ENV = "STAGEWISE_EMULATE_NCCL"
 def enabled() -> bool:
     """True when this process runs the NCCL code path on gloo (``STAGEWISE_EMULATE_NCCL`` set, not 0)."""
     return os.environ.get(ENV, "").strip() not in ("", "0")
+
+
+_made: set[int] = set()  # ids of the groups whose communicator exists (groups live as long as the job)
+
+
+def made(group: Any) -> None:
+    """``group``'s communicator exists: a collective, which all its ranks join, made it."""
+    _made.add(id(group))
+
+
+def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
+    """A point-to-point on ``group`` (``size`` ranks) that ``taking_part`` of them take part in: if
+    it is the group's first operation, NCCL would make the communicator here and wait for all."""
+    if id(group) in _made:
+        return
+    if taking_part < size:
+        raise RuntimeError(
+            f"NCCL emulation: {what} would be the first operation on a group of {size} ranks and only "
+            f"{taking_part} take part; NCCL makes a group's communicator at its first operation, with "
+            "every rank of the group, so the others never come and this hangs on GPUs. Run a "
+            "collective on every rank of the group first (Comm.ensure_communicator)"
+        )
+    _made.add(id(group))
 
 
 def strict_devices(active: bool) -> contextlib.AbstractContextManager[Any]:

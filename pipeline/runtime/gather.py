@@ -21,7 +21,6 @@ import json
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pipeline.runtime.p2p import Comm
 
@@ -44,10 +43,7 @@ def gather_state_dict(
     ]
     if comm is None or comm.world_size == 1:
         return _ordered([(e, t.detach().to("cpu", copy=True)) for e, t in mine])
-    # NCCL creates a group's communicator at its first use, and that first use must involve every
-    # rank of the group: one tiny all-reduce makes it before the point-to-point below (which uses the
-    # group itself between non-neighbours and may come before any step)
-    comm.all_reduce(comm.zeros((1,)), dist.ReduceOp.SUM, "gather_state_dict's start (every rank)")
+    comm.ensure_communicator()  # the messages below use the group itself between non-neighbours
     if comm.rank != dst:
         comm.set_key(f"{key}/{comm.rank}", json.dumps([e for e, _ in mine]).encode())
         tensors = [t.detach().to(device).contiguous() for e, t in mine if t.numel() > 0]

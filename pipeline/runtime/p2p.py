@@ -188,6 +188,7 @@ class Comm:
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
+        self._made = False  # whether a collective made the group's NCCL communicator (ensure_communicator)
         # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
         self.call = (0, 0)
 
@@ -464,9 +465,21 @@ class Comm:
     def _collective(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> None:
         self.finish(self._start(tensor, start_op, what), what)
 
+    def ensure_communicator(self) -> None:
+        """Make sure the group's own NCCL communicator exists before a point-to-point on it between
+        two of its ranks (non-neighbours: ``predict(dst=)``, ``gather_state_dict``): NCCL makes it at
+        the group's first operation with every rank of the group, so such a first message would
+        hang. One tiny all-reduce, on every rank, unless a collective ran on the group already (the
+        same calls on every rank, so every rank decides alike). Call on every rank."""
+        if self.nccl and not self._made:
+            self.all_reduce(self.zeros((1,)), dist.ReduceOp.SUM, "the group's communicator (every rank)")
+
     def _start(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> Any:
         self._check_open(what)
         self.check(tensor, what)
+        self._made = True  # a collective: every rank takes part, so the communicator is made here
+        if self.emulated:
+            emulation.made(_process_group(self.group))
         try:
             work = start_op()
         except Exception as exc:  # a peer that is gone already
