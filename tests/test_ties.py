@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,3 +127,41 @@ def test_a_tie_split_into_two_objects_on_one_rank_is_refused() -> None:
         ValueError, match=r"tied parameter w \(stages 0, 2\) is 2 different tensors on rank 0"
     ):
         TiedGrads([Tie(("w", "w"), (0, 2))], {(0, "w"): a, (2, "w"): b}, rank_of=lambda s: s % 2, rank=0)
+
+
+def _groups_made_by_every_rank() -> list[tuple[list[int], bool]]:
+    """The new_group calls of one rank while TiedGrads builds the ties of ``_four_ranks``'s kind."""
+    r = dist.get_rank()
+    ties = [
+        Tie(("a", "a"), (0, 3)),
+        Tie(("b", "b"), (1, 2)),
+        Tie(("c",) * 4, (0, 1, 2, 3)),
+        Tie(("e",) * 2, (3, 7)),
+    ]
+    params = {(s, t.names[0]): nn.Parameter(torch.zeros(1)) for t in ties for s in t.stages if s % 4 == r}
+    for t in ties:  # one object per tie on a rank
+        mine = [params[(s, t.names[0])] for s in t.stages if s % 4 == r]
+        for s in t.stages:
+            if s % 4 == r:
+                params[(s, t.names[0])] = mine[0]
+    calls: list[tuple[list[int], bool]] = []
+    real = dist.new_group
+
+    def recording(ranks: list[int], **kw: Any) -> Any:
+        calls.append((list(ranks), bool(kw.get("use_local_synchronization", False))))
+        return real(ranks, **kw)
+
+    dist.new_group = recording  # type: ignore[assignment]
+    try:
+        TiedGrads(ties, params, rank_of=lambda s: s % 4, rank=r, timeout=20.0).close()
+    finally:
+        dist.new_group = real
+    return calls
+
+
+def test_every_rank_makes_every_ties_group_in_one_order(tmp_path: Path) -> None:
+    """With init_process_group(device_id=...) a new group splits the world's NCCL communicator, which
+    every world rank must join: so every rank makes every tie's group, in the ties' order, never
+    with use_local_synchronization (ranks 3 and 7's tie is within one rank: no group)."""
+    calls = run_ranks(tmp_path, _groups_made_by_every_rank, 4)
+    assert calls == [[([0, 3], False), ([1, 2], False), ([0, 1, 2, 3], False)]] * 4

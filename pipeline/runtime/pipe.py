@@ -293,7 +293,7 @@ class Pipeline:
         shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
         self.tied = TiedGrads(
             ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
-            key_prefix=f"{self._prefix}/ties", failure=shared,
+            key_prefix=f"{self._prefix}/ties", failure=shared, pipelines=pipelines,
         )  # fmt: skip
         with self._publish_failure():
             self.tied.sync()  # every copy of a tied weight starts as its lowest rank's

@@ -74,7 +74,8 @@ class TiedGrads:
     ``params[(s, name)]``: the local parameter that stage s holds as ``name`` (this rank's stages
     only); ``rank_of(s)``: the group rank of stage s. Build it on every rank of ``group`` (the
     pipeline's), in the same order as the other ranks' pipelines. ``failure``: the pipeline's
-    failure key (store, key), which the ties' groups then watch too (see ``Comm``).
+    failure key (store, key), which the ties' groups then watch too (see ``Comm``). ``pipelines``:
+    every replica's global ranks, when ``group`` is one of several pipelines (a mesh).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class TiedGrads:
         timeout: float = 300.0,
         key_prefix: str = "stagewise/ties",
         failure: tuple[Any, str] | None = None,
+        pipelines: list[list[int]] | None = None,
     ) -> None:
         self.rank = rank
         self._local: list[tuple[Tie, nn.Parameter, tuple[int, ...]]] = []
@@ -105,15 +107,11 @@ class TiedGrads:
             self._local.append((tie, mine[0], ranks))
             if len(ranks) > 1:
                 sets.setdefault(ranks, []).append(len(self._local) - 1)
+        made = _tie_groups(ties, rank_of, sets, group, pipelines, timeout)
         self._groups: list[tuple[Comm, tuple[int, ...], list[int]]] = []
         for ranks, members in sets.items():
-            global_ranks = [dist.get_global_rank(group, q) if group is not None else q for q in ranks]
-            # only the members meet here; bounded like every other wait (torch's default is 30 min)
-            sub = dist.new_group(
-                global_ranks, timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True
-            )
             prefix = f"{key_prefix}/{'-'.join(map(str, ranks))}"
-            comm = Comm(sub, prefix, timeout, failure=failure, p2p=False, global_names=True)
+            comm = Comm(made[ranks], prefix, timeout, failure=failure, p2p=False, global_names=True)
             self._groups.append((comm, ranks, members))
         self._stash: dict[int, torch.Tensor | None] = {}
 
@@ -185,3 +183,46 @@ class TiedGrads:
 
     def _name(self, p: nn.Parameter) -> str:
         return next(tie.describe() for tie, q, _ in self._local if q is p)
+
+
+def _tie_groups(
+    ties: Sequence[Tie],
+    rank_of: Callable[[int], int],
+    mine: dict[tuple[int, ...], list[int]],
+    group: Any,
+    pipelines: list[list[int]] | None,
+    timeout: float,
+) -> dict[tuple[int, ...], Any]:
+    """The process group of each set of pipeline ranks in ``mine``.
+
+    ``dist.new_group`` is collective over the world and, with a bound device
+    (``init_process_group(device_id=...)``), splits the world's NCCL communicator, which every
+    world rank must join. So every rank makes the group of every tie's ranks in every pipeline, in
+    one order (the ties' order: the same on every rank), and keeps its own. A pipeline that is a
+    subgroup of a larger world (no mesh) cannot: its members make theirs alone, unbound only."""
+    sets = list(dict.fromkeys(tuple(sorted({rank_of(s) for s in tie.stages})) for tie in ties))
+    sets = [ranks for ranks in sets if len(ranks) > 1]
+    made: dict[tuple[int, ...], Any] = {}
+    if not sets:  # every tie within one rank (one process, too): no group anywhere
+        return made
+    td = datetime.timedelta(seconds=timeout)  # bounded like every other wait (torch's default: 30 min)
+    n = dist.get_world_size(group)
+    row = [dist.get_global_rank(group, q) if group is not None else q for q in range(n)]
+    rows = pipelines if pipelines is not None else [row]
+    if sorted(g for r in rows for g in r) == list(range(dist.get_world_size())):
+        for other in rows:
+            for ranks in sets:
+                pg = dist.new_group([other[q] for q in ranks], timeout=td)
+                if other == row and ranks in mine:
+                    made[ranks] = pg
+        return made
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if bound is not None:
+        raise ValueError(
+            f"the pipeline's group holds ranks {row} of a world of {dist.get_world_size()} with a bound "
+            f"device ({bound}): the tied weights' groups split the world's communicator, which every "
+            "world rank must join; pass a mesh that spans the world (mesh=), or group=None"
+        )
+    for ranks in mine:  # only the members meet here
+        made[ranks] = dist.new_group([row[q] for q in ranks], timeout=td, use_local_synchronization=True)
+    return made
