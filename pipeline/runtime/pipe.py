@@ -428,6 +428,37 @@ class Pipeline:
         grads.clip_(gs, float(max_norm), total)
         return value
 
+    def unscale_(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """``scaler.unscale_(optimizer)`` for the whole pipeline: this rank's gradients divided by
+        the scale, and whether any rank's (any replica's) overflowed agreed on every rank, so that
+        ``scaler.step(optimizer)`` skips on every rank alike and ``scaler.update()`` backs off alike,
+        as one process does. Call on every rank after ``step(..., scaler=scaler)``::
+
+            loss = pipe.step(x, y, scaler=scaler)
+            pipe.unscale_(scaler, opt)       # then, as usual:
+            pipe.clip_grad_norm_(1.0)
+            scaler.step(opt)
+            scaler.update()
+        """
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        scaler.unscale_(optimizer)
+        if not scaler.is_enabled():
+            return
+        # the scaler's record of this optimizer's overflow, per device (what step() and update() read;
+        # torch's own ShardedGradScaler agrees it over ranks the same way)
+        state = scaler._per_optimizer_states[id(optimizer)]
+        found: dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
+        device = self._comm_device()
+        with self._publish_failure(), self._strict_devices():
+            local = [f.to(device, torch.float32) for f in found.values()]
+            flag = torch.stack(local).amax() if local else torch.zeros((), device=device)
+            agreed = grads.any_flag(flag, self.comm, self._dp_comm(), "the scaler's overflow flag (unscale_)")
+        for d, f in found.items():
+            f.copy_(agreed.to(d, f.dtype))
+        if not found:  # no gradient here: step() still needs this optimizer's record
+            found[device] = agreed
+
     def grads_finite(self) -> bool:
         """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
         gs = self._grads()
@@ -454,6 +485,7 @@ class Pipeline:
         prefetch: Sequence[Any] | None = None,
         record: bool = False,
         measure_memory: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> float:
         """One training step over the batch; the batch's mean loss as a float, on every rank.
 
@@ -465,9 +497,13 @@ class Pipeline:
         counts every tensor storage the step allocates, from allocation to free, so that
         ``memory_stats()["peak"]`` is the true peak on CPU too (transients included; every
         op then pays a Python call: measure, do not train, with it). On CUDA the allocator's
-        peak is measured at every step.
+        peak is measured at every step. ``scaler``: a ``torch.amp.GradScaler`` whose scale the
+        backward runs with (``scaler.scale(loss)``; the loss returned is unscaled); then
+        ``unscale_(scaler, optimizer)`` in place of ``scaler.unscale_(optimizer)``.
         """
         _check_prefetch(prefetch)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
         if not isinstance(measure_memory, bool):
             raise TypeError(f"measure_memory must be True or False, got {measure_memory!r}")
         begin_call(self.comm, "step")
@@ -482,6 +518,11 @@ class Pipeline:
                 self.tied.begin()  # first: a tied weight's earlier gradient is put aside, not in a bucket
                 if self._replicas is not None:
                     self._replicas.begin_step(record)
+                last = self.stages.get(self.schedule.n_stages - 1)
+                if last is not None:  # set at every step (evaluate records its losses unscaled anyway)
+                    last.scale = scaler.scale if scaler is not None else None
+                elif scaler is not None:  # its scale is made at the first scale(): unscale_ needs it here too
+                    scaler.scale(torch.zeros((), device=self.device))
                 self.executor.run(xs, ys, record)
                 return self._finish(self.program, self.executor.sizes)
 

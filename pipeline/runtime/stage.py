@@ -107,6 +107,7 @@ class StageRuntime:
         self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
         self.weights = [1.0 / n_microbatches] * n_microbatches  # each micro-batch loss's (set_rows)
         self.share: Callable[[], torch.Tensor] | None = None  # with replicas: B_d / B (set_rows)
+        self.scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a GradScaler's scale()
         self._saved: dict[int, _Saved] = {}
         self.losses: list[torch.Tensor] = []  # last stage: unscaled micro-batch losses of this step
         # last stage, forward-only passes: keep each micro-batch's output (predict), compute the loss
@@ -160,8 +161,10 @@ class StageRuntime:
         if record:  # a copy: a loss can be a view of a buffer as large as its input (mse_loss's is)
             self.losses.append(loss.detach().clone())
         if self.share is not None:
-            return loss * (self.share() * weight).to(loss.device, loss.dtype)
-        return loss * weight
+            loss = loss * (self.share() * weight).to(loss.device, loss.dtype)
+        else:
+            loss = loss * weight
+        return self.scale(loss) if self.scale is not None else loss  # a device multiply: no sync
 
     def forward(self, i: int, x: Batch, target: Any = None) -> Batch | None:
         """F of micro-batch ``i``: the output for the next stage (None on the last stage)."""
