@@ -23,12 +23,10 @@ count follows the program, not the garbage collector)::
     token dies (graph freed, micro-batch freed, buffer consumed) --> refs[key] -= 1 (last: now -= nbytes)
 
 Parameters, buffers and the step's data (inputs, targets: the caller holds them anyway) are
-skipped. It is on by default: one Python call per saved tensor (about a microsecond) and a few
-per action. Measured as CPU time of a step on one thread, on and off alternately, 30 steps each:
-+6 % for a 4-block GPT of width 128 (8 x 64 tokens, m = 4), +8 % for an 8-layer MLP of width
-256 (64 rows), both so small that Python dominates; on a GPU the host runs ahead of the kernels
-and the cost hides. ``pipe.executor.meter.enabled = False`` turns it off (``memory_stats`` then
-reports no activations and no peak).
+skipped. It counts only in a step that measures memory (``step(..., measure_memory=True)``): it
+costs a few Python calls per saved tensor, 3-4 % of the CPU time of a 2-stage GPT step of width
+256 on one thread (cProfile, ``scripts/bench_schedules.py``'s gpt case), which put our 1F1B step
+behind torch.distributed.pipelining's; a step that does not measure pays nothing.
 
 ``memory_stats(pipe, optimizer)`` adds the rank's static bytes (parameters, buffers, gradients
 as they are after the step, the optimizer's state of this rank's parameters when given) to the
@@ -66,7 +64,7 @@ class ActivationMeter:
     """Bytes of unique storages held for backward on one rank: now, and the peak since ``begin_step``."""
 
     def __init__(self) -> None:
-        self.enabled = True
+        self.enabled = True  # Pipeline.step turns it on only in a step that measures memory
         self.now = 0
         self.peak = 0
         self.last_peak: int | None = None  # the last training step's peak (None before any)
@@ -199,9 +197,8 @@ def memory_stats(pipe: Any, optimizer: torch.optim.Optimizer | None = None) -> d
     elif live is not None:
         peak, source = live + (state or 0), "every storage allocated in the step, from allocation to free"
     else:
-        peak = counted
-        source = ("saved-tensor hooks and held buffers (no transients: step(..., measure_memory=True) "
-                  "measures every storage)")  # fmt: skip
+        peak = None
+        source = "not measured: on CPU, step(..., measure_memory=True) measures every storage"
     return {
         "device": str(device),
         "source": source,

@@ -512,6 +512,7 @@ class Pipeline:
                 self._agree()
             if self.device.type == "cuda":  # memory_stats(): this step's peak
                 torch.cuda.reset_peak_memory_stats(self.device)
+            self.executor.meter.enabled = measure_memory  # counting what is held costs host time
             with memory.measured(self, measure_memory and self.device.type != "cuda"):
                 xs, ys = self._microbatches(inputs, targets, "step")
                 self._prefetch(prefetch)
@@ -731,10 +732,11 @@ class Pipeline:
         ``peak``: the most bytes alive at once: on CUDA the allocator's peak; on CPU, after
         ``step(..., measure_memory=True)``, every tensor storage alive (parameters, buffers,
         gradients, optimizer state when ``optimizer`` is given, and all the step allocated,
-        transients included); after other CPU steps, ``counted_peak``. ``source`` says which.
-        ``counted_peak``: parameters + buffers + gradients + optimizer state + ``activations``,
-        the most bytes held for backward at once (saved tensors, kept stage inputs and outputs,
-        transfer buffers; each storage once), without transients. ``allocator_peak`` and
+        transients included); None after other CPU steps. ``source`` says which.
+        ``counted_peak`` (after a step that measures): parameters + buffers + gradients +
+        optimizer state + ``activations``, the most bytes held for backward at once (saved
+        tensors, kept stage inputs and outputs, transfer buffers; each storage once), without
+        transients. ``allocator_peak`` and
         ``allocated``: the CUDA allocator's (None on CPU); ``held``: per local stage, the most
         micro-batches whose activations it held at once.
         """
