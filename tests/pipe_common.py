@@ -26,7 +26,13 @@ __all__ = [
 
 M, BATCH = 4, 8
 MODELS = ("mlp", "gpt")
-CONFIGS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]  # (schedule, v)
+CONFIGS = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("interleaved-zb", 2),
+]  # (schedule, v)
 RECOMPUTES = ("never", "except_last", "always")
 
 

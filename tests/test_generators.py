@@ -96,3 +96,18 @@ def test_every_rank_runs_only_its_stage(name: str) -> None:
     for r, actions in enumerate(sched.compute):
         assert {a.stage for a in actions} == {r}
         assert [a.microbatch for a in actions if a.kind is Kind.F] == list(range(7))
+
+
+@pytest.mark.parametrize(("p", "v", "groups"), list(itertools.product(range(2, 6), (2, 3), (1, 2, 3))))
+def test_interleaved_zb_makespan_and_memory(p: int, v: int, groups: int) -> None:
+    """Interleaved 1F1B with zb-h1's split: with F = B = W the bubble shrinks from 3 (p - 1) to p - 1
+    (m >= 2p); rank r holds at most r micro-batches more than interleaved 1F1B (its pending W's)."""
+    m = groups * p
+    zb = simulate(schedule("interleaved-zb", p, m, n_virtual=v), 1, 1, 1)
+    interleaved = simulate(schedule("interleaved-1f1b", p, m, n_virtual=v), 1, 2)
+    assert interleaved.makespan == (m * v + p - 1) * 3
+    assert zb.makespan < interleaved.makespan
+    if groups >= 2:
+        assert zb.makespan == 3 * m * v + p - 1
+    extra = [z - i for z, i in zip(zb.peak_activations, interleaved.peak_activations, strict=True)]
+    assert all(0 <= e <= r for r, e in enumerate(extra)), extra

@@ -32,6 +32,7 @@ from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts
 from partitioner.scaling import batch_rows, scale_profile
 from pipeline.plan import Candidate, Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
 
@@ -111,7 +112,7 @@ def test_pruned_search_finds_the_best_of_the_whole_grid(
         # every uniform configuration partition() plans by itself, on the profile scaled to its m
         for name in SCHEDULES:
             for m in [d for d in range(1, batch + 1) if batch % d == 0]:
-                for v in [1] if name != "interleaved-1f1b" else range(2, n // p + 1):
+                for v in entry(name).virtual_counts(n // p):
                     try:
                         schedule_options(name, p, m, v)
                     except ValueError:
@@ -398,7 +399,7 @@ def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
                         recompute=c.recompute, **links)  # type: ignore[arg-type]  # fmt: skip
         assert plan.step_time == c.step_time
         net = Options.make("time", 2, v, None, 1e8, 1e-4, None, 2.0, RUNTIME)
-        split = c.schedule == "zb-h1"
+        split = entry(c.schedule).split_backward
         assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
         sizes, _ = cut_groups(scaled.layers)
         assert m * _least_work(scaled, net, 2 * v, m, split, sizes) <= plan.step_time * (1 + 1e-12), c
@@ -433,7 +434,7 @@ def test_every_plan_returned_under_a_limit_fits_by_the_walk(seed: int) -> None:
         plan = search(prof, p, memory_limit=limit, **kw)  # type: ignore[arg-type]
         assert max(plan.rank_peaks) <= limit
         assert all(max(c.peak_bytes) <= limit for c in plan.candidates)
-        name = rng.choice([s for s in SCHEDULES if s != "interleaved-1f1b"])
+        name = rng.choice([s for s in SCHEDULES if entry(s).min_virtual == 1])
         m = plan.n_microbatches
         modes = tuple(rng.choice(RECOMPUTE_MODES) for _ in range(p))
         scaled = scale_profile(prof, 4, int(kw["batch_size"]) // m)

@@ -23,7 +23,7 @@ from pipeline.reference.models import mlp
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.actions import Action
 from pipeline.schedules.program import Post, Wait
-from pipeline.schedules.schedule import SCHEDULES, schedule
+from pipeline.schedules.schedule import SCHEDULES, default_n_virtual, schedule
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
 from tests.dist import job
@@ -60,7 +60,7 @@ def _matrix() -> dict[str, Any]:
     # a Plan with its defaults: the pipeline runs the plan's schedule, m (= p) and v
     for sched in SCHEDULES:
         model, x, y, loss_fn = build("mlp")
-        v = 2 if sched == "interleaved-1f1b" else 1
+        v = default_n_virtual(sched)
         plan = Plan(balance=balance_of(len(model), p * v), schedule=sched)
         pipe = Pipeline(model, plan, loss_fn=loss_fn, timeout=30.0)
         loss = pipe.step(x, y)
@@ -149,7 +149,7 @@ def test_a_plan_runs_its_schedule_m_and_v(world: tuple[int, list[Any]]) -> None:
     for sched in SCHEDULES:
         key = f"plan/{sched}"
         _check_equal(results, key, loss_ref, grads_ref)
-        v = 2 if sched == "interleaved-1f1b" else 1
+        v = default_n_virtual(sched)
         for rank, r in enumerate(results):
             assert r[key][3] == (True, True, p, [rank + c * p for c in range(v)]), (key, rank)
         if sched == "gpipe":  # all m = p forwards before any backward: m held at once
@@ -224,7 +224,7 @@ def test_measured_trace_has_the_simulated_shape(world: tuple[int, list[Any]], tm
 def test_a_one_rank_plan_matches_one_process(sched: str) -> None:
     loss_ref, grads_ref = reference("gpt")
     model, x, y, loss_fn = build("gpt")
-    v = 2 if sched == "interleaved-1f1b" else 1
+    v = default_n_virtual(sched)
     plan = Plan(balance=balance_of(len(model), v), schedule=sched, n_microbatches=M, recompute="always")
     pipe = Pipeline(model, plan, loss_fn=loss_fn)
     assert (pipe.schedule, pipe.recompute, sorted(pipe.stages)) == (

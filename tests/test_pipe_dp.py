@@ -27,7 +27,8 @@ from tests.pipe_common import assert_close, balance_of
 
 M, LOCAL, P, DP = 4, 8, 2, 2  # micro-batches, rows per replica, ranks per pipeline, replicas
 GLOBAL = LOCAL * DP
-CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]  # (schedule, v)
+# (schedule, v)
+CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
 UNEVEN = (11, 5)  # replica 0's and 1's rows when the local batches differ
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.program import Collective, Free, Post, Reduce, ReduceWait, Wait
+from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import SCHEDULES, Schedule, forward_only, schedule
 
 # with dp = 2: each stage's reduction starts after its last gradient compute, and the tail waits
@@ -169,8 +170,8 @@ def _cases() -> list[tuple[str, int, int, int]]:
     for name in SCHEDULES:
         for p in (1, 2, 3, 4):
             for m in (p, 2 * p, 2 * p + 1):
-                v = 2 if name == "interleaved-1f1b" else 1
-                if name == "interleaved-1f1b" and m % p:
+                v = entry(name).min_virtual
+                if entry(name).m_multiple_of_p and m % p:
                     continue
                 out.append((name, p, m, v))
     return out

@@ -4,6 +4,7 @@ import pytest
 
 from pipeline.schedules.actions import Action, Kind, parse_action
 from pipeline.schedules.program import Collective, Program
+from pipeline.schedules.registry import REGISTRY
 from pipeline.schedules.schedule import Schedule, ScheduleError, schedule
 from pipeline.schedules.validate import render_program, validate
 
@@ -126,10 +127,9 @@ def test_render_program_elides_wide_grids() -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_built_ins_validate(p: int, m: int) -> None:
-    for name in ("gpipe", "1f1b", "zb-h1"):
-        validate(schedule(name, p, m))
-    if m % p == 0:
-        validate(schedule("interleaved-1f1b", p, m, n_virtual=2))
+    for name, e in REGISTRY.items():  # every registered schedule
+        if not e.m_multiple_of_p or m % p == 0:
+            validate(schedule(name, p, m, n_virtual=max(2, e.min_virtual) if e.max_virtual != 1 else 1))
 
 
 def test_blocking_sends_model() -> None:

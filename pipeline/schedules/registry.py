@@ -55,6 +55,8 @@ _ENTRIES = (
     Entry("interleaved-1f1b", generators.interleaved_1f1b, False, min_virtual=2, max_virtual=None,
           m_multiple_of_p=True),  # 1f1b over v stages per rank: a bubble v times smaller
     Entry("zb-h1", lambda p, v, m: generators.zb_h1(p, m), True),  # split backward, W fills the bubble
+    Entry("interleaved-zb", generators.interleaved_zb, True, min_virtual=2, max_virtual=None,
+          m_multiple_of_p=True),  # interleaved-1f1b with zb-h1's split backward
 )  # fmt: skip
 REGISTRY: dict[str, Entry] = {e.name: e for e in _ENTRIES}
 
