@@ -16,8 +16,8 @@ from pipeline.schedules.schedule import SCHEDULES, Schedule, schedule, schedule_
 
 
 def test_the_names_are_the_registrys() -> None:
-    assert SCHEDULES == tuple(REGISTRY) == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-    assert [e.split_backward for e in REGISTRY.values()] == [False, False, False, True]
+    assert SCHEDULES == tuple(REGISTRY) == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
+    assert [e.split_backward for e in REGISTRY.values()] == [False, False, False, True, True]
     assert entry("interleaved-1f1b").virtual_counts(5) == [2, 3, 4, 5]
     assert entry("1f1b").virtual_counts(5) == [1]
     with pytest.raises(ValueError, match="unknown schedule 'nope'; valid schedules are gpipe, 1f1b"):

@@ -201,12 +201,13 @@ def test_schedule_refuses_what_schedule_options_refuses(args: tuple[object, ...]
         (("interleaved-1f1b", 3), (2, 3)),  # v = 2 for interleaved, m = p
         (("interleaved-1f1b", 2, 6), (2, 6)),
         (("interleaved-1f1b", 2, None, 4), (4, 2)),
+        (("interleaved-zb", 2), (2, 2)),
         (("1f1b", 2, None, 1), (1, 2)),
     ],
 )
 def test_schedule_options_defaults(args: tuple[object, ...], expected: tuple[int, int]) -> None:
     assert schedule_options(*args) == expected  # type: ignore[arg-type]
-    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1]
+    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1, 2]
     name, p, *rest = args
     m = rest[0] if rest else None
     v = rest[1] if len(rest) > 1 else None

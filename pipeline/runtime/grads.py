@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from pipeline.runtime.p2p import Comm
 
-__all__ = ["all_finite", "check_norm_type", "clip_", "total_norm"]
+__all__ = ["all_finite", "any_flag", "check_norm_type", "clip_", "total_norm"]
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -101,14 +101,17 @@ def all_finite(
         one = torch.ones(1, dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0 == x
         flag = torch.maximum(flag, found.to(device).reshape(()))
-    return bool(any_flag(flag, comm, replicas, "the all-finite flag (grads_finite)") == 0)
+    return bool(any_flag(flag, comm, replicas, "the all-finite flag", "grads_finite") == 0)
 
 
-def any_flag(flag: torch.Tensor, comm: Comm | None, replicas: Comm | None, what: str) -> torch.Tensor:
+def any_flag(
+    flag: torch.Tensor, comm: Comm | None, replicas: Comm | None, name: str, call: str
+) -> torch.Tensor:
     """``flag`` (a 0-dim float32 on the communication device, > 0: raised) over every rank of the
-    pipeline and its replicas: the largest, in place, on every rank."""
+    pipeline and its replicas: the largest, in place, on every rank (errors name ``name`` and the
+    API ``call``)."""
     if comm is not None and comm.world_size > 1:
-        comm.all_reduce(flag, dist.ReduceOp.MAX, f"{what}'s all-reduce")
+        comm.all_reduce(flag, dist.ReduceOp.MAX, f"{name}'s all-reduce ({call})")
     if replicas is not None and replicas.world_size > 1:
-        replicas.all_reduce(flag, dist.ReduceOp.MAX, f"{what}'s all-reduce over the replicas")
+        replicas.all_reduce(flag, dist.ReduceOp.MAX, f"{name}'s all-reduce over the replicas")
     return flag

@@ -453,7 +453,8 @@ class Pipeline:
         with self._publish_failure(), self._strict_devices():
             local = [f.to(device, torch.float32) for f in found.values()]
             flag = torch.stack(local).amax() if local else torch.zeros((), device=device)
-            agreed = grads.any_flag(flag, self.comm, self._dp_comm(), "the scaler's overflow flag (unscale_)")
+            name = "the scaler's overflow flag"
+            agreed = grads.any_flag(flag, self.comm, self._dp_comm(), name, "unscale_")
         for d, f in found.items():
             f.copy_(agreed.to(d, f.dtype))
         if not found:  # no gradient here: step() still needs this optimizer's record
