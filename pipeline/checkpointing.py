@@ -41,6 +41,12 @@ every rank before anything is written or read (``pipeline/checkpoint/ranks.py``)
 a failed write (a full disk) is raised on every rank naming the path and the
 errno, and leaves the earlier checkpoints as they were.
 
+Before anything is built, ``recorded_config(folder)`` reads the configuration the newest
+checkpoint recorded, e.g. to reuse the plan a search chose instead of searching again:
+
+    found = checkpointing.recorded_config(folder)      # (path, config) or None
+    plan = Plan.from_json(found[1]["plan"]) if found else partition(model, ...)
+
 The first API (``training_state`` + ``save(folder, step, state)`` +
 ``load(path, named_parameters, optimizer, extra_keys)``) works for one more
 release, with a FutureWarning.
@@ -72,7 +78,8 @@ from pipeline.checkpoint.choose import (
     choose,
     is_checkpoint,
 )
-from pipeline.checkpoint.folder import LATEST, latest
+from pipeline.checkpoint.folder import LATEST, candidates, latest, read_manifest
+from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.runs import ConfigMismatch
 from pipeline.checkpoint.state import Stateful
 from pipeline.runtime.pipe import Pipeline
@@ -85,6 +92,7 @@ __all__ = [
     "Resumed",
     "latest",
     "load",
+    "recorded_config",
     "resume",
     "save",
     "training_state",
@@ -240,6 +248,36 @@ def resume(
     step = found.step if found is not None else int(chosen.path.name.rsplit("-", 1)[-1])
     run_id = found.run_id if found is not None else runs.remembered(root) or ""
     return Resumed(chosen.path, step, run_id, extra, changes, chosen.rejected)
+
+
+def recorded_config(folder: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+    """The ``config`` the newest checkpoint in ``folder`` recorded (``save(..., config=...)``), with
+    that checkpoint's path; None when the folder holds no checkpoint with a manifest (or none yet:
+    a missing folder), or its newest one was saved without ``config``.
+
+    What a restart reads before it builds anything: a plan the run chose (a search whose new profile
+    could choose another) is then reused, and the run continues as it began. It reads the manifest
+    alone (no collective: any process may call it) and verifies no file; ``resume`` does, may fall
+    back past a damaged checkpoint to an older one, and compares the whole config with that one's.
+    """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"recorded_config() takes a folder path (str or Path), got {type(folder).__name__}")
+    root = Path(folder)
+    if is_checkpoint(root):
+        raise ValueError(
+            f"recorded_config() takes the folder of checkpoints, got one checkpoint {str(root)!r}; pass "
+            f"{str(root.parent)!r}"
+        )
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"recorded_config() takes the folder of checkpoints, got the file {str(root)!r}; pass the "
+            "folder that save() wrote into"
+        )
+    for path in candidates(root):  # newest first; one without a readable manifest is passed over
+        found = read_manifest(path)
+        if isinstance(found, Manifest):
+            return None if found.config is None else (path, found.config)
+    return None
 
 
 def load(

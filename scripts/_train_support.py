@@ -1,5 +1,5 @@
 """The pieces of ``scripts/train.py``'s run that are not its loop: mixed precision, progress output,
-checkpoints, and what is printed or written at the end.
+a streak of skipped updates, and what is printed or written at the end.
 
     # p: ranks, r: rank, s: stage, m: micro-batches
 
@@ -21,10 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import checkpointing
 from pipeline.plan import Plan
 from pipeline.reference.data import decode, encode
-from pipeline.reference.models import gpt_loss
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
@@ -41,29 +39,25 @@ __all__ = [
     "load_gathered",
     "predicted_timeline",
     "report_busy",
-    "resume",
-    "save",
 ]
 
 
 class Precision:
-    """Autocast around step and evaluate, as in one process; under fp16 a GradScaler, whose scale the
-    loss multiplies in, and an update skipped on every rank when any rank's gradients overflowed."""
+    """Autocast around step and evaluate, as in one process; under fp16 torch's GradScaler through the
+    pipeline (``step(..., scaler=)``, ``unscale_``): an overflow on any rank skips the update on every
+    rank and backs the scale off alike."""
 
     def __init__(self, dtype: str, device: torch.device) -> None:
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.device, self.scale = device, 1.0
+        self.device = device
         self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, self.dtype or torch.float32, enabled=self.dtype is not None)
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(logits, targets) * self.scale
-
-    def begin_step(self) -> None:
-        if self.scaler is not None:  # scale() also makes the scale tensor that unscale_() needs
-            self.scale = float(self.scaler.scale(torch.ones((), device=self.device)))
+    def step_options(self) -> dict[str, Any]:
+        """What ``pipe.step`` takes besides the batch: the scaler, under fp16."""
+        return {} if self.scaler is None else {"scaler": self.scaler}
 
     def update(self, pipe: Pipeline, opt: torch.optim.Optimizer, max_norm: float) -> bool:
         """Clip by the norm over every stage, then step, unless some rank's gradients are not finite
@@ -75,13 +69,10 @@ class Precision:
             pipe.clip_grad_norm_(max_norm)
             opt.step()
             return True
-        self.scaler.unscale_(opt)
-        if pipe.grads_finite():
-            pipe.clip_grad_norm_(max_norm)
-            self.scaler.step(opt)
-            self.scaler.update()
-        else:
-            self.scaler.update(new_scale=self.scaler.get_scale() * self.scaler.get_backoff_factor())
+        pipe.unscale_(self.scaler, opt)  # the overflow agreed on every rank: step() skips alike
+        pipe.clip_grad_norm_(max_norm)
+        self.scaler.step(opt)
+        self.scaler.update()
         return True
 
 
@@ -172,46 +163,6 @@ class StepLog:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": done, "loss": loss}) + "\n")
-
-
-def save(folder: str, step: int, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
-         config: dict[str, Any]) -> None:  # fmt: skip
-    """Checkpoint ``step``: parameters and buffers, optimizer, scaler, RNG and the run's configuration."""
-    extra = {"step": step}  # batches are drawn by step
-    checkpointing.save(folder, step, pipe=pipe, optimizer=opt, grad_scaler=precision.scaler, extra=extra,
-                       config=config)  # fmt: skip
-
-
-_PLAN_KEYS = {
-    "stages": "plan.n_stages",
-    "dp": "plan.dp",
-    "schedule": "plan.schedule",
-    "virtual": "plan.n_virtual",
-    "microbatches": "plan.n_microbatches",
-    "recompute": "plan.recompute",
-}
-
-
-def resume(folder: str | None, pipe: Pipeline, opt: torch.optim.Optimizer, precision: Precision,
-           config: dict[str, Any], allow: tuple[str, ...]) -> int:  # fmt: skip
-    """Load the newest sound checkpoint in ``folder`` (None, or none there: 0, a fresh start) and
-    return its step; rank 0 says which (and any damaged newer one passed over). A checkpoint of a run
-    with another ``config`` is a ConfigMismatch listing the differences, unless ``allow`` names them
-    (config keys; a flag that shapes the plan allows its plan entry too)."""
-    if folder is None:
-        return 0
-    allow_changes = set(allow) | {_PLAN_KEYS[k] for k in allow if k in _PLAN_KEYS}
-    resumed = checkpointing.resume(
-        folder,
-        pipe=pipe,
-        optimizer=opt,
-        grad_scaler=precision.scaler,
-        config=config,
-        allow_changes=allow_changes,
-    )
-    if dist.get_rank() == 0:
-        print(f"no checkpoint in {folder}: a new run" if resumed is None else str(resumed), flush=True)
-    return 0 if resumed is None else resumed.step
 
 
 def predicted_timeline(plan: Plan) -> Timeline:

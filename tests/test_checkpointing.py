@@ -199,3 +199,28 @@ def test_wrong_model_is_a_clear_error(tmp_path: Path) -> None:
     smaller = nn.Sequential(*[nn.Linear(6, 6) for _ in range(3)])
     with pytest.raises(ValueError, match=r"holds \['3.bias', '3.weight'\] \(of 2\) that no rank's model has"):
         checkpointing.load(path, pipe=smaller, optimizer=torch.optim.AdamW(smaller.parameters()))
+
+
+def test_recorded_config_reads_the_newest_checkpoints_config_before_anything_is_built(tmp_path: Path) -> None:
+    assert checkpointing.recorded_config(tmp_path / "not-yet") is None  # a first start: no folder yet
+    model, opt = _trained(1)
+    _save(tmp_path, 1, model, opt)  # saved without config=
+    assert checkpointing.recorded_config(tmp_path) is None
+    plan = {"schedule": "1f1b", "balance": [2, 2]}
+    _save(tmp_path, 2, model, opt, config={"seed": 0, "plan": plan})
+    newest = _save(tmp_path, 3, model, opt, config={"seed": 1, "plan": plan})
+    assert checkpointing.recorded_config(tmp_path) == (newest, {"seed": 1, "plan": plan})
+    (newest / "manifest.json").write_text("{damaged")  # passed over: the one before is the newest readable
+    assert checkpointing.recorded_config(tmp_path) == (tmp_path / "step-00000002", {"seed": 0, "plan": plan})
+
+
+def test_recorded_config_refuses_what_is_not_a_folder_of_checkpoints(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    one = _save(tmp_path, 1, model, opt, config={"seed": 0})
+    with pytest.raises(ValueError, match=r"got one checkpoint .*step-00000001'; pass '.*'"):
+        checkpointing.recorded_config(one)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ValueError, match=r"got the file .*notes.txt'; pass the folder that save\(\) wrote"):
+        checkpointing.recorded_config(tmp_path / "notes.txt")
+    with pytest.raises(TypeError, match="takes a folder path \\(str or Path\\), got int"):
+        checkpointing.recorded_config(3)  # type: ignore[arg-type]

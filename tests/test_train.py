@@ -19,6 +19,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
 
+import _train_flags  # noqa: E402
 import _train_support  # noqa: E402
 import train  # noqa: E402
 
@@ -90,33 +91,33 @@ def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, capsys: A
 
 
 def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys: Any) -> None:
-    cfg = train.parse_args(
+    cfg = _train_flags.parse_args(
         ["--resume", "--checkpoint-dir", str(tmp_path), "--allow-config-change", "stages,--dp"]
     )
     assert cfg.resume and cfg.allow_config_change == ("stages", "dp")  # an empty folder: a fresh start
     if not train.torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            train.parse_args(["--device", "cuda"])
+            _train_flags.parse_args(["--device", "cuda"])
         assert "--device cuda needs a GPU per rank: 2 ranks, 0 GPUs here" in capsys.readouterr().err
 
 
 def test_under_torchrun_the_world_is_split_into_dp_x_stages(capsys: Any) -> None:
-    assert train._split_world(None, None, None) == (2, 1)  # standalone: the defaults
-    assert train._split_world(None, 4, 2) == (4, 2)
-    assert train._split_world(4, None, None) == (4, 1)  # torchrun: one pipeline over the world
-    assert train._split_world(4, None, 2) == (2, 2)
-    assert train._split_world(4, 2, None) == (2, 2)
-    assert train._split_world(8, 2, 4) == (2, 4)
+    assert _train_flags.split_world(None, None, None) == (2, 1)  # standalone: the defaults
+    assert _train_flags.split_world(None, 4, 2) == (4, 2)
+    assert _train_flags.split_world(4, None, None) == (4, 1)  # torchrun: one pipeline over the world
+    assert _train_flags.split_world(4, None, 2) == (2, 2)
+    assert _train_flags.split_world(4, 2, None) == (2, 2)
+    assert _train_flags.split_world(8, 2, 4) == (2, 4)
     for stages, dp in ((3, None), (2, 4), (None, 3)):
         with pytest.raises(SystemExit):
-            train._split_world(4, stages, dp)
+            _train_flags.split_world(4, stages, dp)
         assert "does not split torchrun's world of 4 ranks into dp x stages" in capsys.readouterr().err
 
 
 def test_too_short_data_file_is_a_flag_error(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "tiny.txt").write_text("abc" * 10)
     with pytest.raises(SystemExit):
-        train.parse_args(["--data", str(tmp_path / "tiny.txt"), "--seq-len", "64"])
+        _train_flags.parse_args(["--data", str(tmp_path / "tiny.txt"), "--seq-len", "64"])
     err = capsys.readouterr().err
     assert "--seq-len 64: " in err and "fewer than seq_len + 1 = 65" in err
 

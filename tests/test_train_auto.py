@@ -20,6 +20,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
 
 import train  # noqa: E402
+from _train_flags import FlagError, parse_args, recorded_plan, run_config  # noqa: E402
 
 from pipeline.checkpoint import manifest  # noqa: E402
 from pipeline.plan import Plan  # noqa: E402
@@ -47,18 +48,18 @@ def _one_thread() -> Any:
      ("3e8", 300_000_000), (" 2 kb ", 2000), ("64B", 64), ("0.5KiB", 512)],
 )  # fmt: skip
 def test_memory_limit_sizes(text: str, size: int) -> None:
-    assert train.parse_args(["--memory-limit", text]).memory_limit == size
+    assert parse_args(["--memory-limit", text]).memory_limit == size
 
 
 def test_auto_defaults() -> None:
-    fixed = train.parse_args([])
+    fixed = parse_args([])
     assert (fixed.schedule, fixed.microbatches, fixed.recompute) == ("1f1b", 4, "never")
     assert fixed.memory_limit is None
     assert not fixed.auto
-    auto = train.parse_args(["--schedule", "auto"])
+    auto = parse_args(["--schedule", "auto"])
     assert auto.microbatches == "auto" and auto.recompute == "never" and auto.auto
-    assert train.parse_args(["--schedule", "auto", "--microbatches", "2"]).microbatches == 2
-    m_only = train.parse_args(["--microbatches", "auto"])
+    assert parse_args(["--schedule", "auto", "--microbatches", "2"]).microbatches == 2
+    m_only = parse_args(["--microbatches", "auto"])
     assert m_only.schedule == "1f1b" and m_only.auto
 
 
@@ -97,7 +98,7 @@ def test_bad_auto_flags_exit_2_with_one_line(args: list[str], message: str, caps
 
 
 def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
-    cfg = train.parse_args([*TINY, "--schedule", "auto", "--memory-limit", LIMIT])
+    cfg = parse_args([*TINY, "--schedule", "auto", "--memory-limit", LIMIT])
     plan = train.make_plan(cfg, CPU)
     assert max(plan.rank_peaks) <= 200_000 and plan.n_ranks == 2
     best = plan.candidates[0]
@@ -105,7 +106,7 @@ def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
         plan.schedule, plan.n_microbatches, plan.balance,
     )  # fmt: skip
     assert 8 % plan.n_microbatches == 0
-    config = train.run_config(cfg, plan)  # what the checkpoints record: the request, and the plan chosen
+    config = run_config(cfg, plan)  # what the checkpoints record: the request, and the plan chosen
     assert (config["schedule"], config["microbatches"], config["memory_limit"]) == ("auto", "auto", 200_000)
     mode = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)
     assert config["plan"] == {"schedule": plan.schedule, "n_stages": 2, "n_virtual": plan.n_virtual,
@@ -119,19 +120,19 @@ def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
     b, _ = train.build_model(cfg, 1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     # an integer --microbatches stays fixed under --schedule auto; a fixed schedule's m is searched
-    fixed_m = train.make_plan(train.parse_args([*TINY, "--schedule", "auto", "--microbatches", "2"]), CPU)
+    fixed_m = train.make_plan(parse_args([*TINY, "--schedule", "auto", "--microbatches", "2"]), CPU)
     assert fixed_m.n_microbatches == 2 and all(c.n_microbatches == 2 for c in fixed_m.candidates)
-    only_m = train.make_plan(train.parse_args([*TINY, "--schedule", "gpipe", "--microbatches", "auto"]), CPU)
+    only_m = train.make_plan(parse_args([*TINY, "--schedule", "gpipe", "--microbatches", "auto"]), CPU)
     assert {c.schedule for c in only_m.candidates} == {"gpipe"}
     # without auto, the limit bounds the partitioner's balance and is recorded; no plan balance then
-    capped = train.parse_args([*TINY, "--memory-limit", "1GB"])
-    config = train.run_config(capped, train.make_plan(capped, CPU))
+    capped = parse_args([*TINY, "--memory-limit", "1GB"])
+    config = run_config(capped, train.make_plan(capped, CPU))
     assert config["memory_limit"] == 10**9 and "balance" not in config["plan"]
-    assert "memory_limit" not in train.run_config(train.parse_args(TINY), plan)  # runs from before the flag
+    assert "memory_limit" not in run_config(parse_args(TINY), plan)  # runs from before the flag
 
 
 def _record(folder: Path, step: int, config: dict[str, Any]) -> Path:
-    """A checkpoint folder holding only a manifest with ``config``: all ``_recorded_plan`` reads."""
+    """A checkpoint folder holding only a manifest with ``config``: all ``recorded_plan`` reads."""
     path = folder / f"step-{step:08d}"
     path.mkdir(parents=True)
     manifest.write(path, manifest.Manifest(step, "run", step, config, {}))
@@ -140,27 +141,30 @@ def _record(folder: Path, step: int, config: dict[str, Any]) -> Path:
 
 def test_a_restart_reuses_the_recorded_plan_instead_of_searching(tmp_path: Path) -> None:
     args = [*TINY, "--schedule", "auto", "--memory-limit", LIMIT, "--checkpoint-dir", str(tmp_path)]
-    cfg = train.parse_args(args)
+    cfg = parse_args(args)
     # a plan the search would not choose (m = 4, stage 0 recomputed, 3 layers then 2): a new search
     # cannot come out as it by chance
     theirs = Plan(balance=[3, 2], schedule="1f1b", n_microbatches=4, recompute=("always", "never"))
-    saved = train.run_config(cfg, theirs)
+    saved = run_config(cfg, theirs)
     path = _record(tmp_path, 2, saved)
     plan = train.make_plan(cfg, CPU)
     assert (plan.schedule, plan.n_microbatches, plan.n_virtual, plan.balance, plan.recompute) == (
         "1f1b", 4, 1, [3, 2], ("always", "never"),
     )  # fmt: skip
-    assert train.run_config(cfg, plan) == saved  # so resume finds no difference
+    assert run_config(cfg, plan) == saved  # so resume finds no difference
     assert plan.search is None and plan.stages  # not searched; predicted, for the busy-time report
     said = train.chosen(cfg, plan)
     assert f"reusing the plan recorded in {path}, [1f1b, m=4, v=1, recompute (always, never)]" in said
     # another request (here the limit) is searched afresh: resume then names the differences
-    other = train.parse_args([*args[:-2], "--checkpoint-dir", str(tmp_path), "--memory-limit", "250KB"])
+    other = parse_args([*args[:-2], "--checkpoint-dir", str(tmp_path), "--memory-limit", "250KB"])
     assert train.make_plan(other, CPU).search is not None
     # a fixed-schedule run's checkpoint records no plan balance: nothing to reuse
-    fixed = train.parse_args([*TINY, "--checkpoint-dir", str(tmp_path / "fixed")])
-    _record(tmp_path / "fixed", 2, train.run_config(fixed, theirs))
-    assert train._recorded_plan(fixed) is None
+    fixed = parse_args([*TINY, "--checkpoint-dir", str(tmp_path / "fixed")])
+    _record(tmp_path / "fixed", 2, run_config(fixed, theirs))
+    assert recorded_plan(fixed) is None
+    # one checkpoint given for the folder: refused before any search, naming the flag
+    with pytest.raises(FlagError, match=r"^--checkpoint-dir .*02: recorded_config\(\) takes the folder"):
+        train.make_plan(parse_args([*args[:-2], "--checkpoint-dir", str(path)]), CPU)
 
 
 # ---- runs on 2 ranks: searched and trained (~10 s); checkpointed and restarted (-m slow: ~20 s)
