@@ -124,7 +124,7 @@ def _matrix() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     params = {n: t.detach().clone() for n, t in pipe.named_parameters()}
-    out["prefetch"] = (losses, params, pipe._prefetch_used, pipe.needs_inputs, pipe.needs_targets)
+    out["prefetch"] = (losses, params, pipe.runner.prefetch_used, pipe.needs_inputs, pipe.needs_targets)
     return out
 
 

@@ -149,21 +149,19 @@ from pipeline.plan import Plan
 from pipeline.runtime import emulation, grads, memory, pretrained, replicas
 from pipeline.runtime.agree import agree, summary
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
-from pipeline.runtime.executor import Executor, Prefetched
+from pipeline.runtime.executor import Executor
 from pipeline.runtime.gather import gather_state_dict
 from pipeline.runtime.graph_stages import plan_stages
 from pipeline.runtime.materialize import unset_message
 from pipeline.runtime.metadata import begin_call
-from pipeline.runtime.microbatch import Batch, split
+from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.options import check_group, check_model, resolve
-from pipeline.runtime.outputs import check_dst, share_outputs
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
-from pipeline.runtime.stream import from_host
+from pipeline.runtime.steps import StepRunner
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
-from pipeline.schedules.program import Collective, Program, ReduceWait
-from pipeline.schedules.schedule import Schedule, forward_only
+from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import Timeline
 from pipeline.schedules.validate import validate
 
@@ -274,7 +272,7 @@ class Pipeline:
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }
         self.executor = Executor(self.schedule, self.rank, self.stages, self.comm, self.device, self._prefix)
-        # this rank's step as data; the executor runs its computes and messages, ``_finish`` its tail,
+        # this rank's step as data; the executor runs its computes and messages, the runner its tail,
         # whose collectives every group must run in one order (the validator proves it, ties included)
         tie_stages = [tie.stages for tie in ties]
         validate(self.schedule, dp=self.dp, ties=tie_stages)
@@ -297,13 +295,14 @@ class Pipeline:
         )  # fmt: skip
         with self._publish_failure():
             self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
-        self._eval_executor: Executor | None = None  # built at the first evaluate()
         self._agreed = False
         self.measured_peak: int | None = None  # the last step's true peak, when it measured it
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
         self.last_loss_rank = self.schedule.rank_of(n_stages - 1)
-        self._prefetched: dict[str, Prefetched] = {}  # "inputs" / "targets": the next call's copy
-        self._prefetch_used = 0  # prefetched copies a call took (for tests)
+        self.runner = StepRunner(
+            self.schedule, self.program, self.rank, self.stages, self._modules, self.executor, self.comm,
+            self.device, self._prefix, self.tied, self._replicas, self.dp, self.check_values,
+        )  # fmt: skip
 
     # ---- construction
 
@@ -515,18 +514,7 @@ class Pipeline:
                 torch.cuda.reset_peak_memory_stats(self.device)
             self.executor.meter.enabled = measure_memory  # counting what is held costs host time
             with memory.measured(self, measure_memory and self.device.type != "cuda"):
-                xs, ys = self._microbatches(inputs, targets, "step")
-                self._prefetch(prefetch)
-                self.tied.begin()  # first: a tied weight's earlier gradient is put aside, not in a bucket
-                if self._replicas is not None:
-                    self._replicas.begin_step(record)
-                last = self.stages.get(self.schedule.n_stages - 1)
-                if last is not None:  # set at every step (evaluate records its losses unscaled anyway)
-                    last.scale = scaler.scale if scaler is not None else None
-                elif scaler is not None:  # its scale is made at the first scale(): unscale_ needs it here too
-                    scaler.scale(torch.zeros((), device=self.device))
-                self.executor.run(xs, ys, record)
-                return self._finish(self.program, self.executor.sizes)
+                return self.runner.train(inputs, targets, prefetch, record, scaler)
 
     def evaluate(
         self,
@@ -570,45 +558,10 @@ class Pipeline:
         """The forwards of one batch in eval mode: (the loss unless predicting, the outputs if asked)."""
         _check_prefetch(prefetch)
         begin_call(self.comm, method)
-        world = self.comm.world_size if self.comm is not None else 1
-        dst = check_dst(dst, world) if outputs else None
-        if self._eval_executor is None:
-            self._eval_executor = Executor(
-                forward_only(self.schedule),
-                self.rank,
-                self.stages,
-                self.comm,
-                self.device,
-                f"{self._prefix}/eval",
-            )
-        want_loss = method != "predict"
-        last = self.stages.get(self.schedule.n_stages - 1)
-        modes = [(mod, mod.training) for stage in self._modules for mod in stage.modules()]
-        try:
-            with self._publish_failure(), self._strict_devices():
-                if not self._agreed:
-                    self._agree()
-                xs, ys = self._microbatches(inputs, targets, method, want_loss)
-                self._prefetch(prefetch)
-                for stage in self._modules:
-                    stage.eval()
-                if last is not None:
-                    last.keep_outputs, last.want_loss = outputs, want_loss
-                    ys = ys if want_loss else [None] * self.n_microbatches
-                with torch.no_grad():
-                    self._eval_executor.run(xs, ys, False)
-                tail = self._eval_executor.sched.program(self.rank, dp=self.dp)  # the loss's collectives
-                loss = self._finish(tail, self._eval_executor.sizes) if want_loss else None
-                kept = last.outputs if last is not None else None
-                out = share_outputs(kept, self.comm, self.last_loss_rank, dst, method) if outputs else None
-                return loss, out
-        finally:
-            for mod, training in modes:
-                mod.training = training
-            for st in self.stages.values():
-                st.discard()
-            if last is not None:
-                last.keep_outputs, last.want_loss = False, True
+        with self._publish_failure(), self._strict_devices():
+            if not self._agreed:
+                self._agree()
+            return self.runner.forward_only(inputs, targets, method, outputs, dst, prefetch)
 
     @contextlib.contextmanager
     def _publish_failure(self) -> Iterator[None]:
@@ -624,50 +577,6 @@ class Pipeline:
     def _strict_devices(self) -> contextlib.AbstractContextManager[Any]:
         """Under the NCCL emulation: the default device is meta (see the module docstring)."""
         return emulation.strict_devices(self.comm is not None and self.comm.emulated)
-
-    def _microbatches(
-        self, inputs: Batch | None, targets: Any, method: str, want_targets: bool = True
-    ) -> tuple[list[Batch], list[Any]]:
-        """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches."""
-        self.check_values()
-        m = self.n_microbatches
-        xs: list[Batch] = []
-        ys: list[Any] = []
-        if self.needs_inputs:
-            if inputs is None:
-                raise ValueError(
-                    f"rank {self.rank} holds stage 0 but {method}() got no inputs; pass the batch on this "
-                    "rank (pipe.needs_inputs is True here)"
-                )
-            xs = split(self._on_device(inputs, "inputs"), m, what="inputs")
-        if self.needs_targets and want_targets:
-            if targets is None:
-                raise ValueError(
-                    f"rank {self.rank} holds the last stage ({self.schedule.n_stages - 1}) but {method}() "
-                    "got no targets; pass targets=... on this rank (the loss is computed there; "
-                    "pipe.needs_targets is True here)"
-                )
-            ys = split(self._on_device(targets, "targets"), m, what="targets")
-        return xs, ys
-
-    def _on_device(self, batch: Any, slot: str) -> Any:
-        """``batch`` on this rank's device: its prefetched copy when it is the batch prefetched."""
-        pre = self._prefetched.get(slot)
-        if pre is not None and pre.host is batch:
-            del self._prefetched[slot]
-            self._prefetch_used += 1
-            return self.executor.take_prefetched(pre)
-        return self.executor.to_device(batch)
-
-    def _prefetch(self, prefetch: Sequence[Any] | None) -> None:
-        """Start the copies of the next call's inputs and targets, where this rank uses them."""
-        if prefetch is None:
-            return
-        x, y = prefetch
-        if self.needs_inputs and x is not None:
-            self._prefetched["inputs"] = self.executor.prefetch(x)
-        if self.needs_targets and y is not None:
-            self._prefetched["targets"] = self.executor.prefetch(y)
 
     def _agree(self) -> None:
         """At the first step: every rank runs the same schedule, micro-batch count and balance."""
@@ -685,32 +594,6 @@ class Pipeline:
                 )
             self.comm.board.learn_peers()  # every rank built its Comm: their processes, to name a dead one
         self._agreed = True
-
-    def _finish(self, program: Program, sizes: Sequence[int]) -> float:
-        """Run ``program``'s tail in its order (the order every rank of each group runs it, which
-        the validator checks): the replicas' reductions finish, tied weights' gradients are summed
-        (each copy: every copy's sum), the loss goes out. The batch's mean loss, on every rank."""
-        last = self.stages.get(self.schedule.n_stages - 1)
-        comm = self.comm
-        value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
-        if last is not None:  # each micro-batch loss weighted by its rows: the batch's mean
-            losses = torch.stack(last.losses).float()
-            shares = from_host(last.weights, torch.float32, losses.device)
-            value += (losses * shares).sum().to(value.device)
-        mean: float | None = None
-        for x in program.tail():
-            if isinstance(x, ReduceWait):
-                assert self._replicas is not None
-                self._replicas.wait([x.stage])
-            elif isinstance(x, Collective) and x.what == "ties":
-                self.tied.reduce(x.ranks)
-            elif isinstance(x, Collective) and x.op == "broadcast":
-                assert comm is not None
-                comm.broadcast(value, x.root, f"the loss from rank {comm.name(x.root)}")
-            elif isinstance(x, Collective):  # the loss over the replicas
-                assert self._replicas is not None
-                mean = self._replicas.global_mean(float(value), sum(sizes))
-        return float(value) if mean is None else mean
 
     def _dp_comm(self) -> Comm | None:
         return self._replicas.comm if self._replicas is not None else None
