@@ -328,3 +328,60 @@ def test_a_killed_rank_is_named_within_seconds_and_leaves_no_process(tmp_path: P
         pid = int((tmp_path / f"pid{r}").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# ---- host synchronisation inside a step
+
+# On CUDA, reading a device tensor on the host (.item(), .tolist(), float(), .cpu()) waits for the
+# device to drain: inside a step it stalls the host's run-ahead and the overlap. These are the only
+# reads a step makes; each is named. A new one fails the test below.
+ALLOWED_READS = {
+    "runtime/steps.py:finish",  # the returned loss, at the step's end (the one sync allowed)
+    "runtime/replicas.py:global_mean",  # the loss's mean over the replicas, at the step's end
+    "runtime/metadata.py:decode",  # the step header's signature, on receiving ranks: still a sync
+}
+
+
+def _host_reads() -> dict[str, int]:
+    """Where (pipeline file:function) a second step reads tensors on the host, under the emulation."""
+    import collections
+    import traceback
+
+    p = dist.get_world_size() // 2
+    model, _ = mlp(width=WIDTH, depth=DEPTH, batch_size=BATCH)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    plan = Plan(balance=[DEPTH // p] * p, schedule="zb-h1", n_microbatches=4, dp=2)
+    pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss, timeout=30.0)
+    pipe.step(x, y)  # the first step: its setup reads what it needs once
+    sites: collections.Counter[str] = collections.Counter()
+    names = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
+    real = {n: getattr(torch.Tensor, n) for n in names}
+
+    def reading(n: str) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            for frame in reversed(traceback.extract_stack()[:-1]):
+                if "/pipeline/" in frame.filename:
+                    sites[f"{frame.filename.split('/pipeline/')[1]}:{frame.name}"] += 1
+                    break
+            return real[n](self, *args, **kwargs)
+
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, reading(n))
+    try:
+        pipe.step(x, y)
+    finally:
+        for n in names:
+            setattr(torch.Tensor, n, real[n])
+    return dict(sites)
+
+
+_READS = job(4, _host_reads, timeout=60.0, backend="nccl-emulated")
+
+
+def test_a_step_reads_the_device_only_where_named(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """2 replicas of a 2-rank zb-h1 pipeline: every host read of a step is one of ALLOWED_READS."""
+    for rank, sites in enumerate(_READS.results(tmp_path_factory)):
+        assert set(sites) <= ALLOWED_READS, (rank, sites)
+        assert "runtime/steps.py:finish" in sites, rank
