@@ -110,6 +110,8 @@ class Channels:
         # weak: the cache below is keyed by the group, which its value must not keep alive
         self._group = weakref.ref(group if group is not None else c10d._get_default_group())
         pairs = sorted({(a, (a + d) % n) for a in range(n) for d in (1, -1) if (a + d) % n != a})
+        self.directions = pairs  # (src, dst) of every channel, in the one order every rank uses
+        self.prepared = False  # each channel's first message sent (Comm, at construction)
         # (src, dst) -> (group, dst-or-src's rank in it, its global rank)
         self._lanes: dict[tuple[int, int], tuple[Any, int, int]] = {}
         for row in rows:  # the same order on every rank: dist.new_group is collective

@@ -24,10 +24,13 @@ asynchrony  a receive lands in a staging buffer; the buffer compute reads holds
     default stream   [F0] ............ [F1 reads buffer]      (no order: F1 reads NaN)
 
 communicators  NCCL makes a group's communicator at the group's first operation,
-            a blocking rendezvous of all its ranks; a first operation that is a
-            point-to-point between two of three or more ranks waits forever for
-            the others. Here it raises (``first_use``); a collective on the group,
-            which every rank takes part in, makes the communicator (``made``).
+            a blocking rendezvous of all its ranks, outside any timeout of ours: a
+            first operation that is a point-to-point between two of three or more
+            ranks waits forever for the others, and one inside a step hangs there if
+            a peer died before it. Both raise here (``first_use``, ``stepping``); a
+            collective on the group, which every rank takes part in, makes the
+            communicator (``made``), as does each channel's first message at
+            construction (``Comm``).
 
 Host-to-device copies of the inputs (``copy``) are emulated the same way: the
 copy reads as poison until compute is ordered after the copy stream it was
@@ -65,6 +68,7 @@ __all__ = [
     "order",
     "poison",
     "record_event",
+    "stepping",
     "strict_devices",
     "use",
     "wait_event",
@@ -87,11 +91,30 @@ def made(group: Any) -> None:
     _made.add(id(group))
 
 
+_in_step = [False]  # whether this process is inside a step (``stepping``)
+
+
+@contextlib.contextmanager
+def stepping() -> Iterator[None]:
+    """The inside of a step: no communicator may be made here."""
+    _in_step[0] = True
+    try:
+        yield
+    finally:
+        _in_step[0] = False
+
+
 def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
     """A point-to-point on ``group`` (``size`` ranks) that ``taking_part`` of them take part in: if
     it is the group's first operation, NCCL would make the communicator here and wait for all."""
     if id(group) in _made:
         return
+    if _in_step[0]:
+        raise RuntimeError(
+            f"NCCL emulation: {what} would be the first operation on its group, inside a step: NCCL "
+            "would make the group's communicator here, a blocking rendezvous outside the pipeline's "
+            "timeout and failure watch; make every communicator at construction"
+        )
     if taking_part < size:
         raise RuntimeError(
             f"NCCL emulation: {what} would be the first operation on a group of {size} ranks and only "

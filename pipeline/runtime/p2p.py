@@ -189,6 +189,7 @@ class Comm:
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
         self._made = False  # whether a collective made the group's NCCL communicator (ensure_communicator)
+        self._prepare_channels()
         # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
         self.call = (0, 0)
 
@@ -464,6 +465,24 @@ class Comm:
 
     def _collective(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> None:
         self.finish(self._start(tensor, start_op, what), what)
+
+    def _prepare_channels(self) -> None:
+        """Each channel's first message, here at construction, not in a step: NCCL makes a
+        communicator at its first operation, a blocking rendezvous of its ranks, so a peer that
+        died before would hang the step there, outside every timeout. The ranks go through the
+        channels in one global order (a rank takes part in those it is an end of), so no two wait
+        on each other; each message is waited for with the timeout and the failure watch."""
+        ch = self.channels
+        if ch is None or ch.prepared:
+            return
+        for a, b in ch.directions:
+            if self.rank not in (a, b):
+                continue
+            what = f"channel {self.name(a)} -> {self.name(b)}'s first message (made at construction)"
+            one = [self.zeros((1,))]
+            works = self.post([(one, b)], [], what) if self.rank == a else self.post([], [(one, a)], what)
+            self.wait(works[0], what)
+        ch.prepared = True
 
     def ensure_communicator(self) -> None:
         """Make sure the group's own NCCL communicator exists before a point-to-point on it between
