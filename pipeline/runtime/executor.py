@@ -42,7 +42,6 @@ until its reap; a training step resets its peak at the start and keeps it at the
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -310,7 +309,7 @@ class Executor:
             owned += [t for batch in (*inputs, *targets) for t in _tensors(batch)]
             self.meter.begin_step(owned)
         try:
-            with emulation.strict_devices(self.emulated), self._stepping():
+            with emulation.strict_devices(self.emulated):
                 key = self._exchange_header()
                 if key != self._input_key:  # the autocast state changes the dtypes between stages too
                     self._setup(key[0])
@@ -344,10 +343,6 @@ class Executor:
         finally:
             self._ends.clear()
             self._ordered.clear()
-
-    def _stepping(self) -> contextlib.AbstractContextManager[Any]:
-        """Under the emulation: the inside of a step, where no communicator may be made."""
-        return emulation.stepping() if self.emulated else contextlib.nullcontext()
 
     def _run_ahead_wait(self) -> None:
         """Wait until the device has finished the compute ``RUN_AHEAD`` actions back (see the docstring)."""

@@ -190,6 +190,8 @@ class Comm:
         self._aborted = False
         self._made = False  # whether a collective made the group's NCCL communicator (ensure_communicator)
         self._prepare_channels()
+        if self.channels is not None:  # the group's own communicator too (the loss, the norm), not in a step
+            self.ensure_communicator()
         # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
         self.call = (0, 0)
 
@@ -496,9 +498,9 @@ class Comm:
     def _start(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> Any:
         self._check_open(what)
         self.check(tensor, what)
-        self._made = True  # a collective: every rank takes part, so the communicator is made here
-        if self.emulated:
-            emulation.made(_process_group(self.group))
+        if self.emulated:  # a collective: every rank takes part, so the communicator is made here
+            emulation.first_use(_process_group(self.group), self.world_size, self.world_size, what)
+        self._made = True
         try:
             work = start_op()
         except Exception as exc:  # a peer that is gone already

@@ -513,7 +513,7 @@ class Pipeline:
             if self.device.type == "cuda":  # memory_stats(): this step's peak
                 torch.cuda.reset_peak_memory_stats(self.device)
             self.executor.meter.enabled = measure_memory  # counting what is held costs host time
-            with memory.measured(self, measure_memory and self.device.type != "cuda"):
+            with memory.measured(self, measure_memory and self.device.type != "cuda"), self._stepping():
                 return self.runner.train(inputs, targets, prefetch, record, scaler)
 
     def evaluate(
@@ -561,7 +561,8 @@ class Pipeline:
         with self._publish_failure(), self._strict_devices():
             if not self._agreed:
                 self._agree()
-            return self.runner.forward_only(inputs, targets, method, outputs, dst, prefetch)
+            with self._stepping():
+                return self.runner.forward_only(inputs, targets, method, outputs, dst, prefetch)
 
     @contextlib.contextmanager
     def _publish_failure(self) -> Iterator[None]:
@@ -573,6 +574,12 @@ class Pipeline:
                 text = str(exc) if isinstance(exc, PipelineTimeout) else f"{type(exc).__name__}: {exc}"
                 self.comm.publish(text)
             raise
+
+    def _stepping(self) -> contextlib.AbstractContextManager[Any]:
+        """Under the NCCL emulation: the inside of a call, where no communicator may be made."""
+        return (
+            emulation.stepping() if self.comm is not None and self.comm.emulated else contextlib.nullcontext()
+        )
 
     def _strict_devices(self) -> contextlib.AbstractContextManager[Any]:
         """Under the NCCL emulation: the default device is meta (see the module docstring)."""
