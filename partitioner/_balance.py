@@ -54,7 +54,7 @@ def balance_of(profile: Profile, shape: Plan, sched: Schedule, net: Options, siz
     costs = layer_costs(
         profile, net.cost, recompute=recompute, n_microbatches=m, split_backward=sched.split_backward
     )
-    cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth)
+    cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)
     limits, rows = None, None
     if net.memory_limit is not None:
         layer_rows, offset = memory_rows(profile, sched, recompute, net.optimizer_state_factor)
@@ -110,7 +110,7 @@ class Modes:
             rows, offset = memory_rows(profile, sched, mode, net.optimizer_state_factor)
             out.memory.append([_prefix(grouped(row, sizes)) for row in rows])
             out.offset.append(offset)
-        cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth)
+        cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)
         out.cut = None if cuts is None else [grouped_cut(row, sizes) for row in cuts]
         if out.cut is not None and not any(any(row[:-1]) for row in out.cut):
             out.cut = None
@@ -121,7 +121,9 @@ class Modes:
         """Per option, per stage: the layers' limit when rank r's limit is x (or x * per_rank[r])."""
         p = self.net.n_ranks
         base = [1.0] * p if per_rank is None else list(per_rank)
-        return [[x * base[s % p] / self.v - off[s] for s in range(self.k)] for off in self.offset]
+        return [
+            [x * base[self.net.rank_of(s)] / self.v - off[s] for s in range(self.k)] for off in self.offset
+        ]
 
     def fits(self, allowed: Sequence[Sequence[int]] | None = None) -> bool:
         """Whether some balance fits the limits, each stage on one of its options (or of ``allowed``)."""

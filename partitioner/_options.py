@@ -18,6 +18,7 @@ from partitioner._fit import fits, smallest
 from partitioner._inputs import _check_memory
 from partitioner.costs import COSTS, links
 from partitioner.overhead import NO_RUNTIME, RuntimeCosts
+from pipeline.schedules.schedule import rank_of
 
 __all__ = ["Options", "check_fit"]
 
@@ -35,6 +36,11 @@ class Options:
         self.scalar_limit = True
         self.optimizer_state_factor = 2.0
         self.runtime = NO_RUNTIME  # the runtime's seconds per action and message (partitioner.overhead)
+        self.placement = "loop"  # where stage s lives: the schedule's (pipeline.schedules.schedule.rank_of)
+
+    def rank_of(self, s: int) -> int:
+        """The rank that holds stage ``s`` (the schedule's placement)."""
+        return rank_of(self.placement, self.n_ranks, s)
 
     @classmethod
     def make(
@@ -48,15 +54,18 @@ class Options:
         memory_limit: float | Sequence[float] | None,
         optimizer_state_factor: float,
         runtime: RuntimeCosts | None = None,
+        placement: str = "loop",
     ) -> Options:
         """``runtime``: what the simulated step charges per action and message (None: nothing;
-        the auto search passes ``DEFAULT_RUNTIME`` when given none)."""
+        the auto search passes ``DEFAULT_RUNTIME`` when given none); ``placement``: the schedule's
+        (its registry entry's), where each stage and so each cut lives."""
         out = cls()
         if cost not in COSTS:
             raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
-        out.cost, out.n_ranks = cost, p
-        out.bandwidth = links("bandwidth", bandwidth, p, v)
-        out.latency = links("latency", latency, p, v)
+        rank_of(placement, p, 0)  # an unknown placement is refused, naming the valid ones
+        out.cost, out.n_ranks, out.placement = cost, p, placement
+        out.bandwidth = links("bandwidth", bandwidth, p, v, placement)
+        out.latency = links("latency", latency, p, v, placement)
         if cost != "time" and (bandwidth is not None or latency is not None):
             named = "bandwidth" if bandwidth is not None else "latency"
             raise ValueError(f"{named} turns bytes into seconds and needs cost='time', not cost={cost!r}")
@@ -77,7 +86,7 @@ class Options:
         return out
 
     def stage_speeds(self, k: int) -> list[float] | None:
-        return None if self.speeds is None else [self.speeds[s % self.n_ranks] for s in range(k)]
+        return None if self.speeds is None else [self.speeds[self.rank_of(s)] for s in range(k)]
 
 
 def _per_rank(
@@ -117,7 +126,7 @@ def check_fit(
     per_rank, p = net.memory_limit, net.n_ranks
 
     def limits(scale: float, base: list[float]) -> list[float]:
-        return [scale * base[s % p] / v - offset[s] for s in range(k)]
+        return [scale * base[net.rank_of(s)] / v - offset[s] for s in range(k)]
 
     found = limits(1.0, per_rank)
     grouped, _ = _check_memory(rows, 0.0, len(rows[0]), k)
@@ -137,7 +146,7 @@ def check_fit(
             f"memory_limit ({per_rank[0]:g}) is too small: no split into {k} stages fits it{kept}; "
             f"the smallest limit that fits is {least!r}; raise memory_limit or use more ranks"
         )
-    scale = [per_rank[s % p] / v for s in range(k)]
+    scale = [per_rank[net.rank_of(s)] / v for s in range(k)]
     factor = smallest(grouped, k, lambda x: limits(x, per_rank), scale, offset)
     raise ValueError(
         f"memory_limit ({per_rank}) is too small: no split into {k} stages fits it{kept}; the limits "

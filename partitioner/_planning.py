@@ -85,7 +85,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     balance, k, m, p = shape.balance, shape.n_stages, shape.n_microbatches, shape.n_ranks
     split = sched.split_backward
     layers = with_loss(profile)
-    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth)
+    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth, net.placement)
     speeds = net.stage_speeds(k) or [1.0] * k
     modes = [shape.recompute_of(s) for s in range(k)]
     by_mode = {  # each stage's cost under its own mode
@@ -101,15 +101,17 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     rows, offsets = memory_rows(profile, sched, shape.recompute, net.optimizer_state_factor)
     mem = stage_memory(rows, balance)
     sent = cut_bytes(profile.graph)
-    extras = stage_extras(k, p, net.runtime)  # the runtime's own seconds per action and message
+    extras = stage_extras(k, p, net.runtime, net.rank_of)  # the runtime's own seconds per action and message
     w_extra = net.runtime.action if split else 0.0
     stages, start = [], 0
     for s, size in enumerate(balance):
         stop = start + size
         out = sent[stop - 1] if s < k - 1 else 0
-        link = transfer(out, s, p, net.latency, net.bandwidth) if s < k - 1 else 0.0  # each way
+        link = (
+            transfer(out, s, p, net.latency, net.bandwidth, net.placement) if s < k - 1 else 0.0
+        )  # each way
         if s > 0:
-            link += transfer(sent[start - 1], s - 1, p, net.latency, net.bandwidth)
+            link += transfer(sent[start - 1], s - 1, p, net.latency, net.bandwidth, net.placement)
         lps = layers[start:stop]
         rho = recomputed_share(modes[s], m)
         forward = math.fsum(lp.forward_time for lp in lps) / speeds[s]
@@ -180,7 +182,7 @@ def memory_rows(
     modes = tuple(mode_of(recompute, s) for s in range(k))
     coefs = _coefficients(sched, modes)
     bounds = {f: np.asarray(x) for f, x in layer_bounds(profile, optimizer_state_factor).items()}
-    parts = ("saved", "chain", "grads", "transient_forward", "transient_backward")
+    parts = ("saved", "chain", "grads", "transient_forward", "transient_backward", "transient_input_grad")
     by_coef: dict[tuple[float, ...], list[float]] = {}  # stages of equal coefficients share a row
     rows = []
     for c in coefs:

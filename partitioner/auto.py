@@ -52,7 +52,7 @@ from partitioner._fit import fits, smallest
 from partitioner._inputs import _prefix
 from partitioner._options import Options
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
-from partitioner.costs import cut_groups, cut_rows, layer_costs, with_loss
+from partitioner.costs import cut_groups, cut_rows, layer_costs, n_links, with_loss
 from partitioner.figures import Profile
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
@@ -129,9 +129,9 @@ def search(
         _refuse_below_static(profile, p, memory_limit, optimizer_state_factor)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
-    nets: dict[int, Options] = {}
+    nets: dict[tuple[int, str], Options] = {}  # per (v, placement)
     groups: list[_Group] = []
-    bounds: dict[tuple[int, bool, int], float] = {}
+    bounds: dict[tuple[int, bool, int, str], float] = {}
     skipped: list[str] = []
     unfit: list[_Group] = []  # groups that no balance fits, whatever the schedule's order
     for name in names:
@@ -139,18 +139,20 @@ def search(
             if p * v > len(sizes):
                 skipped.append(f"{name} v={v}: {p * v} stages but only {len(sizes)} cuttable layer groups")
                 continue
-            if v not in nets:
+            placement = entry(name).placement
+            if (v, placement) not in nets:
                 try:
-                    nets[v] = Options.make(
+                    nets[v, placement] = Options.make(
                         cost,
                         p,
                         v,
                         speeds,
-                        _links(bandwidth, p, v),
-                        _links(latency, p, v),
+                        _links(bandwidth, p, v, placement),
+                        _links(latency, p, v, placement),
                         memory_limit,
                         optimizer_state_factor,
                         runtime,
+                        placement,
                     )
                 except ValueError as err:  # e.g. p - 1 links given: no interleaving
                     skipped.append(f"{name} v={v}: {err}")
@@ -164,13 +166,13 @@ def search(
                 if m not in scaled:
                     scaled[m] = scale_profile(profile, sample_rows, batch_size // m, second)
                 split = entry(name).split_backward
-                key = (m, split, p * v)
+                key = (m, split, p * v, placement)
                 if key not in bounds:
                     bounds[key] = m * (
-                        _least_work(scaled[m], nets[v], p * v, m, split, sizes)
-                        + _least_runtime(nets[v], p * v, split)
+                        _least_work(scaled[m], nets[v, placement], p * v, m, split, sizes)
+                        + _least_runtime(nets[v, placement], p * v, split)
                     )
-                if memory_limit is not None and not _may_fit(scaled[m], nets[v], p * v, sizes):
+                if memory_limit is not None and not _may_fit(scaled[m], nets[v, placement], p * v, sizes):
                     skipped.append(
                         f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
                     )
@@ -197,7 +199,7 @@ def search(
         if group.bound >= best[0] * slack:
             stats.pruned_group += n_configs
             continue
-        found += _evaluate(group, scaled[group.m], nets[group.v], p, dp, sizes, best, slack, stats)
+        found += _evaluate(group, scaled[group.m], _net(nets, group), p, dp, sizes, best, slack, stats)
     if not found:
         raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, dp, sizes, memory_limit))
     found.sort(key=lambda plan: plan.step_time)
@@ -278,7 +280,7 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
     0 .. r-1, and (unsplit backward: its last action is a B) ends only after that micro-batch's
     backward has crossed them again; those are at least their compute time (links left out)."""
     k, p, m = plan.n_stages, plan.n_ranks, plan.n_microbatches
-    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth)
+    cuts = cut_rows(profile, k, p, net.latency, net.bandwidth, net.placement)
     modes = [plan.recompute_of(s) for s in range(k)]
     speeds = net.stage_speeds(k)
 
@@ -297,7 +299,7 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
 
     work = per_stage(True)
     extra = _runtime_per_stage(net, k, split)
-    ranks = [m * (math.fsum(work[r::p]) + math.fsum(extra[r::p])) for r in range(p)]
+    ranks = [m * (math.fsum(on_rank(net, work, r)) + math.fsum(on_rank(net, extra, r))) for r in range(p)]
     if k == p and net.cost == "time":  # one stage per rank: the fill (and drain) in front of each
         path = per_stage(False, forward_only=split)
         ranks = [ranks[r] + math.fsum(path[:r]) for r in range(p)]
@@ -307,14 +309,19 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
 def _runtime_per_stage(net: Options, k: int, split: bool) -> list[float]:
     """Per stage, the runtime's seconds per micro-batch (its F, B and, split, W actions)."""
     w = net.runtime.action if split else 0.0
-    return [f + b + w for f, b in stage_extras(k, net.n_ranks, net.runtime)]
+    return [f + b + w for f, b in stage_extras(k, net.n_ranks, net.runtime, net.rank_of)]
 
 
 def _least_runtime(net: Options, k: int, split: bool) -> float:
     """The least runtime seconds per micro-batch of any rank: step >= m * (every rank's work),
     and a rank's runtime seconds do not depend on the balance."""
     extra = _runtime_per_stage(net, k, split)
-    return min(math.fsum(extra[r :: net.n_ranks]) for r in range(net.n_ranks))
+    return min(math.fsum(on_rank(net, extra, r)) for r in range(net.n_ranks))
+
+
+def on_rank(net: Options, per_stage: list[float], r: int) -> list[float]:
+    """The figures of ``per_stage`` that belong to rank r's stages (the schedule's placement)."""
+    return [x for s, x in enumerate(per_stage) if net.rank_of(s) == r]
 
 
 def _refuse_below_static(
@@ -343,8 +350,8 @@ def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
     state, buffers): then no schedule, m or mode can fit, and no schedule is built."""
     assert net.memory_limit is not None
     row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
-    v, p = k // net.n_ranks, net.n_ranks
-    return fits([row], [net.memory_limit[s % p] / v for s in range(k)], k)
+    v, _p = k // net.n_ranks, net.n_ranks
+    return fits([row], [net.memory_limit[net.rank_of(s)] / v for s in range(k)], k)
 
 
 def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
@@ -352,7 +359,7 @@ def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> fl
     row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
     v, p = k // net.n_ranks, net.n_ranks
     base = [1.0] * p if net.scalar_limit or net.memory_limit is None else net.memory_limit
-    scale = [base[s % p] / v for s in range(k)]
+    scale = [base[net.rank_of(s)] / v for s in range(k)]
     return smallest([row], k, lambda x: [x * c for c in scale], scale, [0.0] * k)
 
 
@@ -361,7 +368,7 @@ def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, siz
     recomputation and no memory limit: at least the least bottleneck of a stage, and the whole
     model's compute spread over the ranks' speeds."""
     costs = grouped(layer_costs(profile, net.cost, n_microbatches=m, split_backward=split), sizes)
-    cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth)
+    cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)
     cut = None if cuts is None else [grouped_cut(row, sizes) for row in cuts]
     balance = solve(costs, k, cut_costs=cut, speeds=net.stage_speeds(k))
     bottleneck = max(stage_costs(costs, balance, cut_costs=cut, speeds=net.stage_speeds(k)))
@@ -385,7 +392,7 @@ def _candidate(plan: Plan) -> Candidate:
 def _nothing_fits(
     groups: list[_Group],
     scaled: dict[int, Profile],
-    nets: dict[int, Options],
+    nets: dict[tuple[int, str], Options],
     p: int,
     dp: int,
     sizes: list[int],
@@ -396,19 +403,19 @@ def _nothing_fits(
     Groups go in order of a schedule-free lower bound (the static bytes alone), and one whose
     bound reaches the least limit found is not built."""
     least, where = math.inf, ""
-    floors = [(_least_floor(scaled[g.m], nets[g.v], p * g.v, sizes), i) for i, g in enumerate(groups)]
+    floors = [(_least_floor(scaled[g.m], _net(nets, g), p * g.v, sizes), i) for i, g in enumerate(groups)]
     for floor, i in sorted(floors):
         group = groups[i]
         if floor >= least:
             break
         sched = unchecked(group.schedule, p, group.m, group.v)
         modes = Modes.build(
-            scaled[group.m], sched, nets[group.v], sizes, [list(RECOMPUTE_MODES)] * (p * group.v)
+            scaled[group.m], sched, _net(nets, group), sizes, [list(RECOMPUTE_MODES)] * (p * group.v)
         )
         x = modes.smallest()
         if x < least:
             least, where = x, f"schedule={group.schedule!r}, n_microbatches={group.m}, n_virtual={group.v}"
-    net = nets[groups[0].v]
+    net = _net(nets, groups[0])
     if net.scalar_limit:
         need = (
             f"the smallest memory_limit that fits is {least!r} bytes per rank ({where}, recompute per stage)"
@@ -448,9 +455,17 @@ def check_search(
         raise ValueError(f"keep ({keep!r}) must be an integer >= 1: how many candidates to keep")
 
 
-def _links(value: float | Sequence[float] | None, p: int, v: int) -> float | Sequence[float] | None:
-    """p figures (every link, p - 1 -> 0 included) serve v = 1 too: its p - 1 links are the first."""
-    if v == 1 and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == p:
+def _net(nets: dict[tuple[int, str], Options], group: _Group) -> Options:
+    return nets[group.v, entry(group.schedule).placement]
+
+
+def _links(
+    value: float | Sequence[float] | None, p: int, v: int, placement: str
+) -> float | Sequence[float] | None:
+    """p figures (every link, p - 1 -> 0 included) serve v = 1 and the V too: their p - 1 links are
+    the first."""
+    wanted = n_links(placement, p, v)
+    if wanted == p - 1 and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == p:
         return list(value)[: p - 1]
     return value
 

@@ -14,15 +14,19 @@ forward runs again before the backward (1 for recompute="always", (m - 1) / m fo
 The loss, when profiled, runs on the last stage: its figures are folded into the last layer
 (``with_loss``), which always sits there.
 
-A cut between stages s and s + 1 travels over the link from rank s % p to rank (s + 1) % p;
+A cut between stages s and s + 1 travels from rank_of(s) to rank_of(s + 1) (the schedule's
+placement, ``pipeline.schedules.schedule.rank_of``) over link r = ``link_of(placement, p, s)``;
 link r has a latency and a bandwidth. Per micro-batch the activation goes forward and its
 gradient (as many bytes) comes back, and each transfer keeps both ends busy, so each of the two
 stages pays::
 
-    cut_s[l] = 2 * (latency[r] + bytes(cut after l) / bandwidth[r]),    r = s % p
+    cut_s[l] = 2 * (latency[r] + bytes(cut after l) / bandwidth[r]),    r = link_of(placement, p, s)
 
-Links are given per rank: p - 1 of them when v = 1, p when v > 1 (the last, p - 1 -> 0, carries
-the cuts between chunks).
+and nothing when both stages are on one rank (the V's turn). Links are given per rank. "loop"
+placement (stage s on rank s % p): link r is rank r -> (r + 1) % p, p - 1 of them when v = 1, p
+when v > 1 (the last, p - 1 -> 0, carries the cuts between chunks). "v" placement: the V runs down
+the ranks and back up, so a cut crosses ranks r and r + 1 either way; a link is taken as
+symmetric and indexed by the lower rank of its pair: p - 1 links.
 
 Not every place can be cut (``cut_groups``): the pipeline sends a tensor or a tuple of tensors,
 and a stage's input is a leaf of autograd, which refuses a layer that writes into its input
@@ -41,6 +45,7 @@ import numpy as np
 
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
+from pipeline.schedules.schedule import rank_of
 
 __all__ = [
     "COSTS",
@@ -49,7 +54,9 @@ __all__ = [
     "cut_problems",
     "cut_rows",
     "layer_costs",
+    "link_of",
     "links",
+    "n_links",
     "recomputed_share",
     "transfer",
     "with_loss",
@@ -120,23 +127,43 @@ def _layer_cost(lp: LayerProfile, cost: str, rho: float, split: bool) -> float:
     return 1.0
 
 
+def link_of(placement: str, p: int, s: int) -> int | None:
+    """The link that the cut between stages s and s + 1 crosses (see the module docstring); None
+    when both stages are on one rank."""
+    a, b = rank_of(placement, p, s), rank_of(placement, p, s + 1)
+    if a == b:
+        return None
+    return a if placement == "loop" else min(a, b)
+
+
+def n_links(placement: str, n_ranks: int, n_virtual: int) -> int:
+    """How many links a pipeline of ``n_virtual`` stages per rank uses (see the module docstring)."""
+    return n_ranks - 1 if n_virtual == 1 or placement != "loop" else n_ranks
+
+
 def links(
-    name: str, value: float | Sequence[float] | None, n_ranks: int, n_virtual: int
+    name: str,
+    value: float | Sequence[float] | None,
+    n_ranks: int,
+    n_virtual: int,
+    placement: str = "loop",
 ) -> list[float] | None:
     """``latency`` or ``bandwidth`` per link (see the module docstring), checked; None if not given."""
     if value is None:
         return None
-    wanted = n_ranks - 1 if n_virtual == 1 else n_ranks
+    wanted = n_links(placement, n_ranks, n_virtual)
     what = "seconds per message" if name == "latency" else "bytes per second"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         values = [float(value)] * wanted
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         values = [float(x) for x in value]
         if len(values) != wanted:
-            last = ", the last between chunks" if n_virtual > 1 else ""
+            last = ", the last between chunks" if wanted == n_ranks else ""
+            rule = "rank r -> (r + 1) % p" if placement == "loop" else "ranks r and r + 1, either way"
+            placed = "" if placement == "loop" else f" (placement {placement!r})"
             raise ValueError(
-                f"{name} has {len(values)} entries but {n_ranks} ranks with n_virtual={n_virtual} have "
-                f"{wanted} links (link r: rank r -> (r + 1) % p{last}); pass one number or {wanted}"
+                f"{name} has {len(values)} entries but {n_ranks} ranks with n_virtual={n_virtual}{placed} "
+                f"have {wanted} links (link r: {rule}{last}); pass one number or {wanted}"
             )
     else:
         raise TypeError(f"{name} must be a number or a list of numbers ({what}), got {type(value).__name__}")
@@ -149,26 +176,40 @@ def links(
 
 
 def transfer(
-    nbytes: int, s: int, n_ranks: int, latency: list[float] | None, bandwidth: list[float] | None
+    nbytes: int,
+    s: int,
+    n_ranks: int,
+    latency: list[float] | None,
+    bandwidth: list[float] | None,
+    placement: str = "loop",
 ) -> float:
-    """Seconds one message of ``nbytes`` takes over boundary s's link (0 with neither figure)."""
-    r = s % n_ranks
+    """Seconds one message of ``nbytes`` takes over boundary s's link (0 with neither figure, or
+    when stages s and s + 1 share a rank)."""
+    r = link_of(placement, n_ranks, s)
+    if r is None:
+        return 0.0
     return (0.0 if latency is None else latency[r]) + (0.0 if bandwidth is None else nbytes / bandwidth[r])
 
 
 def cut_rows(
-    profile: Profile, k: int, n_ranks: int, latency: list[float] | None, bandwidth: list[float] | None
+    profile: Profile,
+    k: int,
+    n_ranks: int,
+    latency: list[float] | None,
+    bandwidth: list[float] | None,
+    placement: str = "loop",
 ) -> list[list[float]] | None:
     """Row s: what the cut after each layer costs each of stages s and s + 1 (None: free cuts)."""
     if (latency is None and bandwidth is None) or k == 1:
         return None
     sent = np.asarray(cut_bytes(profile.graph), dtype=np.float64)
-    per_link: dict[int, list[float]] = {}
-    for r in sorted({s % n_ranks for s in range(k - 1)}):
+    per_link: dict[int | None, list[float]] = {None: [0.0] * len(sent)}  # None: one rank, free
+    on = [link_of(placement, n_ranks, s) for s in range(k - 1)]
+    for r in sorted({r for r in on if r is not None}):
         wait = 0.0 if latency is None else latency[r]
         seconds = wait + (0.0 if bandwidth is None else sent / bandwidth[r])
         per_link[r] = (2.0 * np.broadcast_to(seconds, sent.shape)).tolist()
-    return [per_link[s % n_ranks] for s in range(k - 1)]
+    return [per_link[r] for r in on]
 
 
 def _blocked(layers: Sequence[LayerProfile], cut: int, reasons: Sequence[str] | None = None) -> str:

@@ -137,6 +137,9 @@ class StageBytes:
     # stage's last layer reads the received one, counted in ``output``)
     transient_forward: float = 0.0
     transient_backward: float = 0.0
+    # split backward's B: the input gradients only; on stage 0 its first layer computes none (the
+    # step's data needs no gradient: StageRuntime's B stops there), elsewhere as the whole backward
+    transient_input_grad: float = 0.0
 
 
 def stage_bytes(
@@ -207,8 +210,9 @@ def stage_bytes(
             grads += most
         static = sum(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
                      for lp in lps)  # fmt: skip
-        forward, backward = _transients(layers, loss if last else None, io, start, stop)
-        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, forward, backward))
+        forward, backward, input_grad = _transients(layers, loss if last else None, io, start, stop)
+        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, forward, backward,
+                              input_grad))  # fmt: skip
         start = stop
     return out
 
@@ -219,8 +223,9 @@ def _transients(
     io: Sequence[tuple[int, int]],
     start: int,
     stop: int,
-) -> tuple[float, float]:
-    """Stage [start, stop)'s momentary bytes on top of what the walk holds: (forward, backward).
+) -> tuple[float, float, float]:
+    """Stage [start, stop)'s momentary bytes on top of what the walk holds: (forward, backward,
+    a split backward's B).
 
     While layer j runs, the walk holds all the stage saves, but what the layers after j save is not
     there yet (forward) or already freed (backward): only layer j's excess over that counts. In
@@ -237,9 +242,11 @@ def _transients(
     reads = [float(lp.activation_bytes) for lp in figures[:-1]] + [0.0]
     pairs = zip(figures, later, strict=True)
     forward = max(max(lp.forward_transient_bytes - after, 0.0) for lp, after in pairs)
-    backward = max(max(lp.backward_transient_bytes + g - after, 0.0)
-                   for lp, g, after in zip(figures, reads, later, strict=True))  # fmt: skip
-    return forward, backward
+    each = [max(lp.backward_transient_bytes + g - after, 0.0)
+            for lp, g, after in zip(figures, reads, later, strict=True)]  # fmt: skip
+    # a split B on stage 0 runs no backward for its first layer (no gradient for the step's data)
+    input_grad = max(each[1:], default=0.0) if start == 0 else max(each)
+    return forward, max(each), input_grad
 
 
 def _storages(
@@ -297,6 +304,7 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
         "static": static.tolist(),
         "transient_forward": forward.tolist(),
         "transient_backward": backward.tolist(),
+        "transient_input_grad": backward.tolist(),  # at most the whole backward's
         "saved": np.maximum(own, 0.0).tolist(),
         "chain": np.where(unsaved, act, 0.0).tolist(),
         "grads": act.tolist(),
@@ -341,7 +349,7 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
         return np.asarray([getattr(stages[s], _FIELD[kind])])
 
     return [
-        sum(st.static for st in stages[r :: sched.n_ranks])
+        sum(stages[s].static for s in sched.stages_of(r))
         + float(_walk(sched, r, size, modes, [st.input_grad_kept for st in stages])[0])
         for r in range(sched.n_ranks)
     ]
@@ -350,9 +358,10 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
 # what each holder of the walk weighs: a field of ``StageBytes``
 _FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
           "set": "saved", "chain": "chain", "grads": "grads", "tf": "transient_forward",
-          "tb": "transient_backward"}  # fmt: skip
+          "tb": "transient_backward", "tbi": "transient_input_grad"}  # fmt: skip
 # the per-micro-batch figures of StageBytes
-PARTS = ("saved", "input", "output", "chain", "grads", "transient_forward", "transient_backward")
+PARTS = ("saved", "input", "output", "chain", "grads", "transient_forward", "transient_backward",
+         "transient_input_grad")  # fmt: skip
 
 
 def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[str, float]]:
@@ -382,7 +391,7 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
     out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
     for r in range(p):
         peak = _walk(sched, r, size, modes)
-        for s in range(r, sched.n_stages, p):
+        for s in sched.stages_of(r):
             out[s] = {f: float(peak[(s // p) * width + j]) for j, f in enumerate(PARTS)}
     return out
 
@@ -405,9 +414,19 @@ def _walk(
     now, peak = np.zeros(width), np.zeros(width)
     m = sched.n_microbatches
 
+    def same(key: tuple[str, int, int]) -> tuple[str, int, int]:
+        # a neighbour stage on this rank (the V's turn) hands its tensor over locally: stage s's
+        # input is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient
+        kind, s, i = key
+        if kind == "in" and s > 0 and sched.rank_of(s - 1) == r:
+            return ("out", s - 1, i)
+        if kind == "gout" and s < sched.n_stages - 1 and sched.rank_of(s + 1) == r:
+            return ("gin", s + 1, i)
+        return key
+
     def take(*keys: tuple[str, int, int]) -> None:
         nonlocal now, peak
-        for key in keys:
+        for key in map(same, keys):
             refs[key] = refs.get(key, 0) + 1
             if refs[key] == 1:
                 now = now + size(key)
@@ -415,7 +434,7 @@ def _walk(
 
     def drop(*keys: tuple[str, int, int]) -> None:
         nonlocal now
-        for key in keys:
+        for key in map(same, keys):
             if key in refs:
                 refs[key] -= 1
                 if refs[key] == 0:
@@ -450,7 +469,7 @@ def _walk(
                 if replays:
                     take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
                     momentary(("tf", s, i))
-                momentary(("tb", s, i))
+                momentary(("tbi" if sched.split_backward else "tb", s, i))
                 if sched.split_backward:
                     take(*until_w)
                 else:

@@ -36,16 +36,18 @@ pass a measured one (``runtime=``) to ``partition`` when the run's machine diffe
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pipeline.schedules.schedule import Schedule
+from pipeline.schedules.schedule import rank_of as placed
 from pipeline.schedules.simulate import simulate
 
 __all__ = ["DEFAULT_RUNTIME", "NO_RUNTIME", "RuntimeCosts", "fit_runtime", "measure_runtime", "stage_extras"]
@@ -74,11 +76,16 @@ NO_RUNTIME = RuntimeCosts()
 DEFAULT_RUNTIME = RuntimeCosts(action=2.7e-4, message=2.7e-4)
 
 
-def stage_extras(k: int, n_ranks: int, runtime: RuntimeCosts) -> list[tuple[float, float]]:
-    """Per stage: (seconds added to its F and to its B action; the W action adds ``action``)."""
+def stage_extras(
+    k: int, n_ranks: int, runtime: RuntimeCosts, rank_of: Callable[[int], int] | None = None
+) -> list[tuple[float, float]]:
+    """Per stage: (seconds added to its F and to its B action; the W action adds ``action``);
+    ``rank_of``: the schedule's placement (None: stage s on rank s % p), for the neighbours on the
+    same rank, which send nothing."""
+    where = rank_of if rank_of is not None else functools.partial(placed, "loop", n_ranks)
     out = []
     for s in range(k):
-        messages = 0 if n_ranks < 2 else int(s > 0) + int(s < k - 1)
+        messages = sum(1 for q in (s - 1, s + 1) if 0 <= q < k and where(q) != where(s))
         each = runtime.action + runtime.message * messages
         out.append((each, each))
     return out
@@ -86,7 +93,7 @@ def stage_extras(k: int, n_ranks: int, runtime: RuntimeCosts) -> list[tuple[floa
 
 def _basis(sched: Schedule, runtime: RuntimeCosts) -> float:
     """The simulated step of ``sched`` with no compute, only ``runtime``'s costs."""
-    extras = stage_extras(sched.n_stages, sched.n_ranks, runtime)
+    extras = stage_extras(sched.n_stages, sched.n_ranks, runtime, sched.rank_of)
     w = runtime.action if sched.split_backward else 0.0
     line = simulate(sched, [f for f, _ in extras], [b for _, b in extras], [w] * sched.n_stages)
     return float(line.makespan)

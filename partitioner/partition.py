@@ -7,9 +7,10 @@
     schedule(name, p, m, v) --coefficients(recompute): the walk, unit bytes--> memory_rows -------'
 
 The count is the pipeline's ranks, p; each holds v stages, so the balance has k = p * v entries and
-stage s runs on rank s % p. The schedule is built once, from the same options the returned ``Plan``
-carries, and both the memory model and the step-time prediction read that ``Schedule``. What a
-layer and a cut cost is ``partitioner.costs``'s; the memory model ``partitioner.memory``'s.
+stage s runs on rank rank_of(s) (s % p; the V for zb-v). The schedule is built once, from the
+same options the returned ``Plan`` carries, and both the memory model and the step-time prediction
+read that ``Schedule``. What a layer and a cut cost is ``partitioner.costs``'s; the memory model
+``partitioner.memory``'s.
 
 ``sample`` is ONE micro-batch: the figures (and so step-time predictions) are per micro-batch.
 Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast: 2.0), and
@@ -47,6 +48,7 @@ from partitioner.shared import shared_across_ranks
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import Recompute
 from pipeline.runtime.tracing import Traced, trace
+from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import schedule_options
 
 # COSTS, layer_costs: costs.py's
@@ -133,7 +135,16 @@ def partition(
         balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute, dp=dp
     )
     net = Options.make(
-        cost, n_ranks, v, speeds, bandwidth, latency, memory_limit, optimizer_state_factor, runtime
+        cost,
+        n_ranks,
+        v,
+        speeds,
+        bandwidth,
+        latency,
+        memory_limit,
+        optimizer_state_factor,
+        runtime,
+        entry(schedule).placement,
     )
     check_model(model)
     profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
@@ -191,7 +202,16 @@ def plan_for(
     v, m = schedule_options(schedule, shape.n_ranks, n_microbatches, n_virtual)  # the given m and v
     shape = shape.replace(n_microbatches=m, n_virtual=v)
     net = Options.make(
-        cost, shape.n_ranks, v, speeds, bandwidth, latency, None, optimizer_state_factor, runtime
+        cost,
+        shape.n_ranks,
+        v,
+        speeds,
+        bandwidth,
+        latency,
+        None,
+        optimizer_state_factor,
+        runtime,
+        entry(shape.schedule).placement,
     )
     if shape.n_layers != len(profile):
         raise ValueError(

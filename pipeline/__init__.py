@@ -14,7 +14,7 @@ Index letters, with these meanings in every module's comments (partitioner/ too)
 
     p   pipeline ranks (the devices of one pipeline); r a rank, q a peer rank
     v   stages per rank ("virtual" stages: 2 or more only for interleaved-1f1b)
-    k   stages in all, k = p * v; s a stage, held by rank s % p; c = s // p its chunk there
+    k   stages in all, k = p * v; s a stage, held by rank s % p (zb-v: the V, rank_of); c = s // p its chunk
     m   micro-batches per step; i a micro-batch
     n   layers of the model; l a layer
     t   a step of a rank's action list

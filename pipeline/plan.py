@@ -3,7 +3,7 @@
     # letters: see pipeline/__init__.py (p ranks, v stages per rank, m micro-batches, s stage, l layer)
 
 A plan holds everything every rank of a run must agree on: the balance (layers
-per stage, stage s on rank s % p), the schedule's name, m, v, the
+per stage, stage s on rank ``rank_of(s)``: s % p, or the V for zb-v), the schedule's name, m, v, the
 recomputation mode and ``dp``, the number of pipeline replicas that train on
 different data (the world is dp x p ranks, see ``pipeline.runtime.mesh``), plus
 what the partitioner predicted for one pipeline (per-stage times, memory and
@@ -32,7 +32,8 @@ from torch import nn
 
 from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.program import Program
-from pipeline.schedules.schedule import Schedule, default_n_virtual, schedule, schedule_options
+from pipeline.schedules.registry import entry
+from pipeline.schedules.schedule import Schedule, default_n_virtual, rank_of, schedule, schedule_options
 
 __all__ = ["Candidate", "Plan", "SearchStats", "StagePlan", "TracedGraph"]
 
@@ -266,9 +267,9 @@ class Plan:
 
     def predicted_busy(self) -> list[float]:
         """Per rank, the predicted compute seconds of one step: m x (forward + backward) of its stages."""
-        p = self.n_ranks
+        p, placement = self.n_ranks, entry(self.schedule).placement
         per_stage = [self.n_microbatches * (st.forward_time + st.backward_time) for st in self.stages]
-        return [sum(per_stage[r::p]) for r in range(p)]
+        return [sum(x for s, x in enumerate(per_stage) if rank_of(placement, p, s) == r) for r in range(p)]
 
     # ---- text
 

@@ -31,9 +31,10 @@ from pipeline.launch import launch
 from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss, mlp, resnet
 from pipeline.runtime.pipe import Pipeline
+from pipeline.schedules.registry import REGISTRY
 
 M = 4
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("interleaved-zb", 2))
+SCHEDULES = tuple((name, e.default_virtual) for name, e in REGISTRY.items())  # every registered one
 CASES = [(s, v, mode) for s, v in SCHEDULES for mode in ("never", "except_last", "always")]
 MODELS = ("mlp", "gpt", "resnet", "wide")
 RESNET_BALANCE = {(2, 1): [4, 2], (2, 2): [1, 2, 1, 2], (4, 1): [2, 2, 2, 2], (4, 2): [1] * 8}

@@ -512,8 +512,9 @@ def _matrix_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str
     n_layers = len(_model(2 * p)[0])
     for name, v, m in _configs(p):
         key, plan = f"fp32/{name}/{m}", _plan(n_layers, p, name, v, m)
-        want = in_flight(plan.build_schedule())  # per stage, the plan's count
-        held = [per_rank[s % p][key][3][s] for s in range(p * v)]
+        sched = plan.build_schedule()
+        want = in_flight(sched)  # per stage, the plan's count
+        held = [per_rank[sched.rank_of(s)][key][3][s] for s in range(p * v)]
         detail = f"held {held}, plan {want}"
         if dev.type == "cuda":  # each rank's peak against the plan's bytes for its stages
             model, x, _ = _model(2 * p)

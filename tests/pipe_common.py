@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pipeline.reference.models import gpt, gpt_loss, mlp
+from pipeline.schedules.registry import REGISTRY
 
 __all__ = [
     "BATCH",
@@ -26,13 +27,7 @@ __all__ = [
 
 M, BATCH = 4, 8
 MODELS = ("mlp", "gpt")
-CONFIGS = [
-    ("gpipe", 1),
-    ("1f1b", 1),
-    ("interleaved-1f1b", 2),
-    ("zb-h1", 1),
-    ("interleaved-zb", 2),
-]  # (schedule, v)
+CONFIGS = [(name, e.default_virtual) for name, e in REGISTRY.items()]  # (schedule, v): every registered one
 RECOMPUTES = ("never", "except_last", "always")
 
 

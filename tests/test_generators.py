@@ -111,3 +111,39 @@ def test_interleaved_zb_makespan_and_memory(p: int, v: int, groups: int) -> None
         assert zb.makespan == 3 * m * v + p - 1
     extra = [z - i for z, i in zip(zb.peak_activations, interleaved.peak_activations, strict=True)]
     assert all(0 <= e <= r for r, e in enumerate(extra)), extra
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_zb_v_is_valid_beats_interleaved_1f1b_and_zb_h1_and_bounds_memory(p: int) -> None:
+    """zb-v (greedy at F = B = W = 1) runs every m from 1 to 3p; at equal work (zb-h1's one stage
+    per rank is two of zb-v's, so it costs 2 per action) its step is shorter than zb-h1's and
+    interleaved-1f1b's, and for m >= p within p - 3 units of the bound 6m + p - 1 (rank p - 1
+    idles p - 1 units before its first input; interleaved-zb reaches it for m = 2p, 3p); a rank
+    holds at most 3p - 1 stage activations (2p + 1 when p = 1)."""
+    for m in range(1, 3 * p + 1):
+        zbv = simulate(schedule("zb-v", p, m), 1, 1, 1)  # validated
+        zbh1 = simulate(schedule("zb-h1", p, m), 2, 2, 2)
+        assert zbv.makespan <= zbh1.makespan and (p == 1 or zbv.makespan < zbh1.makespan)
+        if m % p == 0:
+            inter = simulate(schedule("interleaved-1f1b", p, m, n_virtual=2), 1, 2)
+            assert zbv.makespan <= inter.makespan and (p == 1 or zbv.makespan < inter.makespan)
+        if m >= p:
+            assert 6 * m + p - 1 <= zbv.makespan <= 6 * m + p - 1 + max(0, p - 3)
+        assert max(zbv.peak_activations) <= max(3 * p - 1, 2 * p + 1)
+        assert max(zbv.peak_activations) <= 2 * m + 1
+
+
+def test_zb_v_numbers() -> None:
+    """p = 4, m = 8 at F = B = W = 1: 51 units (ideal 48); interleaved-1f1b 57, zb-h1 54."""
+    assert simulate(schedule("zb-v", 4, 8), 1, 1, 1).makespan == 51
+    assert simulate(schedule("interleaved-1f1b", 4, 8, n_virtual=2), 1, 2).makespan == 57
+    assert simulate(schedule("zb-h1", 4, 8), 2, 2, 2).makespan == 54
+
+
+def test_zb_v_takes_two_stages_per_rank() -> None:
+    from pipeline.schedules.generators import zb_v
+
+    with pytest.raises(ValueError, match="zb-v places exactly 2 stages per rank, got n_virtual=3"):
+        zb_v(2, 3, 2)
+    with pytest.raises(ValueError, match=r"n_virtual \(3\) must be at most 2 for 'zb-v'"):
+        schedule("zb-v", 2, 2, n_virtual=3)

@@ -398,7 +398,7 @@ def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
         plan = plan_for(scaled, c.balance, schedule=c.schedule, n_microbatches=m, n_virtual=v,
                         recompute=c.recompute, **links)  # type: ignore[arg-type]  # fmt: skip
         assert plan.step_time == c.step_time
-        net = Options.make("time", 2, v, None, 1e8, 1e-4, None, 2.0, RUNTIME)
+        net = Options.make("time", 2, v, None, 1e8, 1e-4, None, 2.0, RUNTIME, entry(c.schedule).placement)
         split = entry(c.schedule).split_backward
         assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
         sizes, _ = cut_groups(scaled.layers)

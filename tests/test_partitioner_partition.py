@@ -73,6 +73,33 @@ def test_count_means_ranks_for_interleaved(small_gpt) -> None:  # type: ignore[n
     assert (three.n_ranks, three.n_virtual, three.n_stages, three.n_microbatches) == (2, 3, 6, 4)
 
 
+def test_zb_v_plans_stages_in_a_v(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    # 2 ranks x 2 stages in a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (the turn)
+    model, sample, prof = small_gpt
+    plan = partition(model, 2, sample, schedule="zb-v", profile=prof)
+    assert (plan.n_ranks, plan.n_virtual, plan.n_stages, plan.n_microbatches) == (2, 2, 4, 2)
+    sched = plan.build_schedule()
+    assert sched.placement == "v" and [sched.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
+    busy = [plan.n_microbatches * (st.forward_time + st.backward_time) for st in plan.stages]
+    assert plan.predicted_busy() == pytest.approx([busy[0] + busy[3], busy[1] + busy[2]])
+    mem = [st.memory_bytes for st in plan.stages]
+    for r, stages in enumerate(([0, 3], [1, 2])):  # the walked peak of a rank: its two stages
+        assert plan.rank_peaks[r] <= sum(mem[s] for s in stages)
+    # a rank's memory limit binds its own two stages: stages 0 and 3 share rank 0's row
+    limit = 2 * max(mem[0], mem[3])
+    tight = partition(model, 2, sample, schedule="zb-v", profile=prof, memory_limit=[limit, 1e18])
+    assert max(tight.stages[0].memory_bytes, tight.stages[3].memory_bytes) <= limit / 2
+    assert tight.rank_peaks[0] <= limit
+    # one link, taken both ways (ranks 0 and 1); the turn (stage 1 -> 2, on rank 1) costs nothing
+    slow = partition(model, 2, sample, schedule="zb-v", profile=prof, latency=[1.0])
+    assert all(1.0 <= st.forward_time < 2.0 for st in slow.stages)
+    refused = (
+        r"latency has 2 entries but 2 ranks with n_virtual=2 \(placement 'v'\) have 1 links \(link r: ranks"
+    )
+    with pytest.raises(ValueError, match=refused + r" r and r \+ 1, either way\)"):
+        partition(model, 2, sample, schedule="zb-v", profile=prof, latency=[0.0, 1.0])
+
+
 @pytest.mark.parametrize(
     ("name", "kw", "shape"),
     [

@@ -22,13 +22,14 @@ from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss, mlp
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.actions import Kind
+from pipeline.schedules.registry import REGISTRY
 from tests.dist import job
 from tests.pipe_common import assert_close, balance_of
 
 M, LOCAL, P, DP = 4, 8, 2, 2  # micro-batches, rows per replica, ranks per pipeline, replicas
 GLOBAL = LOCAL * DP
 # (schedule, v)
-CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
+CONFIGS = [(name, e.default_virtual) for name, e in REGISTRY.items()]  # every registered schedule
 UNEVEN = (11, 5)  # replica 0's and 1's rows when the local batches differ
 
 

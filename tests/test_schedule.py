@@ -8,6 +8,8 @@ from pipeline.schedules.schedule import (
     Schedule,
     ScheduleError,
     default_n_virtual,
+    forward_only,
+    rank_of,
     schedule,
     schedule_options,
 )
@@ -29,9 +31,9 @@ def _lowered_text(sched: Schedule) -> list[str]:
 
 
 def test_every_name_is_available() -> None:
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v")
     for name in SCHEDULES:
-        sched = schedule(name, 4, 4, n_virtual=2 if name.startswith("interleaved") else 1)
+        sched = schedule(name, 4, 4, n_virtual=default_n_virtual(name))
         assert sched.name == name
 
 
@@ -61,6 +63,26 @@ def test_from_text_infers_shape() -> None:
     assert sched.stages_of(1) == [1, 3] and sched.rank_of(2) == 0
     split = Schedule.from_text("0F0 0B0 0W0", name="mine")
     assert split.split_backward and split.name == "mine" and split.n_ranks == 1
+
+
+def test_v_placement() -> None:
+    """zb-v's V: rank r holds stages r and 2p - 1 - r; the turn (p - 1, p) sends nothing."""
+    assert [rank_of("v", 3, s) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [rank_of("loop", 3, s) for s in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [rank_of("v", 2, s) for s in range(4)] == [0, 1, 1, 0]
+    with pytest.raises(ValueError, match="unknown placement 'zigzag'; valid placements are loop, v"):
+        rank_of("zigzag", 2, 0)
+    sched = schedule("zb-v", 3, 4)
+    assert sched.placement == "v" and sched.n_virtual == 2
+    assert [sched.stages_of(r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    lowered = sched.lowered()[2]
+    assert not [a for a in lowered if not a.kind.is_compute and a.stage in (2, 3) and a.peer_stage in (2, 3)]
+    assert "3RECV_F0" not in map(str, lowered) and "2SEND_F0" not in map(str, lowered)
+    loaded = Schedule.from_text(sched.to_text(), name="zb-v", placement="v")
+    assert loaded == sched
+    assert Schedule.from_text(sched.to_text(), name="zb-v", placement="v", check=False) == sched
+    assert forward_only(sched).placement == "v"
+    assert forward_only(sched).to_text().splitlines()[0].split()[-1] == "5F3"
 
 
 def test_from_text_explicit_n_stages_and_split() -> None:
@@ -202,12 +224,14 @@ def test_schedule_refuses_what_schedule_options_refuses(args: tuple[object, ...]
         (("interleaved-1f1b", 2, 6), (2, 6)),
         (("interleaved-1f1b", 2, None, 4), (4, 2)),
         (("interleaved-zb", 2), (2, 2)),
+        (("zb-v", 3), (2, 3)),
+        (("zb-v", 2, 5), (2, 5)),  # any m: no multiple of p needed
         (("1f1b", 2, None, 1), (1, 2)),
     ],
 )
 def test_schedule_options_defaults(args: tuple[object, ...], expected: tuple[int, int]) -> None:
     assert schedule_options(*args) == expected  # type: ignore[arg-type]
-    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1, 2]
+    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1, 2, 2]
     name, p, *rest = args
     m = rest[0] if rest else None
     v = rest[1] if len(rest) > 1 else None

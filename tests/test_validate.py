@@ -9,11 +9,11 @@ from pipeline.schedules.schedule import Schedule, ScheduleError, schedule
 from pipeline.schedules.validate import render_program, validate
 
 
-def _load(text: str, **kwargs: int | bool) -> Schedule:
+def _load(text: str, **kwargs: int | bool | str) -> Schedule:
     return Schedule.from_text(text, check=False, **kwargs)  # type: ignore[arg-type]
 
 
-def _error(text: str, **kwargs: int | bool) -> str:
+def _error(text: str, **kwargs: int | bool | str) -> str:
     with pytest.raises(ScheduleError) as info:
         validate(_load(text, **kwargs))
     return str(info.value)
@@ -110,6 +110,18 @@ def test_wrong_rank_range_and_w_without_split() -> None:
         validate(sched)
     with pytest.raises(ScheduleError, match=r"n_stages \(3\) must be a multiple of n_ranks \(2\)"):
         validate(Schedule("bad", 3, 2, 1, False, ((), ())))
+
+
+def test_wrong_rank_under_the_v_is_refused_naming_the_placement() -> None:
+    # p = 2, v = 2 in a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (the turn)
+    v_order = "0F0 3F0 3B0 0B0\n1F0 2F0 2B0 1B0"
+    validate(_load(v_order, placement="v"))
+    msg = _error(v_order)  # the loop placement puts stage 3 on rank 1
+    assert "stage 3 lives on rank 1 (placement 'loop')" in msg
+    msg = _error("0F0 2F0 2B0 0B0\n1F0 3F0 3B0 1B0", placement="v")
+    assert "action 2F0 at rank 0 step 1 is on rank 0 but stage 2 lives on rank 1 (placement 'v')" in msg
+    with pytest.raises(ValueError, match="unknown placement 'w'; valid placements are loop, v"):
+        Schedule.from_text(v_order, placement="w")
 
 
 def test_error_is_value_error() -> None:

@@ -264,8 +264,7 @@ class Comm:
             out += [[be.recv([t], q, 0) for t in tensors] for tensors, q in recvs]
             return out
         except Exception as exc:  # a peer that is gone already
-            self._raise(what, exc)
-            raise
+            raise self._error(what, exc) from exc
 
     def _check_open(self, what: str) -> None:
         if not self._close.alive:
@@ -326,11 +325,11 @@ class Comm:
             for w in works:
                 left = deadline - time.monotonic()
                 if left <= 0 or not w.wait(datetime.timedelta(seconds=left)):
-                    self._raise(what, None)
+                    raise self._error(what, None) from None
         except (PeerFailure, PipelineTimeout):
             raise
         except Exception as exc:
-            self._raise(what, exc)
+            raise self._error(what, exc) from exc
         finally:
             dog.blocked -= 1
 
@@ -343,11 +342,11 @@ class Comm:
         while not done():
             now = time.monotonic()
             if now - start > self.timeout:
-                self._raise(what(), None)
+                raise self._error(what(), None) from None
             if now >= check_at:
                 check_at = now + CHECK_STORE_S
                 if self.board.first() is not None:
-                    self._raise(what(), None)
+                    raise self._error(what(), None) from None
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 
@@ -363,14 +362,13 @@ class Comm:
                         return bytes(self.store.get(key))
                     failed = self.board.store.check([self.board.key])
                 if failed or time.monotonic() - start > self.timeout:
-                    self._raise(what, None)
+                    raise self._error(what, None) from None
                 time.sleep(0.002)
         except (PeerFailure, PipelineTimeout):
             raise
         except Exception as exc:  # the store is gone
             self.liveness.store_gone = True
-            self._raise(what, exc)
-            raise
+            raise self._error(what, exc) from exc
 
     def set_key(self, key: str, value: bytes) -> None:
         try:
@@ -380,7 +378,7 @@ class Comm:
                 self.store.set(key, value)
         except Exception as exc:
             self.liveness.store_gone = True
-            self._raise(f"the store to set {key}", exc)
+            raise self._error(f"the store to set {key}", exc) from exc
 
     # ---- failure signalling (the board's)
 
@@ -399,7 +397,10 @@ class Comm:
         if not self.emulated:  # a collective stuck behind a dead peer would hold the exit too
             abort_nccl([_process_group(self.group)])
 
-    def _raise(self, what: str, exc: BaseException | None) -> None:
+    def _error(self, what: str, exc: BaseException | None) -> Exception:
+        """The error to raise (``raise self._error(what, exc) from exc``, so that a traceback ends
+        where the wait was): the failed peer named, else the lost store, the backend's error or our
+        timeout."""
         timed_out = exc is None or "Timed out" in str(exc)
         failed = self.board.first()
         deadline = time.monotonic() + _LOST_GRACE_S
@@ -415,23 +416,23 @@ class Comm:
             q, message = failed
             if q != self.me:
                 self.abort()
-            raise PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}") from exc
+            return PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}")
         if self.liveness.store_gone:
-            raise RuntimeError(
+            return RuntimeError(
                 f"rank {self.me}: lost the store while waiting for {what} (the process that served it "
                 f"died, or the launcher is tearing the job down): {exc}"
-            ) from exc
+            )
         if not timed_out:
-            raise RuntimeError(f"rank {self.me}: error while waiting for {what}: {exc}") from exc
+            return RuntimeError(f"rank {self.me}: error while waiting for {what}: {exc}")
         note = ""
         if self.timeout != self.requested_timeout:
             note = (
                 f" (the pipeline's timeout of {self.requested_timeout:g} s, clamped to "
                 f"{_CLAMP:.0%} of the process group's {self.pg_timeout:g} s so that it fires first)"
             )
-        raise PipelineTimeout(
+        return PipelineTimeout(
             f"rank {self.me} timed out after {self.timeout:.1f} s{note} waiting for {what}"
-        ) from exc
+        )
 
     def close(self) -> None:
         """Stop the watchdog thread; later posts raise. Idempotent."""
@@ -504,8 +505,7 @@ class Comm:
         try:
             work = start_op()
         except Exception as exc:  # a peer that is gone already
-            self._raise(what, exc)
-            raise
+            raise self._error(what, exc) from exc
         if work is None:
             raise RuntimeError(f"rank {self.me}: {what} returned no work to wait for")
         return work

@@ -16,7 +16,7 @@ Its text form is ``{stage}{kind}{microbatch}``::
 
 Communication actions name the stage that runs them; the peer stage follows
 from the kind (activations flow s -> s+1, gradients s -> s-1), so an action
-needs no extra fields. Stage s lives on rank s % p.
+needs no extra fields. Stage s lives on rank ``Schedule.rank_of(s)`` (s % p, or the V of zb-v).
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on ran
 from __future__ import annotations
 
 from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.placement import rank_of
 
-__all__ = ["gpipe", "interleaved_1f1b", "interleaved_zb", "one_f_one_b", "zb_h1"]
+__all__ = ["gpipe", "interleaved_1f1b", "interleaved_zb", "one_f_one_b", "zb_h1", "zb_v"]
 
 Orders = tuple[tuple[Action, ...], ...]
 
@@ -108,3 +109,104 @@ def interleaved_zb(p: int, v: int, m: int) -> Orders:
     interleaved 1F1B's 57 and the ideal 48; the same delays beat 0, r * v and p - 1 - r at
     p = 2..8, v = 2, 3."""
     return _delayed_weights(interleaved_1f1b(p, v, m), list(range(p)))
+
+
+def zb_v(p: int, v: int, m: int) -> Orders:
+    """ZB-V (Qi et al. 2024): two stages per rank placed in a V (rank r holds stages r and
+    2p - 1 - r, so the turn, stages p - 1 and p, is on rank p - 1 and needs no message), B split
+    into B and W. The order is a greedy list schedule simulated at unit costs (F = B = W = 1):
+    each time unit every rank runs a ready B (oldest micro-batch, later stage first), else a ready
+    F when it holds fewer than 2p + 1 forwards whose W has not run, else its oldest pending W, else
+    a received F over the cap (which frees the messages queued behind it), else idles. A message is
+    consumed only when it is the oldest unconsumed one on its rank pair, so that sends and receives
+    are posted in the same order (in a V one pair carries forwards and backwards both ways).
+
+    Simulated with F = B = W (p = 6, m = 18): 113 units, the same as interleaved-zb and the bound
+    6m + p - 1 (rank p - 1 waits p - 1 units for its first input), against interleaved-1f1b's 123
+    and zb-h1's 118 at equal work; a rank holds at most 3p - 1 stage activations (interleaved-zb
+    the same; 1F1B's rank 0 holds 2p in these half-size stages); the cap 2p + 1 gave the shortest
+    steps of 2p - 1 .. 2p + 2 at no more memory.
+    """
+    if v != 2:
+        raise ValueError(f"zb-v places exactly 2 stages per rank, got n_virtual={v}; pass n_virtual=2")
+    return _greedy_v(p, m, cap=2 * p + 1)
+
+
+def _greedy_v(p: int, m: int, cap: int) -> Orders:
+    k = 2 * p
+
+    def rank(s: int) -> int:
+        return rank_of("v", p, s)
+
+    stages = [sorted((r, k - 1 - r), reverse=True) for r in range(p)]  # the later stage first
+    done: set[Action] = set()
+    channel: dict[tuple[int, int], list[Action]] = {}  # (src, dst) -> sent, not yet consumed
+    held = [0] * p  # forwards whose W has not run
+    pending_w: list[list[Action]] = [[] for _ in range(p)]
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    total = 3 * k * m
+
+    def need(a: Action) -> Action | None:
+        """The input ``a`` takes from another stage (None: none)."""
+        if a.kind is Kind.F:
+            return Action(a.stage - 1, Kind.F, a.microbatch) if a.stage > 0 else None
+        return Action(a.stage + 1, Kind.B, a.microbatch) if a.stage < k - 1 else None
+
+    def ready(a: Action, r: int) -> bool:
+        if a in done or (a.kind is Kind.B and Action(a.stage, Kind.F, a.microbatch) not in done):
+            return False
+        d = need(a)
+        if d is None:
+            return True
+        if d not in done:
+            return False
+        src = rank(d.stage)
+        return src == r or channel[(src, r)][0] == d
+
+    def received(a: Action, r: int) -> bool:
+        # an input waiting on a rank pair is taken whatever the cap: messages behind it wait for it
+        d = need(a)
+        return d is not None and rank(d.stage) != r
+
+    while len(done) < total:
+        ran: list[tuple[int, Action]] = []
+        for r in range(p):
+            pick = next((b for i in range(m) for s in stages[r] if ready(b := Action(s, Kind.B, i), r)), None)
+            if pick is None and held[r] < cap:
+                pick = next(
+                    (f for i in range(m) for s in stages[r] if ready(f := Action(s, Kind.F, i), r)), None
+                )
+            if pick is None and pending_w[r]:
+                pick = pending_w[r].pop(0)
+            if pick is None:  # over the cap with nothing else to run: take a waiting input, which
+                # frees the messages behind it on its rank pair (else the pipeline would stall)
+                pick = next(
+                    (
+                        f
+                        for i in range(m)
+                        for s in stages[r]
+                        if ready(f := Action(s, Kind.F, i), r) and received(f, r)
+                    ),
+                    None,
+                )
+            if pick is not None:
+                ran.append((r, pick))
+        if not ran:
+            raise RuntimeError(f"zb-v's list schedule stalls at p={p}, m={m}, cap={cap}")
+        for r, a in ran:
+            d = need(a) if a.kind is not Kind.W else None
+            if d is not None and rank(d.stage) != r:
+                channel[(rank(d.stage), r)].pop(0)
+            orders[r].append(a)
+            if a.kind is Kind.F:
+                held[r] += 1
+            elif a.kind is Kind.B:
+                pending_w[r].append(Action(a.stage, Kind.W, a.microbatch))
+            else:
+                held[r] -= 1
+        for r, a in ran:  # what finished this unit: ready for the next
+            done.add(a)
+            out = a.stage + 1 if a.kind is Kind.F else a.stage - 1
+            if a.kind is not Kind.W and 0 <= out < k and rank(out) != r:
+                channel.setdefault((r, rank(out)), []).append(a)
+    return tuple(tuple(row) for row in orders)

@@ -4,8 +4,9 @@
 
 An entry holds everything that differs between schedules: its generator ((p, v, m) -> each rank's
 ordered compute actions), whether its backward is split (B, then W), the v it takes (one stage per
-rank, or several) and whether m must be a multiple of p. Nothing else names a schedule, so adding
-one is an entry here plus its generator:
+rank, or several), whether m must be a multiple of p and where the stages live (the placement:
+stage s on rank s % p, or zb-v's V). Nothing else names a schedule, so adding one is an entry
+here plus its generator:
 
     REGISTRY["gpipe"] ----> schedule("gpipe", p, m)          build + validate
                       \\---> schedule_options(...)            the one check of (v, m)
@@ -35,6 +36,7 @@ class Entry:
     min_virtual: int = 1  # stages per rank: at least ...
     max_virtual: int | None = 1  # ... and at most (None: no bound)
     m_multiple_of_p: bool = False
+    placement: str = "loop"  # where stage s lives (schedule.rank_of): "loop" s % p, or "v"
 
     @property
     def default_virtual(self) -> int:
@@ -57,6 +59,8 @@ _ENTRIES = (
     Entry("zb-h1", lambda p, v, m: generators.zb_h1(p, m), True),  # split backward, W fills the bubble
     Entry("interleaved-zb", generators.interleaved_zb, True, min_virtual=2, max_virtual=None,
           m_multiple_of_p=True),  # interleaved-1f1b with zb-h1's split backward
+    Entry("zb-v", generators.zb_v, True, min_virtual=2, max_virtual=2,
+          placement="v"),  # two stages per rank in a V, split backward: near-zero bubble
 )  # fmt: skip
 REGISTRY: dict[str, Entry] = {e.name: e for e in _ENTRIES}
 

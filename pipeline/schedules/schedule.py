@@ -3,8 +3,10 @@
     # p: ranks, v: virtual stages per rank, m: micro-batches, s: stage, i: micro-batch, r: rank
 
 A ``Schedule`` holds, for every rank, the ordered compute actions (F, B, W) it runs.
-Stage s lives on rank s % p, so rank r owns stages r, r + p, r + 2p, ...  The text form
-is one line per rank::
+Where stage s lives is the schedule's ``placement`` (``rank_of``, the one statement of the rule):
+"loop" puts it on rank s % p, so rank r owns stages r, r + p, r + 2p, ...; "v" (ZB-V) puts
+chunk c = s // p on rank s % p going down for even c and p - 1 - s % p coming back for odd c, so
+rank r owns stages r and 2p - 1 - r (v = 2).  The text form is one line per rank::
 
     0F0 0F1 0B0 0B1
     1F0 1B0 1F1 1B1
@@ -30,16 +32,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.schedules.actions import Action, Kind, parse_action
+from pipeline.schedules.placement import PLACEMENTS, rank_of
 from pipeline.schedules.program import Program, derive, options
 from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.validate import ScheduleError, validate
 
 __all__ = [
+    "PLACEMENTS",
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "default_n_virtual",
     "forward_only",
+    "rank_of",
     "schedule",
     "schedule_options",
     "unchecked",
@@ -56,16 +61,18 @@ class Schedule:
     n_microbatches: int  # m
     split_backward: bool  # True: B is the input-gradient part only, and every (s, i) has a W
     compute: tuple[tuple[Action, ...], ...]  # per rank, ordered F/B/W actions
+    placement: str = "loop"  # where stage s lives: rank_of(placement, p, s)
 
     @property
     def n_virtual(self) -> int:
         return self.n_stages // self.n_ranks
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.n_ranks
+        return rank_of(self.placement, self.n_ranks, stage)
 
     def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.n_stages, self.n_ranks))
+        """The stages rank ``rank`` holds, in increasing order."""
+        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
 
     def lowered(self) -> tuple[tuple[Action, ...], ...]:
         """Per rank: the compute actions with their sends and receives, in run order."""
@@ -124,11 +131,15 @@ class Schedule:
         n_stages: int | None = None,
         split_backward: bool | None = None,
         check: bool = True,
+        placement: str = "loop",
     ) -> Schedule:
-        """Load one line per rank; infer n_stages, m and split_backward unless given.
+        """Load one line per rank; infer n_stages, m and split_backward unless given; stage s is
+        on rank ``rank_of(placement, p, s)``.
 
         With ``check`` (the default) the schedule is validated before it is returned.
         """
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r}; valid placements are {', '.join(PLACEMENTS)}")
         lines = text.strip().splitlines()
         if not lines:
             raise ValueError("empty schedule text: expected one line of actions per rank, e.g. '0F0 0B0'")
@@ -149,6 +160,7 @@ class Schedule:
             n_microbatches=max(a.microbatch for a in flat) + 1,
             split_backward=any(a.kind is Kind.W for a in flat) if split_backward is None else split_backward,
             compute=compute,
+            placement=placement,
         )
         if check:
             validate(sched)
@@ -223,7 +235,7 @@ def unchecked(name: str, p: int, m: int, v: int) -> Schedule:
     every one, seconds for k = 96 stages and m = 64; the generators are validated for every shape in
     their own tests)."""
     e = entry(name)
-    return Schedule(name, p * v, p, m, e.split_backward, e.generate(p, v, m))
+    return Schedule(name, p * v, p, m, e.split_backward, e.generate(p, v, m), e.placement)
 
 
 def forward_only(sched: Schedule) -> Schedule:
@@ -239,5 +251,11 @@ def forward_only(sched: Schedule) -> Schedule:
         for r in range(sched.n_ranks)
     )
     return Schedule(
-        f"{sched.name}/forward", sched.n_stages, sched.n_ranks, sched.n_microbatches, False, compute
+        f"{sched.name}/forward",
+        sched.n_stages,
+        sched.n_ranks,
+        sched.n_microbatches,
+        False,
+        compute,
+        sched.placement,
     )

@@ -4,7 +4,8 @@
 
 Checks, in order, each with its own message:
 
-1. shape: one line per rank, stages and micro-batches in range, stage s on rank s % p;
+1. shape: one line per rank, stages and micro-batches in range, stage s on its rank
+   (``rank_of``: s % p for the "loop" placement, the V for "v");
 2. missing or duplicated actions: every (s, i) has one F and one B, and one W exactly
    when the schedule splits the backward;
 3. broken dependency on one rank: an action placed before something it needs that the
@@ -62,6 +63,8 @@ class Schedule(Protocol):
     def split_backward(self) -> bool: ...
     @property
     def compute(self) -> tuple[tuple[Action, ...], ...]: ...
+    @property
+    def placement(self) -> str: ...
 
     def rank_of(self, stage: int) -> int: ...
 
@@ -144,8 +147,11 @@ def _check_shape(sched: Schedule) -> None:
                 problem = f"names stage {a.stage}, outside 0..{k - 1}"
             elif not 0 <= a.microbatch < m:
                 problem = f"names micro-batch {a.microbatch}, outside 0..{m - 1}"
-            elif a.stage % p != r:
-                problem = f"is on rank {r} but stage {a.stage} lives on rank {a.stage % p} (stage % {p})"
+            elif sched.rank_of(a.stage) != r:
+                problem = (
+                    f"is on rank {r} but stage {a.stage} lives on rank {sched.rank_of(a.stage)} "
+                    f"(placement {sched.placement!r}); move it there or pass the schedule's placement"
+                )
             elif a.kind is Kind.W and not sched.split_backward:
                 problem = "is a W but split_backward is False: B already holds the whole backward"
             if problem:

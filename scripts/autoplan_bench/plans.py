@@ -20,6 +20,7 @@ from partitioner.scaling import scale_profile, second_rows
 from pipeline.plan import Plan
 from pipeline.runtime.recompute import RECOMPUTE_MODES
 from pipeline.schedules.registry import REGISTRY, entry
+from pipeline.schedules.schedule import rank_of
 from pipeline.schedules.schedule import schedule as make_schedule
 
 P = 2  # ranks
@@ -76,12 +77,13 @@ def grid(
     n_ranks: int, batch: int, n_layers: int, per_stage: bool = False, max_virtual: int | None = None
 ) -> list[Config]:
     """Every configuration the search considers: schedule x v x m dividing B x recomputation
-    (interleaved-1f1b: every v from 2 to n // p, ``max_virtual`` at most, and m a multiple of p)."""
+    (interleaved-1f1b: every v from 2 to n // p, ``max_virtual`` at most, and m a multiple of p;
+    zb-v: v = 2, any m)."""
     out = []
     for name in SCHEDULES:
         for v in virtual_counts(name, n_ranks, n_layers, max_virtual):
             for m in microbatch_counts(batch):
-                if v > 1 and m % n_ranks != 0:
+                if entry(name).m_multiple_of_p and m % n_ranks != 0:
                     continue
                 out += [Config(name, m, v, rc) for rc in recompute_choices(n_ranks * v, m, per_stage)]
     return out
@@ -89,7 +91,11 @@ def grid(
 
 def rank_peaks(plan: Plan) -> list[float]:
     """Predicted peak bytes per rank: the sum of its stages' (each stage's limit is the rank's / v)."""
-    return [sum(st.memory_bytes for st in plan.stages[r :: plan.n_ranks]) for r in range(plan.n_ranks)]
+    placement, p = entry(plan.schedule).placement, plan.n_ranks
+    held = [0.0] * p
+    for s, st in enumerate(plan.stages):
+        held[rank_of(placement, p, s)] += st.memory_bytes
+    return held
 
 
 def plan_key(plan: Plan) -> str:
