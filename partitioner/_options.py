@@ -18,7 +18,7 @@ from partitioner._fit import fits, smallest
 from partitioner._inputs import _check_memory
 from partitioner.costs import COSTS, links
 from partitioner.overhead import NO_RUNTIME, RuntimeCosts
-from pipeline.schedules.schedule import rank_of
+from pipeline.schedules.placement import check_placement, rank_of
 
 __all__ = ["Options", "check_fit"]
 
@@ -62,7 +62,7 @@ class Options:
         out = cls()
         if cost not in COSTS:
             raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
-        rank_of(placement, p, 0)  # an unknown placement is refused, naming the valid ones
+        check_placement(placement)
         out.cost, out.n_ranks, out.placement = cost, p, placement
         out.bandwidth = links("bandwidth", bandwidth, p, v, placement)
         out.latency = links("latency", latency, p, v, placement)

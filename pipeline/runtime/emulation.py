@@ -29,8 +29,8 @@ communicators  NCCL makes a group's communicator at the group's first operation,
             ranks waits forever for the others, and one inside a step hangs there if
             a peer died before it. Both raise here (``first_use``, ``stepping``); a
             collective on the group, which every rank takes part in, makes the
-            communicator (``made``), as does each channel's first message at
-            construction (``Comm``).
+            communicator, as does each channel's first message at construction
+            (``Comm``).
 
 Host-to-device copies of the inputs (``copy``) are emulated the same way: the
 copy reads as poison until compute is ordered after the copy stream it was
@@ -64,7 +64,6 @@ __all__ = [
     "current",
     "enabled",
     "first_use",
-    "made",
     "order",
     "poison",
     "record_event",
@@ -84,11 +83,6 @@ def enabled() -> bool:
 
 
 _made: set[int] = set()  # ids of the groups whose communicator exists (groups live as long as the job)
-
-
-def made(group: Any) -> None:
-    """``group``'s communicator exists: a collective, which all its ranks join, made it."""
-    _made.add(id(group))
 
 
 _in_step = [False]  # whether this process is inside a step (``stepping``)
@@ -120,7 +114,7 @@ def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
             f"NCCL emulation: {what} would be the first operation on a group of {size} ranks and only "
             f"{taking_part} take part; NCCL makes a group's communicator at its first operation, with "
             "every rank of the group, so the others never come and this hangs on GPUs. Run a "
-            "collective on every rank of the group first (Comm.ensure_communicator)"
+            "collective on every rank of the group first (Comm makes its group's at construction)"
         )
     _made.add(id(group))
 

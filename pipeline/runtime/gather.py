@@ -43,7 +43,8 @@ def gather_state_dict(
     ]
     if comm is None or comm.world_size == 1:
         return _ordered([(e, t.detach().to("cpu", copy=True)) for e, t in mine])
-    comm.ensure_communicator()  # the messages below use the group itself between non-neighbours
+    # between non-neighbours the messages go on the group itself, whose NCCL communicator Comm made
+    # at construction with every rank (a first operation of two ranks alone would hang)
     if comm.rank != dst:
         comm.set_key(f"{key}/{comm.rank}", json.dumps([e for e, _ in mine]).encode())
         tensors = [t.detach().to(device).contiguous() for e, t in mine if t.numel() > 0]

@@ -52,8 +52,6 @@ def share_outputs(
     outputs = concat([kept[i] for i in sorted(kept)]) if kept is not None else None
     if comm is None or comm.world_size == 1:
         return outputs if dst in (None, rank) else None
-    if dst is not None:  # src -> dst may go on the group itself (non-neighbours), before any step
-        comm.ensure_communicator()
     if dst is not None and (rank not in (src, dst) or src == dst):
         return outputs if rank == dst else None
     label = f"the outputs from rank {comm.name(src)} ({what})"

@@ -188,10 +188,7 @@ class Comm:
         # at close() or when collected; the callback must not hold self, or self would never be collected
         self._close = weakref.finalize(self, self._watchdog.close)
         self._aborted = False
-        self._made = False  # whether a collective made the group's NCCL communicator (ensure_communicator)
-        self._prepare_channels()
-        if self.channels is not None:  # the group's own communicator too (the loss, the norm), not in a step
-            self.ensure_communicator()
+        self._make_communicators()
         # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
         self.call = (0, 0)
 
@@ -469,14 +466,19 @@ class Comm:
     def _collective(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> None:
         self.finish(self._start(tensor, start_op, what), what)
 
-    def _prepare_channels(self) -> None:
-        """Each channel's first message, here at construction, not in a step: NCCL makes a
-        communicator at its first operation, a blocking rendezvous of its ranks, so a peer that
-        died before would hang the step there, outside every timeout. The ranks go through the
-        channels in one global order (a rank takes part in those it is an end of), so no two wait
-        on each other; each message is waited for with the timeout and the failure watch."""
+    def _make_communicators(self) -> None:
+        """The group's and its channels' first operations, here at construction, not in a step:
+        NCCL makes a communicator at its first operation, a blocking rendezvous of its ranks, so a
+        peer that died before would hang the step there, outside every timeout. The ranks go through
+        the channels in one global order (a rank takes part in those it is an end of), so no two
+        wait on each other; each message is waited for with the timeout and the failure watch."""
         ch = self.channels
-        if ch is None or ch.prepared:
+        if ch is None:
+            return
+        # the group's own communicator: the loss, the norm, and messages between non-neighbours
+        # (predict(dst=), gather_state_dict), whose first operation would leave the other ranks out
+        self.all_reduce(self.zeros((1,)), dist.ReduceOp.SUM, "the group's communicator (every rank)")
+        if ch.prepared:
             return
         for a, b in ch.directions:
             if self.rank not in (a, b):
@@ -487,21 +489,11 @@ class Comm:
             self.wait(works[0], what)
         ch.prepared = True
 
-    def ensure_communicator(self) -> None:
-        """Make sure the group's own NCCL communicator exists before a point-to-point on it between
-        two of its ranks (non-neighbours: ``predict(dst=)``, ``gather_state_dict``): NCCL makes it at
-        the group's first operation with every rank of the group, so such a first message would
-        hang. One tiny all-reduce, on every rank, unless a collective ran on the group already (the
-        same calls on every rank, so every rank decides alike). Call on every rank."""
-        if self.nccl and not self._made:
-            self.all_reduce(self.zeros((1,)), dist.ReduceOp.SUM, "the group's communicator (every rank)")
-
     def _start(self, tensor: torch.Tensor, start_op: Callable[[], Any], what: str) -> Any:
         self._check_open(what)
         self.check(tensor, what)
         if self.emulated:  # a collective: every rank takes part, so the communicator is made here
             emulation.first_use(_process_group(self.group), self.world_size, self.world_size, what)
-        self._made = True
         try:
             work = start_op()
         except Exception as exc:  # a peer that is gone already

@@ -161,6 +161,7 @@ from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.runtime.steps import StepRunner
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
+from pipeline.schedules.program import tie_groups
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import Timeline
 from pipeline.schedules.validate import validate
@@ -275,7 +276,8 @@ class Pipeline:
         # this rank's step as data; the executor runs its computes and messages, the runner its tail,
         # whose collectives every group must run in one order (the validator proves it, ties included)
         tie_stages = [tie.stages for tie in ties]
-        validate(self.schedule, dp=self.dp, ties=tie_stages)
+        if tie_groups(self.schedule.rank_of, tie_stages):  # the schedule was validated without them
+            validate(self.schedule, dp=self.dp, ties=tie_stages)
         self.program = self.schedule.program(self.rank, dp=self.dp, ties=tie_stages)
         self._replicas: replicas.Replicas | None = None
         if self.dp > 1:
@@ -298,11 +300,11 @@ class Pipeline:
         self._agreed = False
         self.measured_peak: int | None = None  # the last step's true peak, when it measured it
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
-        self.last_loss_rank = self.schedule.rank_of(n_stages - 1)
         self.runner = StepRunner(
             self.schedule, self.program, self.rank, self.stages, self._modules, self.executor, self.comm,
             self.device, self._prefix, self.tied, self._replicas, self.dp, self.check_values,
         )  # fmt: skip
+        self.last_loss_rank = self.runner.last_loss_rank  # the last stage's rank
 
     # ---- construction
 
@@ -470,12 +472,12 @@ class Pipeline:
     @property
     def needs_inputs(self) -> bool:
         """True on the rank of stage 0: the only one whose ``inputs`` are used."""
-        return 0 in self.stages
+        return self.runner.needs_inputs
 
     @property
     def needs_targets(self) -> bool:
         """True on the rank of the last stage: the only one whose ``targets`` are used."""
-        return self.schedule.n_stages - 1 in self.stages
+        return self.runner.needs_targets
 
     def step(
         self,

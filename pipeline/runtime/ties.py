@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.runtime.p2p import Comm
+from pipeline.schedules.program import tie_groups
 
 __all__ = ["Tie", "TiedGrads", "find_ties"]
 
@@ -200,8 +201,7 @@ def _tie_groups(
     world rank must join. So every rank makes the group of every tie's ranks in every pipeline, in
     one order (the ties' order: the same on every rank), and keeps its own. A pipeline that is a
     subgroup of a larger world (no mesh) cannot: its members make theirs alone, unbound only."""
-    sets = list(dict.fromkeys(tuple(sorted({rank_of(s) for s in tie.stages})) for tie in ties))
-    sets = [ranks for ranks in sets if len(ranks) > 1]
+    sets = tie_groups(rank_of, [tie.stages for tie in ties])
     made: dict[tuple[int, ...], Any] = {}
     if not sets:  # every tie within one rank (one process, too): no group anywhere
         return made

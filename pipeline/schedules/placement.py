@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PLACEMENTS", "rank_of"]
+__all__ = ["PLACEMENTS", "check_placement", "rank_of"]
 
 PLACEMENTS: tuple[str, ...] = ("loop", "v")
 
@@ -23,4 +23,14 @@ def rank_of(placement: str, p: int, s: int) -> int:
     if placement == "v":
         c, j = divmod(s, p)
         return j if c % 2 == 0 else p - 1 - j
-    raise ValueError(f"unknown placement {placement!r}; valid placements are {', '.join(PLACEMENTS)}")
+    raise ValueError(_unknown(placement))
+
+
+def check_placement(placement: str) -> None:
+    """A ValueError naming ``placement`` unless it is one of ``PLACEMENTS``."""
+    if placement not in PLACEMENTS:
+        raise ValueError(_unknown(placement))
+
+
+def _unknown(placement: object) -> str:
+    return f"unknown placement {placement!r}; valid placements are {', '.join(PLACEMENTS)}"

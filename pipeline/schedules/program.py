@@ -202,7 +202,7 @@ def derive(sched: Lowered, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -
     replicas of the pipeline and the weights tied across ``ties`` (one sequence of stages per tied
     parameter, in the order every rank finds them)."""
     replicated, stage_sets = options(sched, dp, ties)
-    groups = tie_groups(sched, stage_sets)
+    groups = tie_groups(sched.rank_of, stage_sets)
     lowered = sched.lowered()
     frees = _frees(sched, lowered)
     return tuple(
@@ -233,12 +233,13 @@ def options(
     return dp > 1, tuple(out)
 
 
-def tie_groups(sched: Lowered, ties: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-    """The sets of ranks that tied weights span, each once, in the order of ``ties`` (stage
-    tuples); a tie within one rank needs no collective (autograd sums both uses)."""
+def tie_groups(rank_of: Callable[[int], int], ties: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The sets of ranks that tied weights span (``rank_of``: a stage's rank), each once, in the
+    order of ``ties`` (stage tuples); a tie within one rank needs no collective (autograd sums
+    both uses). The program's tie collectives and the runtime's tie groups are these."""
     groups: list[tuple[int, ...]] = []
     for stages in ties:
-        ranks = tuple(sorted({sched.rank_of(s) for s in stages}))
+        ranks = tuple(sorted({rank_of(s) for s in stages}))
         if len(ranks) > 1 and ranks not in groups:
             groups.append(ranks)
     return groups

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.schedules.actions import Action, Kind, parse_action
-from pipeline.schedules.placement import PLACEMENTS, rank_of
+from pipeline.schedules.placement import PLACEMENTS, check_placement, rank_of
 from pipeline.schedules.program import Program, derive, options
 from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.validate import ScheduleError, validate
@@ -138,8 +138,7 @@ class Schedule:
 
         With ``check`` (the default) the schedule is validated before it is returned.
         """
-        if placement not in PLACEMENTS:
-            raise ValueError(f"unknown placement {placement!r}; valid placements are {', '.join(PLACEMENTS)}")
+        check_placement(placement)
         lines = text.strip().splitlines()
         if not lines:
             raise ValueError("empty schedule text: expected one line of actions per rank, e.g. '0F0 0B0'")
