@@ -344,17 +344,19 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
     for mode in modes:
         check_mode(mode)
 
-    def size(key: tuple[str, int, int]) -> np.ndarray:
+    def weigh(key: tuple[str, int, int]) -> tuple[int, float]:
         kind, s, _ = key
-        return np.asarray([getattr(stages[s], _FIELD[kind])])
+        return 0, getattr(stages[s], _FIELD[kind])
 
     return [
         sum(stages[s].static for s in sched.stages_of(r))
-        + float(_walk(sched, r, size, modes, [st.input_grad_kept for st in stages])[0])
+        + _walk(sched, r, weigh, 1, modes, [st.input_grad_kept for st in stages])[0]
         for r in range(sched.n_ranks)
     ]
 
 
+# what a message's buffer holds: the tensor it receives or sends
+_BUFFER = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND_B: "gin"}
 # what each holder of the walk weighs: a field of ``StageBytes``
 _FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
           "set": "saved", "chain": "chain", "grads": "grads", "tf": "transient_forward",
@@ -378,76 +380,83 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
     for mode in modes:
         check_mode(mode)
     p, width = sched.n_ranks, len(PARTS)
-    units: dict[tuple[str, int], np.ndarray] = {}
+    column = {kind: PARTS.index(f) for kind, f in _FIELD.items()}
 
-    def size(key: tuple[str, int, int]) -> np.ndarray:
+    def weigh(key: tuple[str, int, int]) -> tuple[int, float]:  # a slot per (stage of r, figure)
         kind, s, _ = key
-        if (kind, s) not in units:
-            unit = np.zeros(width * (sched.n_stages // p))
-            unit[(s // p) * width + PARTS.index(_FIELD[kind])] = 1.0
-            units[(kind, s)] = unit
-        return units[(kind, s)]
+        return (s // p) * width + column[kind], 1.0
 
     out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
     for r in range(p):
-        peak = _walk(sched, r, size, modes)
+        peak = _walk(sched, r, weigh, width * (sched.n_stages // p), modes)
         for s in sched.stages_of(r):
-            out[s] = {f: float(peak[(s // p) * width + j]) for j, f in enumerate(PARTS)}
+            out[s] = {f: peak[(s // p) * width + j] for j, f in enumerate(PARTS)}
     return out
 
 
 def _walk(
     sched: Schedule,
     r: int,
-    size: Callable[[tuple[str, int, int]], np.ndarray],
+    weigh: Callable[[tuple[str, int, int]], tuple[int, float]],
+    width: int,
     modes: list[str],
     gin_kept: Sequence[bool] = (),
-) -> np.ndarray:
-    """Rank r's most bytes held at once (see ``rank_peaks``), per slot of ``size``'s vectors: each
-    slot's own maximum over the step (one slot: the peak itself). It walks ``sched.program(r)``, the
-    order the executor runs: what a post holds, a free releases, and a receive's buffer goes at the
-    end of the compute that waited for it. ``gin_kept[s]``: stage s's sent input gradient is held
-    until its W too (``StageBytes.input_grad_kept``)."""
+) -> list[float]:
+    """Rank r's most bytes held at once (see ``rank_peaks``), per slot: ``weigh(key)`` is a held
+    tensor's (slot, bytes), and each of the ``width`` slots gets its own maximum over the step (one
+    slot: the peak itself). It walks ``sched.program(r)``, the order the executor runs: what a post
+    holds, a free releases, and a receive's buffer goes at the end of the compute that waited for
+    it. ``gin_kept[s]``: stage s's sent input gradient is held until its W too
+    (``StageBytes.input_grad_kept``). Slots are plain numbers, not arrays: planning walks thousands
+    of programs of thousands of instructions."""
     gins = {s for s, kept in enumerate(gin_kept) if kept}
     refs: dict[tuple[str, int, int], int] = {}
-    width = len(size(("in", r, 0)))
-    now, peak = np.zeros(width), np.zeros(width)
+    now, peak = [0.0] * width, [0.0] * width
     m = sched.n_microbatches
 
+    # a neighbour stage on this rank (the V's turn) hands its tensor over locally: stage s's input
+    # is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient
+    mine = sched.stages_of(r)
+    local_in = {s for s in mine if s > 0 and sched.rank_of(s - 1) == r}
+    local_gout = {s for s in mine if s < sched.n_stages - 1 and sched.rank_of(s + 1) == r}
+
     def same(key: tuple[str, int, int]) -> tuple[str, int, int]:
-        # a neighbour stage on this rank (the V's turn) hands its tensor over locally: stage s's
-        # input is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient
         kind, s, i = key
-        if kind == "in" and s > 0 and sched.rank_of(s - 1) == r:
+        if kind == "in" and s in local_in:
             return ("out", s - 1, i)
-        if kind == "gout" and s < sched.n_stages - 1 and sched.rank_of(s + 1) == r:
+        if kind == "gout" and s in local_gout:
             return ("gin", s + 1, i)
         return key
 
     def take(*keys: tuple[str, int, int]) -> None:
-        nonlocal now, peak
+        # only increments: each slot's maximum is reached at the end of a take
         for key in map(same, keys):
-            refs[key] = refs.get(key, 0) + 1
-            if refs[key] == 1:
-                now = now + size(key)
-        peak = np.maximum(peak, now)
+            held = refs.get(key, 0)
+            refs[key] = held + 1
+            if held == 0:
+                slot, n = weigh(key)
+                now[slot] += n
+                if now[slot] > peak[slot]:
+                    peak[slot] = now[slot]
 
     def drop(*keys: tuple[str, int, int]) -> None:
-        nonlocal now
         for key in map(same, keys):
-            if key in refs:
-                refs[key] -= 1
-                if refs[key] == 0:
-                    del refs[key]
-                    now = now - size(key)
+            held = refs.get(key)
+            if held is None:
+                continue
+            if held == 1:
+                del refs[key]
+                slot, n = weigh(key)
+                now[slot] -= n
+            else:
+                refs[key] = held - 1
 
     def momentary(key: tuple[str, int, int]) -> None:  # held while one compute runs
         take(key)
         drop(key)
 
     def buffer(a: Action) -> tuple[str, int, int]:
-        kind = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND_B: "gin"}[a.kind]
-        return (kind, a.stage, a.microbatch)
+        return (_BUFFER[a.kind], a.stage, a.microbatch)
 
     consumed: list[tuple[str, int, int]] = []
     for x in sched.program(r):

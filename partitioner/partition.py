@@ -49,7 +49,7 @@ from pipeline.plan import Plan
 from pipeline.runtime.recompute import Recompute
 from pipeline.runtime.tracing import Traced, trace
 from pipeline.schedules.registry import entry
-from pipeline.schedules.schedule import schedule_options
+from pipeline.schedules.schedule import schedule_options, unchecked
 
 # COSTS, layer_costs: costs.py's
 __all__ = ["COSTS", "check_stage_count", "layer_costs", "partition", "plan_for"]
@@ -148,7 +148,7 @@ def partition(
     )
     check_model(model)
     profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
-    sched = shape.build_schedule()
+    sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
         raise ValueError(
@@ -157,6 +157,7 @@ def partition(
         )
     plan = predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
     _check_walk(plan, net)
+    plan.build_schedule()  # the generator's order, validated (cached per shape for the run)
     return plan
 
 

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import pickle
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -48,3 +52,16 @@ def test_peer_stage() -> None:
     assert parse_action("1RECV_B2").peer_stage == 2
     with pytest.raises(ValueError, match="compute action"):
         _ = parse_action("1F0").peer_stage
+
+
+def test_an_action_from_another_process_finds_its_equal() -> None:
+    # an action hashes once, with its kind's identity: an unpickled one must hash anew in this
+    # process, or a dict keyed by actions would miss it (planning and ranks exchange schedules)
+    code = (
+        "import pickle, sys; from pipeline.schedules.actions import parse_action; "
+        "sys.stdout.buffer.write(pickle.dumps([parse_action(t) for t in ('3B7', '0SEND_F2')]))"
+    )
+    sent = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, timeout=60).stdout
+    table = {parse_action("3B7"): "b", parse_action("0SEND_F2"): "send"}
+    assert [table.get(a) for a in pickle.loads(sent)] == ["b", "send"]
+    assert pickle.loads(pickle.dumps(Kind.W)) is Kind.W

@@ -37,17 +37,15 @@ class Kind(enum.Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
-    @property
-    def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.W)
+    # members are singletons, equal only to themselves: identity hashes them (Enum's own hashes the
+    # name in Python, and planning hashes millions of actions)
+    __hash__ = object.__hash__
 
-    @property
-    def is_send(self) -> bool:
-        return self in (Kind.SEND_F, Kind.SEND_B)
-
-    @property
-    def is_recv(self) -> bool:
-        return self in (Kind.RECV_F, Kind.RECV_B)
+    def __init__(self, value: str) -> None:
+        # plain attributes, not properties: planning asks them millions of times
+        self.is_compute: bool = value in ("F", "B", "W")
+        self.is_send: bool = value in ("SEND_F", "SEND_B")
+        self.is_recv: bool = value in ("RECV_F", "RECV_B")
 
 
 @dataclass(frozen=True, order=True)
@@ -55,6 +53,15 @@ class Action:
     stage: int
     kind: Kind
     microbatch: int
+
+    def __post_init__(self) -> None:  # hashed once: planning keys dicts by millions of actions
+        object.__setattr__(self, "_hash", hash((self.stage, self.kind, self.microbatch)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
+    def __reduce__(self) -> tuple[type[Action], tuple[int, Kind, int]]:
+        return (Action, (self.stage, self.kind, self.microbatch))  # the hash is this process's own
 
     def __str__(self) -> str:
         return format_action(self)

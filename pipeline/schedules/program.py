@@ -281,8 +281,8 @@ def _rank_program(
             k += 1
             continue
         a = item
-        got = Action(a.stage, Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.microbatch)
-        if a.kind is not Kind.W and got in received:
+        got = None if a.kind is Kind.W else Action(a.stage, _RECEIVED_BY[a.kind], a.microbatch)
+        if got is not None and got in received:
             out.append(Wait(got))
             done = tuple(x for x in frees.get(got, ()) if x in posted)
             if done:
@@ -303,6 +303,9 @@ def _rank_program(
     if replicated:
         out.append(Collective("all_reduce", "loss", ()))
     return Program(r, tuple(out))
+
+
+_RECEIVED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}  # the receive a compute's input comes by
 
 
 def _final_gradients(sched: Lowered, mine: Sequence[Action]) -> dict[int, Action]:
@@ -326,14 +329,13 @@ def _frees(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> list[dict[Act
     position = [{a: k for k, a in enumerate(acts)} for acts in lowered]
     ahead: list[dict[int, list[int]]] = []
     for acts in lowered:
-        targets = {sched.rank_of(a.peer_stage) for a in acts if a.kind.is_send}
+        dest = [sched.rank_of(a.peer_stage) if a.kind.is_send else -1 for a in acts]  # -1: no send
         table: dict[int, list[int]] = {}
-        for t in targets:
+        for t in set(dest) - {-1}:
             nxt, col = len(acts), [0] * (len(acts) + 1)
             col[len(acts)] = nxt
             for k in range(len(acts) - 1, -1, -1):
-                a = acts[k]
-                if a.kind.is_send and sched.rank_of(a.peer_stage) == t:
+                if dest[k] == t:
                     nxt = k
                 col[k] = nxt
             table[t] = col
