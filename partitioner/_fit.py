@@ -93,9 +93,7 @@ def smallest(
 
 
 def _min_max(mats: list[np.ndarray], k: int, scale: list[float], offset: list[float]) -> float:
-    """min over balances of max_s (M_s[a, b] + offset_s) / scale_s: a backward DP over (stage, start),
-    each stage s looking only at stages of at most w_s layers, w_s being the most that stay within
-    the peak of a real balance (so every optimal balance lies inside)."""
+    """min over balances of max_s (M_s[a, b] + offset_s) / scale_s (see ``min_max_core``)."""
     n = len(mats[0]) - 1
 
     def cost(s: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -111,6 +109,15 @@ def _min_max(mats: list[np.ndarray], k: int, scale: list[float], offset: list[fl
     widths = [
         n if scale[s] <= 0 else _most_layers(mats[_row(mats, s)], ub * scale[s] - offset[s]) for s in range(k)
     ]
+    return min_max_core(n, k, cost, widths, ub)
+
+
+def min_max_core(
+    n: int, k: int, cost: Callable[[int, np.ndarray, np.ndarray], np.ndarray], widths: list[int], ub: float
+) -> float:
+    """min over balances of max_s cost(s, a, b): a backward DP over (stage, start), stage s looking
+    only at stages of at most ``widths[s]`` layers, those within ``ub``, the peak of a real balance
+    (so every optimal balance lies inside)."""
     before = np.cumsum([0, *widths])  # the most layers stages 0..s-1 can hold
     after = np.cumsum([0, *widths[::-1]])[::-1]  # ... and stages s..k-1
     pad = max(widths)

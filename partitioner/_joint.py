@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from partitioner._dp import _band, _dp_core, _row, _upper_bound, _width
-from partitioner._fit import _reach
+from partitioner._fit import _STEPS, _even_split, _most_layers, _reach, min_max_core
 
 __all__ = ["fits_joint", "smallest_joint", "solve_joint"]
 
@@ -153,17 +153,74 @@ def smallest_joint(
     high: float,
 ) -> float:
     """The least x in [0, high] with ``fits_joint(memory, limits_at(x), ...)`` (inf if not even
-    ``high`` fits), by bisection down to adjacent floats: ``limits_at`` grows with x."""
+    ``high`` fits); ``limits_at`` is linear in x and grows with it. The min-max DP of each stage's
+    cheapest option, (M_o,s[a, b] - limits_at(0)[o][s]) / slope_o,s, gives x; float steps then move
+    it onto the exact boundary of ``fits_joint`` (bisection if they do not reach it)."""
     if not fits_joint(memory, limits_at(high), allowed, k):
         return _INF
-    lo, hi = 0.0, high
-    if fits_joint(memory, limits_at(lo), allowed, k):
-        return lo
-    while True:  # lo never fits, hi always does
+    if fits_joint(memory, limits_at(0.0), allowed, k):
+        return 0.0
+    x = min(_min_max_joint(memory, allowed, k, limits_at), high)
+
+    def fit(y: float) -> bool:
+        return fits_joint(memory, limits_at(y), allowed, k)
+
+    for _ in range(_STEPS):  # up until it fits ...
+        if fit(x):
+            break
+        x = math.nextafter(x, _INF)
+    else:
+        return _bisect(fit, 0.0, high)
+    for _ in range(_STEPS):  # ... and down while it still does
+        below = math.nextafter(x, 0.0)
+        if not fit(below):
+            return x
+        x = below
+    return _bisect(fit, 0.0, x)
+
+
+def _min_max_joint(
+    memory: Sequence[list[list[float]]],
+    allowed: Sequence[Sequence[int]],
+    k: int,
+    limits_at: Callable[[float], list[list[float]]],
+) -> float:
+    """min over balances of max_s min over o in allowed[s] of the x at which stage s fits on o."""
+    rows = [[np.asarray(r, dtype=np.float64) for r in option] for option in memory]
+    n = len(rows[0][0]) - 1
+    zero, one = limits_at(0.0), limits_at(1.0)
+    slope = [[one[o][s] - zero[o][s] for s in range(k)] for o in range(len(rows))]
+
+    def cost(s: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        best = np.full(np.broadcast(a, b).shape, _INF)
+        for o in allowed[s]:
+            m = rows[o][_row(rows[o], s)]
+            need = m[b] - m[a] - zero[o][s]
+            best = np.minimum(best, need / slope[o][s] if slope[o][s] > 0 else np.where(need > 0, _INF, 0.0))
+        return best
+
+    ends = _even_split([r for option in rows for r in option], k)
+    starts = [0, *ends[:-1]]
+    ub = max(float(cost(s, np.asarray([starts[s]]), np.asarray([ends[s]]))[0]) for s in range(k))
+    if math.isinf(ub):
+        return _INF
+    widths = [
+        max(
+            n if slope[o][s] <= 0 else _most_layers(rows[o][_row(rows[o], s)], ub * slope[o][s] + zero[o][s])
+            for o in allowed[s]
+        )
+        for s in range(k)
+    ]
+    return min_max_core(n, k, cost, widths, ub)
+
+
+def _bisect(fit: Callable[[float], bool], lo: float, hi: float) -> float:
+    """The least float in (lo, hi] that fits, ``hi`` fitting and ``lo`` not, down to adjacent floats."""
+    while True:
         mid = lo + (hi - lo) / 2
         if mid <= lo or mid >= hi:
             return hi
-        if fits_joint(memory, limits_at(mid), allowed, k):
+        if fit(mid):
             hi = mid
         else:
             lo = mid

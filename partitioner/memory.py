@@ -428,9 +428,11 @@ def _walk(
             return ("gin", s + 1, i)
         return key
 
+    handover = bool(local_in or local_gout)
+
     def take(*keys: tuple[str, int, int]) -> None:
         # only increments: each slot's maximum is reached at the end of a take
-        for key in map(same, keys):
+        for key in map(same, keys) if handover else keys:
             held = refs.get(key, 0)
             refs[key] = held + 1
             if held == 0:
@@ -440,7 +442,7 @@ def _walk(
                     peak[slot] = now[slot]
 
     def drop(*keys: tuple[str, int, int]) -> None:
-        for key in map(same, keys):
+        for key in map(same, keys) if handover else keys:
             held = refs.get(key)
             if held is None:
                 continue
