@@ -338,12 +338,12 @@ def test_a_killed_rank_is_named_within_seconds_and_leaves_no_process(tmp_path: P
 ALLOWED_READS = {
     "runtime/steps.py:finish",  # the returned loss, at the step's end (the one sync allowed)
     "runtime/replicas.py:global_mean",  # the loss's mean over the replicas, at the step's end
-    "runtime/metadata.py:decode",  # the step header's signature, on receiving ranks: still a sync
 }
 
 
-def _host_reads() -> dict[str, int]:
-    """Where (pipeline file:function) a second step reads tensors on the host, under the emulation."""
+def _host_reads() -> tuple[dict[str, int], list[str]]:
+    """Where (pipeline file:function) a second step reads tensors on the host, under the emulation;
+    and the step headers still in the store after both steps (each is deleted by its last reader)."""
     import collections
     import traceback
 
@@ -374,7 +374,11 @@ def _host_reads() -> dict[str, int]:
     finally:
         for n in names:
             setattr(torch.Tensor, n, real[n])
-    return dict(sites)
+    dist.barrier()
+    comm = pipe.comm
+    assert comm is not None
+    keys = [f"{comm.key_prefix}/header{n}{end}" for n in (1, 2) for end in ("", "/read")]
+    return dict(sites), [key for key in keys if comm.store.check([key])]
 
 
 _READS = job(4, _host_reads, timeout=60.0, backend="nccl-emulated")
@@ -382,6 +386,7 @@ _READS = job(4, _host_reads, timeout=60.0, backend="nccl-emulated")
 
 def test_a_step_reads_the_device_only_where_named(tmp_path_factory: pytest.TempPathFactory) -> None:
     """2 replicas of a 2-rank zb-h1 pipeline: every host read of a step is one of ALLOWED_READS."""
-    for rank, sites in enumerate(_READS.results(tmp_path_factory)):
+    for rank, (sites, headers_left) in enumerate(_READS.results(tmp_path_factory)):
         assert set(sites) <= ALLOWED_READS, (rank, sites)
         assert "runtime/steps.py:finish" in sites, rank
+        assert headers_left == [], rank  # the store does not grow with the steps

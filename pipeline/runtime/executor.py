@@ -264,10 +264,7 @@ class Executor:
         batch = None
         if self.inputs:  # the whole batch's signature: micro-batch 0's with the batch's rows
             batch = with_rows(signature(self.inputs[0]), sum(batch_rows(x) for x in self.inputs))
-        key, sent = exchange_header(self.comm, self.rank, self.p, self.device, batch)
-        if sent is not None:
-            self._sent.append(sent)
-        return key
+        return exchange_header(self.comm, self.rank, self.p, self.device, batch)
 
     def _setup(self, batch: Signature) -> None:
         """Every local stage's input and output signatures per micro-batch size; the messages' specs."""

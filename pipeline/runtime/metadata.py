@@ -2,17 +2,19 @@
 
     # s: stage, i: micro-batch, r: this rank, p: ranks
 
-At every step, the rank of stage 0 sends a (HEADER_LEN,) int64 header with the
-whole batch's signature (its rows B included) and its autocast state (off, or
-on with a dtype, for the pipeline's device type) down the chain of ranks
-0 -> 1 -> ... -> p-1, before any other message on each link:
+At every step, the rank of stage 0 sets a (HEADER_LEN,) int64 header in the
+store with the whole batch's signature (its rows B included) and its autocast
+state (off, or on with a dtype, for the pipeline's device type); every other
+rank reads it there, and the last to read it deletes it:
 
     header:  [autocast, n, (dtype, ndim, B, *shape[1:]) per tensor, 0 ...]
-    rank 0 --header--> rank 1 --header--> ... --header--> rank p-1
+    rank 0 --set key header<n>--> store --get--> ranks 1 .. p-1
 
-one tiny one-way message per link per step, which arrives while the previous
-rank computes its first forward, so it is off the critical path. Every rank
-must run the step under the same autocast state (it decides the dtypes between
+one store write and p - 1 reads per step, made while rank 0 computes its first
+forward, so they are off the critical path. The header is host bytes: no rank
+reads a device tensor for it, so a step on CUDA never waits on the device for
+its signature (a header sent on the GPU had to be copied to the host, a sync).
+Every rank must run the step under the same autocast state (it decides the dtypes between
 stages), and one that does not fails at once. The header's first word also
 says which call it belongs to, (kind, n): the n-th ``step`` / ``evaluate`` /
 ``predict`` of this Pipeline (``begin_call``), so that ranks that call
@@ -20,8 +22,9 @@ different methods, or one call more, fail at once, naming both calls, at no
 cost (no extra message), rather than wait out the timeout on keys that the
 other call never sets:
 
-    word 0:  autocast | kind << 8 | n << 10 When the header differs from the
-previous step's (or at the first step), every rank derives its stages' input
+    word 0:  autocast | kind << 8 | n << 10
+
+When the header differs from the previous step's (or at the first step), every rank derives its stages' input
 and output signatures in stage order, with fake tensors (no compute, under the
 step's autocast), passing them on through the store: once per micro-batch size,
 of which a step has at most two (B split as evenly as possible into m, see
@@ -36,10 +39,9 @@ allocated from these signatures without further messages; a stage output or
 input gradient that does not match them fails before it is sent (gloo fills
 a larger buffer silently and aborts the process on a smaller one).
 
-The header travels on the communication device (``Comm.empty`` / ``tensor``:
-the GPU on NCCL, which takes nothing else); the store carries the signatures
-as plain bytes. On the NCCL path a dtype NCCL cannot send is refused at the
-first step's setup, naming the stage boundary (``check_sendable``).
+The store carries the header and the signatures as plain bytes. On the NCCL
+path a dtype NCCL cannot send is refused at the first step's setup, naming the
+stage boundary (``check_sendable``).
 """
 
 from __future__ import annotations
@@ -153,45 +155,42 @@ def _fmt_call(call: tuple[int, int]) -> str:
 
 def exchange_header(
     comm: Comm | None, rank: int, p: int, device: torch.device, batch: Signature | None
-) -> tuple[tuple[Signature, int], Msg | None]:
-    """(the batch's signature, autocast state) of the step, and the header send posted to the next rank.
+) -> tuple[Signature, int]:
+    """(the batch's signature, autocast state) of the step, through the store: one key per call
+    of the Pipeline, whichever executor runs it (a step's or an evaluation's).
 
-    Rank 0 passes the whole batch's signature as ``batch``; the others (None)
-    receive it from the previous rank and check that they run under the same
-    autocast state.
+    Rank 0 passes the whole batch's signature as ``batch`` and sets the header; the others (None)
+    read it and check that they run the same call under the same autocast state. The last
+    reader deletes it (a counter in the store), so the store does not grow with the steps.
     """
     mode = autocast_mode(device)
     if rank == 0:
         assert batch is not None
         sig = batch
     if comm is None or p == 1:
-        return (sig, mode), None
-    header = comm.empty((HEADER_LEN,), torch.int64)
-    if rank > 0:
-        what = f"the step's input signature header from rank {comm.name(rank - 1)}"
-        (works,) = comm.post([], [([header], rank - 1)], what)
-        comm.wait(works, what)
-        sig, word = decode(header)
-        theirs, call = _split_word(word)
-        if call != comm.call:
-            raise ValueError(
-                f"rank {comm.me} is in {_fmt_call(comm.call)} but rank {comm.name(rank - 1)} in "
-                f"{_fmt_call(call)}; every rank must call step, evaluate and predict on the Pipeline "
-                "in the same order, as many times"
-            )
-        if theirs != mode:
-            raise ValueError(
-                f"rank {comm.me} runs the step with {_fmt_mode(mode, device)} but rank {comm.name(0)} with "
-                f"{_fmt_mode(theirs, device)}; wrap the step in the same torch.autocast (or none) "
-                "on every rank"
-            )
-    sent = None
-    if rank < p - 1:
-        sent = Msg(None, rank + 1)
-        sent.what = f"the input signature header to rank {comm.name(rank + 1)}"
-        sent.tensors = [comm.tensor(encode_words(sig, _call_word(mode, comm.call)), torch.int64)]
-        (sent.works,) = comm.post([(sent.tensors, sent.peer)], [], sent.what)
-    return (sig, mode), sent
+        return sig, mode
+    at = f"{comm.key_prefix}/header{comm.call[1]}"  # a rank one call ahead reads another key
+    if rank == 0:
+        comm.set_key(at, struct.pack(f"<{HEADER_LEN}q", *encode_words(sig, _call_word(mode, comm.call))))
+        return sig, mode
+    raw = comm.wait_key(at, f"the step's input signature header from rank {comm.name(0)}")
+    sig, word = decode(struct.unpack(f"<{HEADER_LEN}q", raw))
+    if comm.add_key(f"{at}/read", 1) == p - 1:  # the last of the p - 1 readers
+        comm.delete_keys([at, f"{at}/read"])
+    theirs, call = _split_word(word)
+    if call != comm.call:
+        raise ValueError(
+            f"rank {comm.me} is in {_fmt_call(comm.call)} but rank {comm.name(0)} in "
+            f"{_fmt_call(call)}; every rank must call step, evaluate and predict on the Pipeline "
+            "in the same order, as many times"
+        )
+    if theirs != mode:
+        raise ValueError(
+            f"rank {comm.me} runs the step with {_fmt_mode(mode, device)} but rank {comm.name(0)} with "
+            f"{_fmt_mode(theirs, device)}; wrap the step in the same torch.autocast (or none) "
+            "on every rank"
+        )
+    return sig, mode
 
 
 # ---- the signatures

@@ -152,6 +152,7 @@ class Comm:
         no channels; ``global_names``: errors name global ranks (in a mesh, where a group rank is
         ambiguous)."""
         self.group = group
+        self.key_prefix = key_prefix  # this pipeline's keys in the store (every executor's)
         self.rank = dist.get_rank(group)
         self.world_size = n = dist.get_world_size(group)
         backend = dist.get_backend(group)
@@ -349,7 +350,7 @@ class Comm:
 
     def wait_key(self, key: str, what: str) -> bytes:
         """A store value another rank sets, with the same timeout and failure watch."""
-        start = time.monotonic()
+        start, pause = time.monotonic(), 0.0002  # short at first: the step header is read each step
         try:
             while True:
                 if not self.board.usable():
@@ -360,12 +361,31 @@ class Comm:
                     failed = self.board.store.check([self.board.key])
                 if failed or time.monotonic() - start > self.timeout:
                     raise self._error(what, None) from None
-                time.sleep(0.002)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
         except (PeerFailure, PipelineTimeout):
             raise
         except Exception as exc:  # the store is gone
             self.liveness.store_gone = True
             raise self._error(what, exc) from exc
+
+    def add_key(self, key: str, amount: int) -> int:
+        """The store's counter ``key`` after adding ``amount`` (atomic across ranks)."""
+        try:
+            with quiet_store():
+                return int(self.store.add(key, amount))
+        except Exception as exc:
+            self.liveness.store_gone = True
+            raise self._error(f"the store to count {key}", exc) from exc
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        try:
+            with quiet_store():
+                for key in keys:
+                    self.store.delete_key(key)
+        except Exception as exc:
+            self.liveness.store_gone = True
+            raise self._error(f"the store to delete {', '.join(keys)}", exc) from exc
 
     def set_key(self, key: str, value: bytes) -> None:
         try:
