@@ -1,0 +1,45 @@
+"""``pipeline.runtime.transport``: the path is chosen from the backend once, and each path refuses
+what its backend cannot take (in process, no process group: the multi-rank behaviour is
+test_p2p's, test_comm_device's and test_nccl_emulation's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.runtime import emulation
+from pipeline.runtime.transport import EmulatedNccl, GlooTransport, NcclTransport, Transport, transport_class
+
+
+def test_the_path_follows_the_backend_and_the_emulation_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(emulation.ENV, raising=False)
+    assert transport_class("gloo") is GlooTransport and transport_class("nccl") is NcclTransport
+    monkeypatch.setenv(emulation.ENV, "1")
+    assert transport_class("gloo") is EmulatedNccl
+    assert EmulatedNccl.nccl and EmulatedNccl.emulated and EmulatedNccl.device_for() == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^STAGEWISE_EMULATE_NCCL runs the NCCL code path on a gloo "
+                       r"process group, but this group's backend is 'nccl': unset"):  # fmt: skip
+        transport_class("nccl")
+
+
+def _bare(path: type[Transport]) -> Transport:
+    """A transport of ``path`` with only what ``check`` reads (no process group behind it)."""
+    t = object.__new__(path)
+    t.me, t.device, t.backend = 3, torch.device("cpu"), "nccl-emulated" if path.emulated else "gloo"
+    return t
+
+
+def test_the_nccl_path_refuses_what_nccl_cannot_take_and_gloo_takes_it() -> None:
+    strided = torch.zeros(4, 4).t()
+    int16 = torch.zeros(2, dtype=torch.int16)
+    gloo, nccl = _bare(GlooTransport), _bare(EmulatedNccl)
+    gloo.check(strided, "x")  # gloo copies it
+    gloo.check(int16, "x")
+    with pytest.raises(ValueError, match=r"^rank 3: 1SEND_F0 to rank 2 was handed a non-contiguous tensor "
+                       r"\(\[4, 4\] float32, strides \(1, 4\)\), which NCCL refuses"):  # fmt: skip
+        nccl.check(strided, "1SEND_F0 to rank 2")
+    with pytest.raises(ValueError, match=r"a int16 tensor \(\[2\] int16\), which NCCL cannot send"):
+        nccl.check(int16, "x")
+    for t in (gloo, nccl):  # every path: the device guard
+        with pytest.raises(ValueError, match=r"handed a tensor on meta .* runs on cpu; it was made without"):
+            t.check(torch.empty(2, device="meta"), "x")
