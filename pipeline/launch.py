@@ -33,8 +33,16 @@ Under torchrun (``init_distributed``) see startup.py: a store per restart,
 so that a restart never reads the keys of the attempt before it, and start-up
 waits that name what they waited for.
 
-Ranks are started with multiprocessing's "spawn": each one imports the
-caller's main module again before running ``fn``. A script whose
+Ranks are started with multiprocessing's "spawn" by default: each one imports
+torch and the caller's main module again before running ``fn`` (seconds per
+launch). ``start_method="forkserver"`` forks them instead from a server
+process that imported torch and this package once (the first launch starts
+it): a launch then starts its ranks in milliseconds, for programs (a test
+suite, a notebook) that launch many times. Each rank still gets the caller's
+environment as it is at the launch, and SIGINT ignored, as under spawn, and
+ends with the caller (it watches the caller's pid itself: its parent is the
+server). Under both, each rank
+imports the caller's main module again before running ``fn``. A script whose
 ``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
 again from every rank; the rank notices (its process is a launched rank that
 has not started ``fn`` yet), exits with a reserved code, and the parent raises
@@ -50,6 +58,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import select
 import shutil
 import signal
 import sys
@@ -84,6 +93,8 @@ _POLL_S = 0.05
 _KILL_GRACE_S = 2.0
 _SETTLE_S = 0.3  # how long to let a failure's echoes on other ranks arrive
 _RANK_NAME = "stagewise-rank-"  # process-name prefix of the ranks launch starts
+_START_METHODS = ("spawn", "forkserver")
+_PRELOAD = ["torch", "torch.distributed", "pipeline.launch", "pipeline.runtime.pipe"]  # the fork server's
 _EXIT_UNGUARDED_MAIN = 87  # a rank's exit code when its import of the main module called launch
 _rank_started = False  # set in a rank once its fn may run: launch() from inside fn is deliberate
 _PARENT_POLL_S = 0.2  # how often a rank's fallback thread checks that its parent lives
@@ -192,20 +203,49 @@ def init_distributed(backend: str | None = None, timeout: float = 300.0) -> Dist
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, chosen)
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this rank when ``parent`` dies: the kernel's parent-death signal on Linux, and a
-    thread that watches the parent's pid (the only guard elsewhere; on Linux it covers the moment
-    before prctl, when the parent may have died already)."""
+def _die_with_parent(parent: int, forked: bool) -> None:
+    """SIGKILL this rank when ``parent`` (the launching process) dies: the kernel's parent-death
+    signal on Linux, and a thread that watches the parent's pid (the only guard elsewhere; on Linux
+    it covers the moment before prctl, when the parent may have died already). A rank forked from
+    the server is the server's child, and the server lives while any of its children holds its
+    "alive" pipe (every rank does): its thread watches the launcher itself."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    threading.Thread(target=_watch_parent, args=(parent,), name="stagewise-parent-watch", daemon=True).start()
+    watch = _watch_launcher if forked else _watch_parent
+    threading.Thread(target=watch, args=(parent,), name="stagewise-parent-watch", daemon=True).start()
 
 
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:  # an orphan is re-parented (to init or a subreaper)
         time.sleep(_PARENT_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_launcher(launcher: int) -> None:
+    """Until ``launcher``, not this process's parent, has ended (a pidfd turns readable then, a
+    zombie included; without pidfds, until its pid is gone)."""
+    try:
+        fd = os.pidfd_open(launcher)
+    except ProcessLookupError:
+        fd = -1  # gone already
+    except (AttributeError, OSError):  # no pidfd here: poll the pid
+        while _exists(launcher):
+            time.sleep(_PARENT_POLL_S)
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _run_rank(
@@ -219,10 +259,15 @@ def _run_rank(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    forked: dict[str, str] | None = None,
 ) -> None:
     global _rank_started
     _rank_started = True
-    _die_with_parent(parent)
+    if forked is not None:  # from the fork server: its environment and SIGINT are not the caller's
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.environ.clear()
+        os.environ.update(forked)
+    _die_with_parent(parent, forked is not None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
     _set_backend_env(backend)
@@ -278,6 +323,7 @@ def launch(
     timeout: float = 300.0,
     threads: int | None = None,
     store_dir: str | os.PathLike[str] | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new local processes; return their results by rank.
 
@@ -286,7 +332,8 @@ def launch(
     point-to-point wait inside the ranks. ``threads`` sets intra-op threads per
     rank on CPU (default 1, so that ranks do not fight over cores). ``store_dir``
     holds the rendezvous file (created if missing; default: a temporary folder
-    removed afterwards).
+    removed afterwards). ``start_method``: "spawn" (default) or "forkserver"
+    (ranks forked from a server that imported torch once: see the module docstring).
     Call it under ``if __name__ == "__main__":``: every rank imports the main module.
     """
     if _reimported_by_a_rank():
@@ -295,6 +342,11 @@ def launch(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     _check_backend(backend)
+    if start_method not in _START_METHODS:
+        raise ValueError(
+            f"start_method ({start_method!r}) must be one of {', '.join(map(repr, _START_METHODS))}: "
+            "'spawn' starts each rank afresh, 'forkserver' forks it from a server that imported torch once"
+        )
     try:
         pickle.dumps((fn, args))
     except Exception as exc:
@@ -309,16 +361,20 @@ def launch(
             f"{torch.cuda.device_count()} GPUs visible; use backend='gloo' or fewer ranks"
         )
 
-    ctx = mp.get_context("spawn")
+    forked = dict(os.environ) if start_method == "forkserver" else None
+    ctx = mp.get_context("forkserver") if forked is not None else mp.get_context("spawn")
+    if forked is not None:
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first launch
     results = ctx.Queue()
     own_dir = store_dir is None
     folder = tempfile.mkdtemp(prefix="stagewise-store-") if store_dir is None else os.fspath(store_dir)
     os.makedirs(folder, exist_ok=True)  # a FileStore in a missing folder would retry until its timeout
     store_path = tempfile.mktemp(prefix="store-", dir=folder)
+    shared = (world_size, backend, store_path, timeout, threads, results, fn, args, forked)
     processes = [
         ctx.Process(
             target=_run_rank,
-            args=(os.getpid(), rank, world_size, backend, store_path, timeout, threads, results, fn, args),
+            args=(os.getpid(), rank, *shared),
             name=f"{_RANK_NAME}{rank}",
             daemon=True,
         )

@@ -63,7 +63,9 @@ def run_ranks(
     ``backend``: "gloo" (default), "nccl-emulated" (gloo with STAGEWISE_EMULATE_NCCL=1
     in every rank), or None (what ``launch`` picks from the environment).
     """
-    return launch(fn, world_size, *args, backend=backend, timeout=timeout, store_dir=tmp_path)
+    return launch(
+        fn, world_size, *args, backend=backend, timeout=timeout, store_dir=tmp_path, start_method="forkserver"
+    )
 
 
 @dataclass(eq=False)

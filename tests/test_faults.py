@@ -159,15 +159,19 @@ def _script(tmp_path: Path, body: str) -> Path:
 
 
 _PARENT = """
-import os, sys, time
+import os, signal, sys, time
 import pipeline
 
 def work():
-    os.write(1, f"RANK {os.getpid()}\\n".encode())  # one write: the ranks share the pipe
+    ignores = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the parent decides for the ranks
+    os.write(1, f"RANK {os.getpid()} {ignores}\\n".encode())  # one write: the ranks share the pipe
     time.sleep(300)
 
 if __name__ == "__main__":
-    pipeline.launch(work, 2, timeout=60.0)
+    if sys.argv[1] == "forkserver":  # a server this program started before, with SIGINT as it was
+        import multiprocessing.forkserver
+        multiprocessing.forkserver.ensure_running()
+    pipeline.launch(work, 2, timeout=60.0, start_method=sys.argv[1])
 """
 
 
@@ -182,7 +186,9 @@ def _ranks_of(proc: subprocess.Popen[bytes], n: int) -> list[int]:
         chunk = os.read(fd, 4096)
         assert chunk, f"the parent ended before its ranks started (printed: {text!r})"
         text += chunk
-    return [int(line.split()[1]) for line in text.decode().splitlines() if line.startswith("RANK ")]
+    lines = [line.split() for line in text.decode().splitlines() if line.startswith("RANK ")]
+    assert all(words[2] == "True" for words in lines), f"a rank does not ignore SIGINT: {text!r}"
+    return [int(words[1]) for words in lines]
 
 
 def _alive(pid: int) -> bool:
@@ -200,10 +206,14 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
-def test_the_ranks_end_with_launchs_parent(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "start"),
+    [("SIGKILL", "spawn"), ("SIGTERM", "spawn"), ("SIGINT", "spawn"), ("SIGKILL", "forkserver"),
+     ("SIGINT", "forkserver")],  # forked from the server: its ranks end with the launcher too
+)  # fmt: skip
+def test_the_ranks_end_with_launchs_parent(tmp_path: Path, how: str, start: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, str(_script(tmp_path, _PARENT))], env=_env(), cwd=tmp_path, bufsize=0,
+        [sys.executable, str(_script(tmp_path, _PARENT)), start], env=_env(), cwd=tmp_path, bufsize=0,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     ranks: list[int] = []

@@ -96,6 +96,11 @@ def test_unpicklable_fn() -> None:
         launch(lambda: 0, 1)
 
 
+def test_unknown_start_method() -> None:
+    with pytest.raises(ValueError, match=r"start_method \('fork'\) must be one of 'spawn', 'forkserver'"):
+        launch(_rank_info, 2, start_method="fork")
+
+
 def test_unknown_backend() -> None:
     with pytest.raises(
         ValueError, match=r"unknown backend 'mpi'; use one of \('gloo', 'nccl', 'nccl-emulated'\)"
