@@ -11,8 +11,9 @@ every rank names the root cause, not the lost connection it saw afterwards:
     rank q is SIGKILLed   -> r finds q's process gone (liveness) and publishes in q's name
 
 The board never raises: a store that is gone (its host died, or the launcher tears the job
-down) is noted in ``liveness.store_gone`` and reads as "no failure published"; ``Comm`` turns
-that into its own error. Comm owns the waits and the transfers; this module only the key.
+down) is noted in ``liveness.store_gone`` and reads as "no failure published"; the transport
+(transport.py) turns that into its own error. The transport owns the waits and the transfers;
+this module only the key.
 """
 
 from __future__ import annotations
