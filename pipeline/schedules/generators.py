@@ -168,29 +168,36 @@ def _greedy_v(p: int, m: int, cap: int) -> Orders:
         d = need(a)
         return d is not None and rank(d.stage) != r
 
+    # each stage runs its F's, and its B's, in micro-batch order (the oldest ready one is taken, and a
+    # later one is never ready before it: its input queues behind the earlier's on the rank pair), so
+    # only each stage's next F and next B are candidates: the oldest micro-batch, then the later stage
+    after = {Kind.F: [0] * k, Kind.B: [0] * k}  # per stage: micro-batches that ran
+
+    def oldest(kind: Kind, r: int, only_received: bool = False) -> Action | None:
+        found = [
+            a
+            for s in stages[r]
+            if after[kind][s] < m
+            and ready(a := Action(s, kind, after[kind][s]), r)
+            and (not only_received or received(a, r))
+        ]
+        return min(found, key=lambda a: a.microbatch, default=None)  # the first of equals: later stage
+
     while len(done) < total:
         ran: list[tuple[int, Action]] = []
         for r in range(p):
-            pick = next((b for i in range(m) for s in stages[r] if ready(b := Action(s, Kind.B, i), r)), None)
+            pick = oldest(Kind.B, r)
             if pick is None and held[r] < cap:
-                pick = next(
-                    (f for i in range(m) for s in stages[r] if ready(f := Action(s, Kind.F, i), r)), None
-                )
+                pick = oldest(Kind.F, r)
             if pick is None and pending_w[r]:
                 pick = pending_w[r].pop(0)
             if pick is None:  # over the cap with nothing else to run: take a waiting input, which
                 # frees the messages behind it on its rank pair (else the pipeline would stall)
-                pick = next(
-                    (
-                        f
-                        for i in range(m)
-                        for s in stages[r]
-                        if ready(f := Action(s, Kind.F, i), r) and received(f, r)
-                    ),
-                    None,
-                )
+                pick = oldest(Kind.F, r, only_received=True)
             if pick is not None:
                 ran.append((r, pick))
+                if pick.kind is not Kind.W:
+                    after[pick.kind][pick.stage] += 1
         if not ran:
             raise RuntimeError(f"zb-v's list schedule stalls at p={p}, m={m}, cap={cap}")
         for r, a in ran:
