@@ -41,8 +41,8 @@ it): a launch then starts its ranks in milliseconds, for programs (a test
 suite, a notebook) that launch many times. Each rank still gets the caller's
 environment as it is at the launch, and SIGINT ignored, as under spawn, and
 ends with the caller (it watches the caller's pid itself: its parent is the
-server). Under both, each rank
-imports the caller's main module again before running ``fn``. A script whose
+server). Under both, each rank imports the caller's main module again before
+running ``fn``. A script whose
 ``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
 again from every rank; the rank notices (its process is a launched rank that
 has not started ``fn`` yet), exits with a reserved code, and the parent raises
@@ -77,6 +77,7 @@ import torch.multiprocessing as mp
 from pipeline import startup
 from pipeline.runtime import emulation
 from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV  # "1": the runtime emulates NCCL on gloo
+from pipeline.runtime.watchdog import process_alive
 
 __all__ = [
     "BACKENDS",
@@ -224,28 +225,17 @@ def _watch_parent(parent: int) -> None:
 
 def _watch_launcher(launcher: int) -> None:
     """Until ``launcher``, not this process's parent, has ended (a pidfd turns readable then, a
-    zombie included; without pidfds, until its pid is gone)."""
+    zombie included; without pidfds, until it is gone or a zombie)."""
     try:
         fd = os.pidfd_open(launcher)
     except ProcessLookupError:
-        fd = -1  # gone already
+        pass  # gone already
     except (AttributeError, OSError):  # no pidfd here: poll the pid
-        while _exists(launcher):
+        while process_alive(launcher):
             time.sleep(_PARENT_POLL_S)
-        fd = -1
-    if fd >= 0:
+    else:
         select.select([fd], [], [])
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _run_rank(
@@ -259,15 +249,15 @@ def _run_rank(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    forked: dict[str, str] | None = None,
+    caller_env: dict[str, str] | None = None,
 ) -> None:
     global _rank_started
     _rank_started = True
-    if forked is not None:  # from the fork server: its environment and SIGINT are not the caller's
+    if caller_env is not None:  # forked from the server: its environment and SIGINT are not the caller's
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.environ.clear()
-        os.environ.update(forked)
-    _die_with_parent(parent, forked is not None)
+        os.environ.update(caller_env)
+    _die_with_parent(parent, forked=caller_env is not None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
     _set_backend_env(backend)
@@ -361,16 +351,16 @@ def launch(
             f"{torch.cuda.device_count()} GPUs visible; use backend='gloo' or fewer ranks"
         )
 
-    forked = dict(os.environ) if start_method == "forkserver" else None
-    ctx = mp.get_context("forkserver") if forked is not None else mp.get_context("spawn")
-    if forked is not None:
+    caller_env = dict(os.environ) if start_method == "forkserver" else None
+    ctx = mp.get_context("forkserver") if caller_env is not None else mp.get_context("spawn")
+    if caller_env is not None:
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first launch
     results = ctx.Queue()
     own_dir = store_dir is None
     folder = tempfile.mkdtemp(prefix="stagewise-store-") if store_dir is None else os.fspath(store_dir)
     os.makedirs(folder, exist_ok=True)  # a FileStore in a missing folder would retry until its timeout
     store_path = tempfile.mktemp(prefix="store-", dir=folder)
-    shared = (world_size, backend, store_path, timeout, threads, results, fn, args, forked)
+    shared = (world_size, backend, store_path, timeout, threads, results, fn, args, caller_env)
     processes = [
         ctx.Process(
             target=_run_rank,
