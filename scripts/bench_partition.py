@@ -129,6 +129,10 @@ def partition_headline(rng: random.Random) -> None:
     prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=1 << 20)
     model = nn.Sequential(*[nn.Identity() for _ in range(n)])
     opts = {"profile": prof, "bandwidth": 5e10, "latency": 1e-5}
+    start = time.perf_counter()  # the process's first partition: every rank's program derived here
+    with contextlib.suppress(ValueError):
+        partition(model, p, None, memory_limit=1 << 20, **opts)  # type: ignore[arg-type]
+    cold = time.perf_counter() - start
     peak = max(st.memory_bytes for st in partition(model, p, None, **opts).stages)  # type: ignore[arg-type]
 
     def timed(limit: float) -> float:
@@ -146,6 +150,7 @@ def partition_headline(rng: random.Random) -> None:
     print(f"  {'a limit that fits (1.5x the free plan peak)':<44}{timed(1.5 * peak) * 1e3:>8.1f} ms")
     raises = timed(peak / 8) * 1e3
     print(f"  {'a limit that does not (peak / 8): raises':<44}{raises:>8.1f} ms  (target < 100 ms)")
+    print(f"  {'the same, cold (1 MiB, the first call)':<44}{cold * 1e3:>8.1f} ms  (target < 200 ms)")
 
 
 def profiling_table() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from pipeline.schedules.actions import Action, Kind
@@ -299,3 +301,16 @@ def test_derived_once_per_schedule() -> None:
 def test_custom_schedules_get_a_program_too() -> None:
     sched = Schedule.from_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1")
     assert sched.program(1).compute() == list(sched.compute[1])
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_deriving_leaves_the_cycle_collector_as_it_found_it(collector_on: bool) -> None:
+    # derivation pauses the collector (tens of thousands of acyclic objects); it must come back on,
+    # and must not be turned on where the caller had it off
+    was = gc.isenabled()
+    try:
+        gc.enable() if collector_on else gc.disable()
+        schedule("1f1b", 4, 4).programs()
+        assert gc.isenabled() is collector_on
+    finally:
+        gc.enable() if was else gc.disable()

@@ -46,6 +46,8 @@ calls of their own after the step, one all-reduce each over every rank, not part
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -203,11 +205,29 @@ def derive(sched: Lowered, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -
     parameter, in the order every rank finds them)."""
     replicated, stage_sets = options(sched, dp, ties)
     groups = tie_groups(sched.rank_of, stage_sets)
-    lowered = sched.lowered()
-    frees = _frees(sched, lowered)
-    return tuple(
-        _rank_program(sched, r, lowered[r], frees[r], replicated, groups) for r in range(sched.n_ranks)
-    )
+    with _gc_paused():
+        lowered = sched.lowered()
+        frees = _frees(sched, lowered)
+        return tuple(
+            _rank_program(sched, r, lowered[r], frees[r], replicated, groups) for r in range(sched.n_ranks)
+        )
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cycle collector off while a schedule's lists and programs are built.
+
+    They are tens of thousands of small objects that form no cycle, and each burst of allocations
+    sets off a collection that walks every object the caller holds (a 1000-layer model and its
+    graph cost 70 of the 250 ms of a cold refusal at p = 64, m = 64). Nothing is left uncollected:
+    the collector runs again, as it was, on the way out."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def options(
@@ -326,10 +346,15 @@ def _frees(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> list[dict[Act
     position k, so that each send's proof is found in constant time (planning walks many schedules
     of thousands of actions)."""
     p = sched.n_ranks
-    position = [{a: k for k, a in enumerate(acts)} for acts in lowered]
+    rank_of = [sched.rank_of(s) for s in range(sched.n_stages)]
+    # actions keyed by plain tuples: tens of thousands of lookups, and a tuple is cheaper to build
+    position = [{(a.stage, a.kind, a.microbatch): k for k, a in enumerate(acts)} for acts in lowered]
     ahead: list[dict[int, list[int]]] = []
     for acts in lowered:
-        dest = [sched.rank_of(a.peer_stage) if a.kind.is_send else -1 for a in acts]  # -1: no send
+        dest = [  # each send's destination rank, -1 for any other action
+            -1 if not a.kind.is_send else rank_of[a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1]
+            for a in acts
+        ]
         table: dict[int, list[int]] = {}
         for t in set(dest) - {-1}:
             nxt, col = len(acts), [0] * (len(acts) + 1)
@@ -345,24 +370,25 @@ def _frees(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> list[dict[Act
         for a in acts:
             if not a.kind.is_send:
                 continue
-            q = sched.rank_of(a.peer_stage)
+            q = rank_of[a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1]
             at = position[q].get(_consumer(a))
             if at is None or r not in ahead[q]:
                 continue
             j = ahead[q][r][at + 1]
             if j == len(lowered[q]):
                 continue
-            back = _receiver(lowered[q][j])
-            if back in position[r]:
-                out[r].setdefault(back, []).append(a)
+            # q's next send to r: its receive on r proves ``a`` delivered
+            back = position[r].get(_receiver(lowered[q][j]))
+            if back is not None:
+                out[r].setdefault(acts[back], []).append(a)
     return out
 
 
-def _consumer(send: Action) -> Action:
-    """The compute action on the peer that takes what ``send`` carries."""
+def _consumer(send: Action) -> tuple[int, Kind, int]:
+    """The compute action on the peer that takes what ``send`` carries, as (stage, kind, micro-batch)."""
     if send.kind is Kind.SEND_F:
-        return Action(send.stage + 1, Kind.F, send.microbatch)
-    return Action(send.stage - 1, Kind.B, send.microbatch)
+        return (send.stage + 1, Kind.F, send.microbatch)
+    return (send.stage - 1, Kind.B, send.microbatch)
 
 
 def sender(recv: Action) -> Action:
@@ -372,11 +398,11 @@ def sender(recv: Action) -> Action:
     return Action(recv.stage + 1, Kind.SEND_B, recv.microbatch)
 
 
-def _receiver(send: Action) -> Action:
-    """The receive on the peer that matches ``send``."""
+def _receiver(send: Action) -> tuple[int, Kind, int]:
+    """The receive on the peer that matches ``send``, as (stage, kind, micro-batch)."""
     if send.kind is Kind.SEND_F:
-        return Action(send.stage + 1, Kind.RECV_F, send.microbatch)
-    return Action(send.stage - 1, Kind.RECV_B, send.microbatch)
+        return (send.stage + 1, Kind.RECV_F, send.microbatch)
+    return (send.stage - 1, Kind.RECV_B, send.microbatch)
 
 
 @dataclass

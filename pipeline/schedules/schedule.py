@@ -83,11 +83,14 @@ class Schedule:
         return tuple(tuple(self._lower_rank(actions)) for actions in self.compute)
 
     def _lower_rank(self, actions: tuple[Action, ...]) -> list[Action]:
+        ranks = [self.rank_of(s) for s in range(self.n_stages)]
+        # per stage: whether the stage before it, and the one after it, live on another rank
+        prev_remotes = [s > 0 and ranks[s - 1] != ranks[s] for s in range(self.n_stages)]
+        next_remotes = [s < self.n_stages - 1 and ranks[s + 1] != ranks[s] for s in range(self.n_stages)]
         out: list[Action] = []
         for a in actions:
             s, i = a.stage, a.microbatch
-            prev_remote = s > 0 and self.rank_of(s - 1) != self.rank_of(s)
-            next_remote = s < self.n_stages - 1 and self.rank_of(s + 1) != self.rank_of(s)
+            prev_remote, next_remote = prev_remotes[s], next_remotes[s]
             if a.kind is Kind.F and prev_remote:
                 out.append(Action(s, Kind.RECV_F, i))
             if a.kind is Kind.B and next_remote:
