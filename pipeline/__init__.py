@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
     from pipeline.runtime.pipe import Pipeline
     from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
+    from pipeline.runtime.varlen import VarLen
     from pipeline.startup import StartupError
 
 # The runtime (torch, processes) loads on first use, so that ``import pipeline.schedules`` is pure data.
@@ -60,6 +61,7 @@ _LAZY = {
     "Pipeline": "pipeline.runtime.pipe",
     "CHECKPOINT_MODES": "pipeline.runtime.recompute",
     "RECOMPUTE_MODES": "pipeline.runtime.recompute",
+    "VarLen": "pipeline.runtime.varlen",
 }
 
 
@@ -104,6 +106,7 @@ __all__ = [
     "StartupError",
     "TimedAction",
     "Timeline",
+    "VarLen",
     "chrome_trace",
     "format_action",
     "forward_only",

@@ -53,8 +53,9 @@ def _autocast_and_threads() -> dict[str, Any]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pipe.step(x, y)
         ex = pipe.executor
-        rows = BATCH // M  # the micro-batches' one size
-        between = ex.out_sig[0][rows] if pipe.rank == 0 else ex.in_sig[1][rows]  # as sent, and as received
+        micro = ex.micro[0]  # the micro-batches' one signature
+        assert len(set(ex.micro)) == 1 and micro[0][0][0] == BATCH // M
+        between = ex.out_sig[0][micro] if pipe.rank == 0 else ex.in_sig[1][micro]  # as sent, and as received
         out[f"bf16/{name}"] = (loss, grads_of(pipe.named_parameters()), between)
         for t in pipe.parameters():
             t.grad = None

@@ -5,8 +5,8 @@
 ``Executor`` binds the rank's program once (``Schedule.program``, the step as
 data; runtime/program.py: messages and bound instructions) and runs it at every step:
 
-    step:  header + signatures (metadata.py, only when the batch's signature changes;
-           per micro-batch size: B rows split into m give at most two)
+    step:  header + signatures (metadata.py; each micro-batch signature set up once: B rows
+           split into m give at most two, a varlen step one per (rows, length))
            -> per instruction: post a comm block (the first: receives only) | compute (its
               input ordered before it only now, then the sends that input proves delivered)
            | free the sends that no receive proved delivered (at the end)
@@ -60,7 +60,7 @@ from pipeline.runtime.metadata import (
     send_tensors,
     set_specs,
 )
-from pipeline.runtime.microbatch import Batch, Signature, batch_rows, from_tuple, rows, signature, with_rows
+from pipeline.runtime.microbatch import Batch, Signature, batch_rows, from_tuple, signature
 from pipeline.runtime.p2p import NCCL_DTYPES, Comm
 from pipeline.runtime.program import Msg, compile_rank
 from pipeline.runtime.stage import StageRuntime
@@ -143,12 +143,15 @@ class Executor:
         self._abandoned: list[list[Any]] = []  # works of a failed step
         self._ends: deque[tuple[Action, stream.Event]] = deque(maxlen=RUN_AHEAD)
         self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)  # recent receives
-        # signatures, derived at the first step and when the batch's signature or autocast state changes
-        self._input_key: tuple[Signature, int] | None = None
+        # signatures: per autocast state, per local stage, per micro-batch signature (set up once each)
+        self._input_key: tuple[tuple[Signature, ...], int] | None = None
         self._version = 0
+        self._derived: dict[int, tuple[Signatures, Signatures]] = {}
+        self.micro: tuple[Signature, ...] = ()  # this step's micro-batch signatures (stage 0's input)
         self.sizes: list[int] = []  # the rows of this step's micro-batches
-        self.in_sig: Signatures = {}  # per local stage, per micro-batch size
+        self.in_sig: Signatures = {}  # per local stage, per micro-batch signature, this autocast state
         self.out_sig: Signatures = {}
+        self.extra: tuple[int, ...] = ()  # the words rank 0 added to this step's header
         compiled = compile_rank(sched, rank, stages, self, comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
         self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
@@ -260,21 +263,21 @@ class Executor:
 
     # ---- metadata
 
-    def _exchange_header(self) -> tuple[Signature, int]:
-        batch = None
-        if self.inputs:  # the whole batch's signature: micro-batch 0's with the batch's rows
-            batch = with_rows(signature(self.inputs[0]), sum(batch_rows(x) for x in self.inputs))
-        return exchange_header(self.comm, self.rank, self.p, self.device, batch)
+    def _exchange_header(self, extra: tuple[int, ...]) -> tuple[tuple[Signature, ...], int]:
+        micro = [signature(x) for x in self.inputs] if self.inputs else None
+        sigs, mode, self.extra = exchange_header(self.comm, self.rank, self.p, self.device, micro, extra)
+        return sigs, mode
 
-    def _setup(self, batch: Signature) -> None:
-        """Every local stage's input and output signatures per micro-batch size; the messages' specs."""
+    def _setup(self, micro: tuple[Signature, ...], mode: int) -> None:
+        """Every local stage's input and output signatures for the micro-batch signatures not seen
+        before under this autocast state; the messages' specs for this step's."""
         self._version += 1
+        self.in_sig, self.out_sig = self._derived.setdefault(mode, ({}, {}))
         key = f"{self.key_prefix}/sig{self._version}"
-        self.sizes = rows(batch[0][0][0], self.sched.n_microbatches)
-        self.in_sig, self.out_sig = derive_signatures(
-            batch, self.sizes, self.stages, self.sched, self.rank, self.comm, key
-        )
-        set_specs(self._msgs, self.in_sig, self.out_sig, self.sizes)
+        sched, stages = self.sched, self.stages
+        derive_signatures(micro, stages, sched, self.rank, self.comm, key, self.in_sig, self.out_sig)
+        self.micro, self.sizes = micro, [sig[0][0][0] for sig in micro]
+        set_specs(self._msgs, self.in_sig, self.out_sig, micro)
         if self.nccl:
             check_sendable(self._msgs, NCCL_DTYPES, "NCCL")
 
@@ -291,8 +294,21 @@ class Executor:
 
     # ---- the step
 
-    def run(self, inputs: list[Batch], targets: list[Any], record: bool) -> None:
-        """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's)."""
+    def run(
+        self,
+        inputs: list[Batch],
+        targets: list[Any],
+        record: bool,
+        extra: tuple[int, ...] = (),
+        units: list[int] | None = None,
+        check: Callable[[tuple[int, ...]], None] | None = None,
+    ) -> None:
+        """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's).
+
+        ``extra``: words rank 0 adds to the step's header (every rank reads them as ``self.extra``);
+        ``units``: what each micro-batch's loss weighs (its share of their sum) where not its rows:
+        a varlen step's target tokens; ``check(words)``: called with the header's extra words before
+        any compute (the last stage's rank checks its targets against rank 0's inputs)."""
         self.inputs, self.targets = inputs, targets
         self.follow_current_stream()
         clock = self.clock
@@ -307,14 +323,16 @@ class Executor:
             self.meter.begin_step(owned)
         try:
             with emulation.strict_devices(self.emulated):
-                key = self._exchange_header()
+                key = self._exchange_header(extra)
                 if key != self._input_key:  # the autocast state changes the dtypes between stages too
-                    self._setup(key[0])
+                    self._setup(*key)
                     self._input_key = key
+                if check is not None:
+                    check(self.extra)
                 self._check_targets()
                 share = self.on_rows(self.sizes) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
-                    st.set_rows(self.sizes, share)
+                    st.set_rows(units if units is not None else self.sizes, share)
                 bound = self.nccl
                 for a, fn in self._program:
                     if a is None:

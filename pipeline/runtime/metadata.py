@@ -2,12 +2,13 @@
 
     # s: stage, i: micro-batch, r: this rank, p: ranks
 
-At every step, the rank of stage 0 sets a (HEADER_LEN,) int64 header in the
-store with the whole batch's signature (its rows B included) and its autocast
-state (off, or on with a dtype, for the pipeline's device type); every other
-rank reads it there, and the last to read it deletes it:
+At every step, the rank of stage 0 sets an int64 header in the store with
+each micro-batch's signature (each distinct one once) and its autocast state
+(off, or on with a dtype, for the pipeline's device type), and any words a
+step adds (a varlen step: its sequences' lengths, varlen.py); every other rank
+reads it there, and the last to read it deletes it:
 
-    header:  [autocast, n, (dtype, ndim, B, *shape[1:]) per tensor, 0 ...]
+    header:  [autocast, m, d, d x (n, (dtype, ndim, *shape) per tensor), m x index, e, e x word]
     rank 0 --set key header<n>--> store --get--> ranks 1 .. p-1
 
 one store write and p - 1 reads per step, made while rank 0 computes its first
@@ -24,12 +25,12 @@ other call never sets:
 
     word 0:  autocast | kind << 8 | n << 10
 
-When the header differs from the previous step's (or at the first step), every rank derives its stages' input
-and output signatures in stage order, with fake tensors (no compute, under the
-step's autocast), passing them on through the store: once per micro-batch size,
-of which a step has at most two (B split as evenly as possible into m, see
-microbatch.py; e.g. B = 30, m = 4: micro-batches of 8, 8, 7, 7 rows, so the
-signatures for 8 rows and for 7), each message then takes its micro-batch's:
+For each micro-batch signature it has not seen before (under this autocast state), every
+rank derives its stages' input and output signatures in stage order, with fake tensors (no
+compute, under the step's autocast), passing them on through the store; each message then
+takes its micro-batch's. A batch split evenly (microbatch.py) has at most two micro-batch
+signatures (B = 30, m = 4: 8, 8, 7 and 7 rows), set up at the first step; a varlen step
+(varlen.py) one per distinct (rows, length), each set up once for the run:
 
     header B=30, m=4 -> rows [8, 8, 7, 7] -> signatures per stage for 8 and for 7 rows
                      -> F(s, i=2)'s buffers: stage s's input signature for 7 rows
@@ -51,7 +52,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.runtime.microbatch import Signature, as_tuple, signature, with_rows
+from pipeline.runtime.microbatch import Signature, as_tuple, signature
 from pipeline.runtime.p2p import Comm
 from pipeline.runtime.program import Msg
 from pipeline.runtime.stage import StageRuntime
@@ -97,13 +98,9 @@ def encode(sig: Signature, tag: int, device: torch.device | str = "cpu") -> torc
 def encode_words(sig: Signature, tag: int) -> list[int]:
     """``[tag, n, (dtype, ndim, *shape) per tensor, 0 ...]``: HEADER_LEN words.
 
-    ``tag`` is one word for the caller (the step's header carries its autocast state).
+    ``tag`` is one word for the caller (an output header says whether the outputs are a tuple).
     """
-    words = [tag, len(sig)]
-    for shape, dtype in sig:
-        if dtype not in _DTYPES:
-            raise ValueError(f"cannot send tensors of dtype {dtype} between stages; use one of {_DTYPES}")
-        words += [_DTYPES.index(dtype), len(shape), *shape]
+    words = [tag, *_sig_words(sig)]
     if len(words) > HEADER_LEN:
         raise ValueError(
             f"stage input signature {sig} needs {len(words)} header words, more than {HEADER_LEN}; "
@@ -115,13 +112,7 @@ def encode_words(sig: Signature, tag: int) -> list[int]:
 def decode(header: torch.Tensor | Sequence[int]) -> tuple[Signature, int]:
     """Inverse of ``encode`` (or of ``encode_words``): (signature, tag)."""
     words = header.tolist() if isinstance(header, torch.Tensor) else list(header)
-    tag, n, k = words[0], words[1], 2
-    sig = []
-    for _ in range(n):
-        dtype, ndim = _DTYPES[words[k]], words[k + 1]
-        sig.append((tuple(words[k + 2 : k + 2 + ndim]), dtype))
-        k += 2 + ndim
-    return tuple(sig), tag
+    return _read_sig(words, 1)[0], words[0]
 
 
 def autocast_mode(device: torch.device) -> int:
@@ -154,27 +145,33 @@ def _fmt_call(call: tuple[int, int]) -> str:
 
 
 def exchange_header(
-    comm: Comm | None, rank: int, p: int, device: torch.device, batch: Signature | None
-) -> tuple[Signature, int]:
-    """(the batch's signature, autocast state) of the step, through the store: one key per call
-    of the Pipeline, whichever executor runs it (a step's or an evaluation's).
+    comm: Comm | None,
+    rank: int,
+    p: int,
+    device: torch.device,
+    micro: Sequence[Signature] | None,
+    extra: Sequence[int] = (),
+) -> tuple[tuple[Signature, ...], int, tuple[int, ...]]:
+    """(each micro-batch's signature, the autocast state, the extra words) of the step, through the
+    store: one key per call of the Pipeline, whichever executor runs it (a step's or an evaluation's).
 
-    Rank 0 passes the whole batch's signature as ``batch`` and sets the header; the others (None)
-    read it and check that they run the same call under the same autocast state. The last
-    reader deletes it (a counter in the store), so the store does not grow with the steps.
+    Rank 0 passes its micro-batches' signatures as ``micro`` (and ``extra``) and sets the header; the
+    others (None) read it and check that they run the same call under the same autocast state. The
+    last reader deletes it (a counter in the store), so the store does not grow with the steps.
     """
     mode = autocast_mode(device)
     if rank == 0:
-        assert batch is not None
-        sig = batch
+        assert micro is not None
+        sigs, words = tuple(micro), tuple(extra)
     if comm is None or p == 1:
-        return sig, mode
+        return sigs, mode, words
     at = f"{comm.key_prefix}/header{comm.call[1]}"  # a rank one call ahead reads another key
     if rank == 0:
-        comm.set_key(at, struct.pack(f"<{HEADER_LEN}q", *encode_words(sig, _call_word(mode, comm.call))))
-        return sig, mode
+        header = _header_words(sigs, words, _call_word(mode, comm.call))
+        comm.set_key(at, struct.pack(f"<{len(header)}q", *header))
+        return sigs, mode, words
     raw = comm.wait_key(at, f"the step's input signature header from rank {comm.name(0)}")
-    sig, word = decode(struct.unpack(f"<{HEADER_LEN}q", raw))
+    sigs, words, word = _read_header(struct.unpack(f"<{len(raw) // 8}q", raw))
     if comm.add_key(f"{at}/read", 1) == p - 1:  # the last of the p - 1 readers
         comm.delete_keys([at, f"{at}/read"])
     theirs, call = _split_word(word)
@@ -190,41 +187,89 @@ def exchange_header(
             f"{_fmt_mode(theirs, device)}; wrap the step in the same torch.autocast (or none) "
             "on every rank"
         )
-    return sig, mode
+    return sigs, mode, words
+
+
+def _header_words(micro: Sequence[Signature], extra: Sequence[int], tag: int) -> list[int]:
+    """The step header (see the module docstring): each distinct signature once, then each
+    micro-batch's index into them, then the extra words."""
+    distinct = list(dict.fromkeys(micro))
+    words = [tag, len(micro), len(distinct)]
+    for sig in distinct:
+        words += _sig_words(sig)
+    words += [distinct.index(sig) for sig in micro]
+    return [*words, len(extra), *extra]
+
+
+def _read_header(words: Sequence[int]) -> tuple[tuple[Signature, ...], tuple[int, ...], int]:
+    """Inverse of ``_header_words``: (micro-batch signatures, extra words, tag)."""
+    tag, m, d, k = words[0], words[1], words[2], 3
+    distinct = []
+    for _ in range(d):
+        sig, k = _read_sig(words, k)
+        distinct.append(sig)
+    micro = tuple(distinct[words[k + i]] for i in range(m))
+    k += m
+    return micro, tuple(words[k + 1 : k + 1 + words[k]]), tag
+
+
+def _sig_words(sig: Signature) -> list[int]:
+    words = [len(sig)]
+    for shape, dtype in sig:
+        if dtype not in _DTYPES:
+            raise ValueError(f"cannot send tensors of dtype {dtype} between stages; use one of {_DTYPES}")
+        words += [_DTYPES.index(dtype), len(shape), *shape]
+    return words
+
+
+def _read_sig(words: Sequence[int], k: int) -> tuple[Signature, int]:
+    """The signature that starts at ``words[k]``, and where the words after it start."""
+    n, k = words[k], k + 1
+    sig = []
+    for _ in range(n):
+        dtype, ndim = _DTYPES[words[k]], words[k + 1]
+        sig.append((tuple(words[k + 2 : k + 2 + ndim]), dtype))
+        k += 2 + ndim
+    return tuple(sig), k
 
 
 # ---- the signatures
 
 
-# per local stage: the signature for each micro-batch size (rows) of the step
-Signatures = dict[int, dict[int, Signature]]
+# per local stage: its signature for each micro-batch signature (stage 0's input) seen so far
+Signatures = dict[int, dict[Signature, Signature]]
 
 
 def derive_signatures(
-    batch: Signature,
-    sizes: Sequence[int],
+    micro: Sequence[Signature],
     stages: dict[int, StageRuntime],
     sched: Schedule,
     rank: int,
     comm: Comm | None,
     key: str,
-) -> tuple[Signatures, Signatures]:
-    """Every local stage's (input, output) signatures for each micro-batch size in ``sizes``.
+    in_sig: Signatures,
+    out_sig: Signatures,
+) -> None:
+    """Add every local stage's (input, output) signatures to ``in_sig`` and ``out_sig`` for each
+    micro-batch signature of ``micro`` they do not hold yet (every rank sees the same headers, so
+    they all miss the same ones).
 
-    ``batch`` is the whole batch's signature; a micro-batch of n rows has it with
-    dim 0 set to n. Per size, in stage order: an output that a stage on another
-    rank takes is set in the store under ``key``; an input from another rank is
-    waited for there.
+    Per such signature, in stage order: an output that a stage on another rank takes is set in
+    the store under ``key``; an input from another rank is waited for there.
     """
-    in_sig: Signatures = {s: {} for s in stages}
-    out_sig: Signatures = {s: {} for s in stages if s < sched.n_stages - 1}
-    for n in sorted(set(sizes), reverse=True):
-        ins, outs = _derive(with_rows(batch, n), stages, sched, rank, comm, f"{key}/{n}")
-        for s, sig in ins.items():
-            in_sig[s][n] = sig
-        for s, sig in outs.items():
-            out_sig[s][n] = sig
-    return in_sig, out_sig
+    for s in stages:
+        in_sig.setdefault(s, {})
+        if s < sched.n_stages - 1:
+            out_sig.setdefault(s, {})
+    new = [sig for sig in dict.fromkeys(micro) if not any(sig in d for d in in_sig.values())]
+    if not stages:
+        return
+    for j, sig in enumerate(new):
+        ins, outs = _derive(sig, stages, sched, rank, comm, f"{key}/{j}")
+        for s, x in ins.items():
+            in_sig[s][sig] = x
+        for s, x in outs.items():
+            out_sig[s][sig] = x
 
 
 def _derive(
@@ -250,13 +295,15 @@ def _derive(
     return in_sig, out_sig
 
 
-def set_specs(msgs: dict[Action, Msg], in_sig: Signatures, out_sig: Signatures, sizes: Sequence[int]) -> None:
+def set_specs(
+    msgs: dict[Action, Msg], in_sig: Signatures, out_sig: Signatures, micro: Sequence[Signature]
+) -> None:
     """Each message's expected (shape, dtype)s, gradient mask and tuple form, from the signatures
-    of its micro-batch's size (``sizes[i]``: the rows of micro-batch i)."""
+    of its micro-batch (``micro[i]``: micro-batch i's signature at stage 0's input)."""
     for a, m in msgs.items():
         # forward messages carry the stage boundary's tensors, backward ones its float grads
         sigs = in_sig[a.stage] if a.kind in (Kind.RECV_F, Kind.SEND_B) else out_sig[a.stage]
-        boundary = sigs[sizes[a.microbatch]]
+        boundary = sigs[micro[a.microbatch]]
         forward = a.kind in (Kind.RECV_F, Kind.SEND_F)
         m.mask = [forward or dt.is_floating_point for _, dt in boundary]
         m.spec = tuple(x for x, k in zip(boundary, m.mask, strict=True) if k)

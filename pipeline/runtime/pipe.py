@@ -158,9 +158,10 @@ from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
 from pipeline.runtime.stage import LossFn, StageRuntime
-from pipeline.runtime.steps import StepRunner
+from pipeline.runtime.steps import Inputs, StepRunner
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
+from pipeline.runtime.varlen import Packed, VarLen, stage_costs
 from pipeline.schedules.program import tie_groups
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import Timeline
@@ -211,6 +212,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         timeout: float = 300.0,
         init_fn: Callable[[nn.Module], None] | None = None,
+        varlen: VarLen | None = None,
     ) -> None:
         options = resolve(
             plan,
@@ -280,6 +282,14 @@ class Pipeline:
             validate(self.schedule, dp=self.dp, ties=tie_stages)
         self.program = self.schedule.program(self.rank, dp=self.dp, ties=tie_stages)
         self._replicas: replicas.Replicas | None = None
+        if varlen is not None and not isinstance(varlen, VarLen):
+            raise TypeError(f"varlen must be a pipeline.VarLen or None, got {type(varlen).__name__}")
+        if varlen is not None and self.dp > 1:
+            raise ValueError(
+                f"varlen with dp={self.dp}: variable-length steps run on one pipeline for now (their loss "
+                "weighs target tokens, which the replicas' reduction does not count yet); use dp=1"
+            )
+        self.varlen = varlen
         if self.dp > 1:
             assert failure is not None
             modules = dict(zip(self._stage_ids, self._modules, strict=True))
@@ -304,6 +314,8 @@ class Pipeline:
             self.schedule, self.program, self.rank, self.stages, self._modules, self.executor, self.comm,
             self.device, self._prefix, self.tied, self._replicas, self.dp, self.check_values,
         )  # fmt: skip
+        if varlen is not None:
+            self.runner.varlen = (varlen, stage_costs(self.plan, self.schedule))
         self.last_loss_rank = self.runner.last_loss_rank  # the last stage's rank
 
     # ---- construction
@@ -481,7 +493,7 @@ class Pipeline:
 
     def step(
         self,
-        inputs: Batch | None = None,
+        inputs: Inputs | None = None,
         targets: Any = None,
         *,
         prefetch: Sequence[Any] | None = None,
@@ -493,7 +505,8 @@ class Pipeline:
 
         ``inputs`` are used on stage 0's rank and ``targets`` on the last stage's
         (``needs_inputs`` / ``needs_targets``); other ranks may pass None. Any
-        B >= m rows (see the module docstring). ``prefetch=(x_next, y_next)``
+        B >= m rows (see the module docstring); with ``varlen=VarLen(...)``, a list of sequences
+        (and of their targets), packed into micro-batches by tokens (varlen.py). ``prefetch=(x_next, y_next)``
         starts the next batch's copy to the device. ``record`` keeps this step's
         measured timeline (see ``timeline`` and ``write_trace``). ``measure_memory``
         counts every tensor storage the step allocates, from allocation to free, so that
@@ -520,7 +533,7 @@ class Pipeline:
 
     def evaluate(
         self,
-        inputs: Batch | None = None,
+        inputs: Inputs | None = None,
         targets: Any = None,
         *,
         return_outputs: bool = False,
@@ -555,7 +568,7 @@ class Pipeline:
         return self._forward_only(inputs, None, "predict", True, dst, prefetch)[1]
 
     def _forward_only(
-        self, inputs: Batch | None, targets: Any, method: str, outputs: bool, dst: Any, prefetch: Any
+        self, inputs: Inputs | None, targets: Any, method: str, outputs: bool, dst: Any, prefetch: Any
     ) -> tuple[float | None, Batch | None]:
         """The forwards of one batch in eval mode: (the loss unless predicting, the outputs if asked)."""
         _check_prefetch(prefetch)
@@ -592,6 +605,7 @@ class Pipeline:
         if self.comm is not None and self.comm.world_size > 1:
             traced = f" (traced graph {self.fingerprint})" if self.fingerprint else ""
             mine = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}{traced}"
+            mine += f"|{self.varlen}" if self.varlen is not None else ""
             differs = agree(self.comm, f"{self._prefix}/config", mine)
             if differs is not None:
                 q, theirs = differs
@@ -612,6 +626,12 @@ class Pipeline:
         return self.comm.device if self.comm is not None else self.device
 
     # ---- measurements of the last step
+
+    @property
+    def last_packing(self) -> Packed | None:
+        """The last variable-length call's packing where this rank made it (stage 0's rank and the
+        last stage's): its micro-batches' sequences in run order, padding and planning seconds."""
+        return self.runner.last_packing
 
     @property
     def busy_time(self) -> float:

@@ -18,7 +18,9 @@ by its rows on the last stage's rank, broadcast over the pipeline, averaged over
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,10 +34,55 @@ from pipeline.runtime.replicas import Replicas
 from pipeline.runtime.stage import StageRuntime
 from pipeline.runtime.stream import from_host
 from pipeline.runtime.ties import TiedGrads
+from pipeline.runtime.varlen import Packed, VarLen, is_ragged, lengths_of, pad, plan_step
+from pipeline.schedules.actions import Action
 from pipeline.schedules.program import Collective, Program, ReduceWait
 from pipeline.schedules.schedule import Schedule, forward_only
 
-__all__ = ["StepRunner"]
+__all__ = ["Inputs", "Prepared", "StepRunner"]
+
+Inputs = Batch | list[torch.Tensor]  # a batch, or a variable-length step's sequences (varlen.py)
+
+
+@dataclass
+class Prepared:
+    """A call's micro-batches on this rank: ``xs`` (stage 0's rank), ``ys`` (the last stage's);
+    a variable-length step's header words, loss units and check of the header (see ``Executor.run``)."""
+
+    xs: list[Batch]
+    ys: list[Any]
+    extra: tuple[int, ...] = ()
+    units: list[int] | None = None
+    check: Callable[[tuple[int, ...]], None] | None = None
+
+
+def _sequences(value: Any, what: str, method: str) -> None:
+    if not is_ragged(value):
+        raise ValueError(
+            f"{method}() got a {type(value).__name__} for {what}, but this Pipeline packs variable-length "
+            "steps (varlen=VarLen(...)): pass a list of sequences, one tensor each, its length first "
+            "(the targets: one per input sequence, of its length)"
+        )
+
+
+def _check_lengths(mine: Sequence[int], header: tuple[int, ...]) -> None:
+    """On the last stage's rank: its targets' lengths are the samples' (rank 0's, in the header)."""
+    if not header:
+        raise ValueError(
+            "the targets here are a list of sequences but rank 0 gave a batch tensor for the inputs; "
+            "give both as lists (a variable-length step) or both as tensors"
+        )
+    if tuple(mine) != header:
+        bad = next((j for j, (a, b) in enumerate(zip(mine, header, strict=False)) if a != b), None)
+        where = (
+            f"sequence {bad} has {header[bad]} input tokens but {mine[bad]} target tokens"
+            if bad is not None
+            else f"{len(header)} input sequences but {len(mine)} target sequences"
+        )
+        raise ValueError(
+            f"the targets do not match the inputs on rank 0: {where}; pass each sequence's targets "
+            "(of its length) in the same order"
+        )
 
 
 class StepRunner:
@@ -66,6 +113,9 @@ class StepRunner:
         self.eval_executor: Executor | None = None  # built at the first forward-only call
         self.prefetched: dict[str, Prefetched] = {}  # "inputs" / "targets": the next call's copy
         self.prefetch_used = 0  # prefetched copies a call took (for tests)
+        # variable-length steps (varlen.py): the packing options and each compute's cost
+        self.varlen: tuple[VarLen, Callable[[Action], float]] | None = None
+        self.last_packing: Packed | None = None  # the last call's, where this rank packed one
 
     @property
     def needs_inputs(self) -> bool:
@@ -79,14 +129,14 @@ class StepRunner:
 
     def train(
         self,
-        inputs: Batch | None,
+        inputs: Inputs | None,
         targets: Any,
         prefetch: Sequence[Any] | None,
         record: bool,
         scaler: torch.amp.GradScaler | None,
     ) -> float:
         """One training step: the batch's mean loss, on every rank."""
-        xs, ys = self.microbatches(inputs, targets, "step")
+        batch = self.microbatches(inputs, targets, "step")
         self.start_prefetch(prefetch)
         self.tied.begin()  # first: a tied weight's earlier gradient is put aside, not in a bucket
         if self.replicas is not None:
@@ -96,12 +146,12 @@ class StepRunner:
             last.scale = scaler.scale if scaler is not None else None
         elif scaler is not None:  # its scale is made at the first scale(): unscale_ needs it here too
             scaler.scale(torch.zeros((), device=self.device))
-        self.executor.run(xs, ys, record)
+        self.executor.run(batch.xs, batch.ys, record, batch.extra, batch.units, batch.check)
         return self.finish(self.program, self.executor.sizes)
 
     def forward_only(
         self,
-        inputs: Batch | None,
+        inputs: Inputs | None,
         targets: Any,
         method: str,
         outputs: bool,
@@ -120,15 +170,22 @@ class StepRunner:
         last = self.stages.get(self.last)
         modes = [(mod, mod.training) for stage in self.modules for mod in stage.modules()]
         try:
-            xs, ys = self.microbatches(inputs, targets, method, want_loss)
+            if method == "predict" and is_ragged(inputs):
+                raise ValueError(
+                    "predict() takes a batch tensor (or tuple); its outputs are concatenated along "
+                    "dim 0, which sequences of different lengths are not: call evaluate(samples, "
+                    "targets, return_outputs=True) per group of equal lengths, or pad them"
+                )
+            batch = self.microbatches(inputs, targets, method, want_loss)
             self.start_prefetch(prefetch)
             for stage in self.modules:
                 stage.eval()
+            ys = batch.ys
             if last is not None:
                 last.keep_outputs, last.want_loss = outputs, want_loss
                 ys = ys if want_loss else [None] * self.schedule.n_microbatches
             with torch.no_grad():
-                self.eval_executor.run(xs, ys, False)
+                self.eval_executor.run(batch.xs, ys, False, batch.extra, batch.units, batch.check)
             tail = self.eval_executor.sched.program(self.rank, dp=self.dp)  # the loss's collectives
             loss = self.finish(tail, self.eval_executor.sizes) if want_loss else None
             kept = last.outputs if last is not None else None
@@ -145,29 +202,77 @@ class StepRunner:
     # ---- the batch
 
     def microbatches(
-        self, inputs: Batch | None, targets: Any, method: str, want_targets: bool = True
-    ) -> tuple[list[Batch], list[Any]]:
-        """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches."""
+        self, inputs: Inputs | None, targets: Any, method: str, want_targets: bool = True
+    ) -> Prepared:
+        """The batch on this rank's device (one pinned asynchronous copy), split into micro-batches;
+        a list of sequences packed instead (``_packed``)."""
         self.check_values()
+        if self.varlen is not None:
+            return self._packed(inputs, targets, method, want_targets)
         m = self.schedule.n_microbatches
         xs: list[Batch] = []
         ys: list[Any] = []
         if self.needs_inputs:
-            if inputs is None:
+            if is_ragged(inputs):
                 raise ValueError(
-                    f"rank {self.rank} holds stage 0 but {method}() got no inputs; pass the batch on this "
-                    "rank (pipe.needs_inputs is True here)"
+                    f"{method}() got a list for inputs; a list of sequences of different lengths needs a "
+                    "Pipeline built with varlen=VarLen(token_budget=...); else pass a batch tensor"
                 )
-            xs = split(self._on_device(inputs, "inputs"), m, what="inputs")
+            xs = split(self._on_device(self._given(inputs, method), "inputs"), m, what="inputs")
         if self.needs_targets and want_targets:
-            if targets is None:
+            ys = split(self._on_device(self._given_targets(targets, method), "targets"), m, what="targets")
+        return Prepared(xs, ys)
+
+    def _packed(self, inputs: Any, targets: Any, method: str, want_targets: bool) -> Prepared:
+        """A variable-length step (varlen.py): rank 0 packs and orders its samples by their lengths,
+        which the header carries; the last stage's rank packs its targets alike, checks their lengths
+        against the header's, and weighs each micro-batch's loss by its target tokens."""
+        assert self.varlen is not None
+        opts, costs = self.varlen
+        out = Prepared([], [])
+        lengths: list[int] | None = None
+        self.last_packing = None
+        if self.needs_inputs:
+            _sequences(self._given(inputs, method), "inputs", method)
+            lengths = lengths_of(inputs, "inputs", opts)
+            self.last_packing = plan_step(lengths, self.schedule, opts, costs)
+            out.xs = [self.executor.to_device(x) for x in pad(inputs, self.last_packing, opts.pad_id)]
+            out.extra = tuple(lengths)
+        if self.needs_targets and want_targets:
+            _sequences(self._given_targets(targets, method), "targets", method)
+            mine = lengths_of(targets, "targets", opts)
+            if lengths is None or mine != lengths:  # packed alike from the same lengths, else refused
+                self.last_packing = plan_step(mine, self.schedule, opts, costs)
+            padded = pad(targets, self.last_packing, opts.ignore_index)  # type: ignore[arg-type]
+            out.units = [int((y != opts.ignore_index).sum()) for y in padded]  # host tensors: no sync
+            empty = [i for i, n in enumerate(out.units) if n == 0]
+            if empty:
+                groups = [list(self.last_packing.groups[i]) for i in empty]  # type: ignore[union-attr]
                 raise ValueError(
-                    f"rank {self.rank} holds the last stage ({self.last}) but {method}() got no targets; "
-                    "pass targets=... on this rank (the loss is computed there; pipe.needs_targets is "
-                    "True here)"
+                    f"micro-batches {empty} (sequences {groups}) have no target token that is not "
+                    f"ignore_index ({opts.ignore_index}): their mean loss is undefined; give every "
+                    "sequence at least one target token"
                 )
-            ys = split(self._on_device(targets, "targets"), m, what="targets")
-        return xs, ys
+            out.ys = [self.executor.to_device(y) for y in padded]
+            out.check = functools.partial(_check_lengths, mine)
+        return out
+
+    def _given(self, inputs: Any, method: str) -> Any:
+        if inputs is None:
+            raise ValueError(
+                f"rank {self.rank} holds stage 0 but {method}() got no inputs; pass the batch on this "
+                "rank (pipe.needs_inputs is True here)"
+            )
+        return inputs
+
+    def _given_targets(self, targets: Any, method: str) -> Any:
+        if targets is None:
+            raise ValueError(
+                f"rank {self.rank} holds the last stage ({self.last}) but {method}() got no targets; "
+                "pass targets=... on this rank (the loss is computed there; pipe.needs_targets is "
+                "True here)"
+            )
+        return targets
 
     def _on_device(self, batch: Any, slot: str) -> Any:
         """``batch`` on this rank's device: its prefetched copy when it is the batch prefetched."""

@@ -1,0 +1,275 @@
+"""Batches of text of every length: packed into micro-batches by a token budget, ordered by cost.
+
+    # n: sequences in the step, j: a sequence, m: micro-batches, i: a micro-batch, L: a length
+
+A step given a list of sequences (``Pipeline(..., varlen=VarLen(token_budget=...))``, then
+``pipe.step(samples, targets)``) runs the schedule's m micro-batches as usual, but each micro-batch
+is a group of sequences padded only to the longest of its own group, with its own shape (rows, L):
+
+    lengths   j:  0   1   2   3   4   5   6   7          (n = 8, m = 3)
+                 90  12 300  40  41 250  16  88
+    sorted       300 250 | 90 88 41 40 | 16 12          contiguous groups, longest first
+    padded       2 x 300    4 x 90       2 x 16         the most padded tokens of any group is least
+    run order    the order the simulator finds fastest for the schedule (costs ~ padded tokens)
+
+Packing. Sorted by length, the sequences are cut into m contiguous groups so that the largest
+group's padded tokens (rows x its longest) is as small as it can be (a greedy fill against a
+bisected cap; exact for contiguous groups of sorted lengths); the longest group must fit
+``token_budget``, the bound the plan's memory was made for. Grouping similar lengths keeps padding
+low; balancing the groups keeps the pipeline's stages evenly fed.
+
+Order. The schedule's shape stays; which group runs as micro-batch i changes. A few orders
+(longest first, shortest first, alternating) are played on the schedule's programs
+(``pipeline.schedules.program.play``) with each compute's cost scaled by its group's padded tokens,
+and the fastest is kept. Relabelling micro-batches keeps every rank's program, so every order run
+is the validated schedule's.
+
+Loss by tokens. Micro-batch i's loss (``loss_fn``, a mean over the tokens its targets do not mark
+``ignore_index``) is weighted by its share of the step's such tokens: the step's loss and gradients
+are those of one process taking the mean over every target token of the step.
+
+Every rank computes nothing of this but rank 0 (the samples) and the last stage's rank (the
+targets), which pack alike from the same lengths; the step header carries the micro-batches'
+shapes to the others and the lengths to the last stage's rank, which checks its targets against
+them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import play
+from pipeline.schedules.schedule import Schedule
+
+if TYPE_CHECKING:
+    from pipeline.plan import Plan
+
+__all__ = ["Packed", "VarLen", "is_ragged", "lengths_of", "order", "pack", "pad", "plan_step", "stage_costs"]
+
+
+@dataclass(frozen=True)
+class VarLen:
+    """How a Pipeline packs a step given as a list of sequences (see the module docstring).
+
+    ``token_budget``: the most padded tokens (rows x length) of one micro-batch, the size the plan's
+    memory was made for; ``max_len``: the longest sequence the model takes (None: no check);
+    ``pad_id``: what pads the inputs; ``ignore_index``: what pads the targets (the loss must ignore
+    it, as ``F.cross_entropy`` does -100); ``pad_multiple``: each micro-batch's length is rounded
+    up to a multiple of it (fewer distinct shapes to set up, for a little more padding)."""
+
+    token_budget: int
+    max_len: int | None = None
+    pad_id: int = 0
+    ignore_index: int = -100
+    pad_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "pad_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"VarLen({name}={value!r}): must be an integer >= 1")
+        if self.max_len is not None and (
+            isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1
+        ):
+            raise ValueError(f"VarLen(max_len={self.max_len!r}): must be an integer >= 1, or None")
+        for name in ("pad_id", "ignore_index"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"VarLen({name}={value!r}): must be an integer token id")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One step's packing: ``groups[i]``, the sequences micro-batch i holds (in run order), padded to
+    ``widths[i]``; ``lengths[j]``, sequence j's; ``seconds``, the time packing and ordering took."""
+
+    groups: tuple[tuple[int, ...], ...]
+    widths: tuple[int, ...]
+    lengths: tuple[int, ...]
+    seconds: float = 0.0
+    candidates: dict[str, float] = field(default_factory=dict)  # order name -> simulated step
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(len(g) * w for g, w in zip(self.groups, self.widths, strict=True))
+
+    @property
+    def padding_share(self) -> float:
+        """The share of the step's padded tokens that are padding."""
+        return 1.0 - self.tokens / self.padded_tokens
+
+
+def is_ragged(batch: object) -> bool:
+    """True for a step's samples (or targets) given as a list of sequences."""
+    return isinstance(batch, list)
+
+
+def lengths_of(seqs: object, what: str, opts: VarLen) -> list[int]:
+    """Each sequence's length (dim 0), checked: a non-empty list of non-empty tensors of one dtype and
+    trailing shape, none longer than ``opts.max_len`` or ``opts.token_budget``."""
+    if not isinstance(seqs, list) or not seqs:
+        raise ValueError(f"{what} must be a non-empty list of tensors (one per sequence), got {seqs!r:.80}")
+    first = seqs[0]
+    for j, t in enumerate(seqs):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise ValueError(
+                f"{what}[{j}] must be a tensor of at least one dimension (its length first), got "
+                f"{type(t).__name__ if not isinstance(t, torch.Tensor) else f'a {t.dim()}-dim tensor'}"
+            )
+        if t.shape[0] == 0:
+            raise ValueError(f"{what}[{j}] is empty (length 0); drop it from the step's list")
+        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"{what}[{j}] is {t.dtype} of shape {list(t.shape)} but {what}[0] is {first.dtype} of "
+                f"shape {list(first.shape)}; sequences may differ only in length (dim 0)"
+            )
+        if opts.max_len is not None and t.shape[0] > opts.max_len:
+            raise ValueError(
+                f"{what}[{j}] has {t.shape[0]} tokens, more than the model's max_len {opts.max_len} "
+                "(VarLen(max_len=...)); cut it into pieces of at most max_len"
+            )
+        if t.shape[0] > opts.token_budget:
+            raise ValueError(
+                f"{what}[{j}] has {t.shape[0]} tokens, more than VarLen(token_budget={opts.token_budget}) "
+                "allows one micro-batch; raise token_budget to at least the longest sequence"
+            )
+    return [int(t.shape[0]) for t in seqs]
+
+
+def _width(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def pack(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
+    """Sequences (by index) in m contiguous groups of the lengths sorted longest first, with the most
+    padded tokens of any group least (see the module docstring); ValueError when it exceeds the
+    token budget or there are fewer than m sequences."""
+    n = len(lengths)
+    if n < m:
+        raise ValueError(
+            f"the step has {n} sequences but the pipeline runs n_microbatches={m}, and every micro-batch "
+            f"needs one; pass at least {m} sequences, or plan fewer micro-batches"
+        )
+    by_length = sorted(range(n), key=lambda j: (-lengths[j], j))
+    widths = [_width(lengths[j], opts.pad_multiple) for j in by_length]
+
+    def cut(cap: int) -> list[int] | None:
+        """Group starts filling each group up to ``cap`` padded tokens, leaving one sequence for
+        each group still to come; None if m groups cannot hold them."""
+        starts: list[int] = []
+        k = 0
+        while k < n:
+            if len(starts) == m or widths[k] > cap:
+                return None
+            starts.append(k)
+            rows = cap // widths[k]  # the group's width is its first (longest) sequence's
+            k = max(k + min(rows, n - k - (m - len(starts))), starts[-1] + 1)
+        return starts if len(starts) == m else None
+
+    lo, hi = widths[0], n * widths[0]  # the longest alone; everything at the longest's width
+    while lo < hi:  # the smallest cap that m groups fit (bisection: feasibility grows with the cap)
+        mid = (lo + hi) // 2
+        if cut(mid) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    starts = cut(lo)
+    assert starts is not None  # hi = n x the longest always fits
+    ends = [*starts[1:], n]
+    groups = [tuple(by_length[a:b]) for a, b in zip(starts, ends, strict=True)]
+    worst = max((b - a) * widths[a] for a, b in zip(starts, ends, strict=True))
+    if worst > opts.token_budget:
+        raise ValueError(
+            f"the step's {n} sequences ({sum(lengths)} tokens, the longest {max(lengths)}) need "
+            f"{worst} padded tokens in some micro-batch at best, more than VarLen(token_budget="
+            f"{opts.token_budget}); pass fewer sequences per step, or raise token_budget or n_microbatches"
+        )
+    return groups
+
+
+def order(
+    groups: Sequence[tuple[int, ...]],
+    widths: Sequence[int],
+    sched: Schedule,
+    stage_costs: Callable[[Action], float],
+) -> tuple[list[int], dict[str, float]]:
+    """The run order of ``groups`` (a permutation of their indices) that the schedule finishes first,
+    each compute costing ``stage_costs(action)`` times its group's padded tokens over the mean; and
+    every candidate's simulated step."""
+    size = [len(g) * w for g, w in zip(groups, widths, strict=True)]
+    mean = sum(size) / len(size)
+    by_size = sorted(range(len(groups)), key=lambda i: (-size[i], i))
+    # the longest, the shortest, the second longest, the second shortest, ...
+    alternating = [by_size[k // 2] if k % 2 == 0 else by_size[-1 - k // 2] for k in range(len(by_size))]
+    orders = {
+        "longest first": by_size,
+        "shortest first": by_size[::-1],
+        "alternating": alternating,
+        "alternating, shortest first": alternating[::-1],
+    }
+    programs = sched.programs()
+    results: dict[str, float] = {}
+    for name, perm in orders.items():
+        scale = [size[g] / mean for g in perm]
+        played = play(programs, lambda a, scale=scale: stage_costs(a) * scale[a.microbatch])  # type: ignore[misc]
+        results[name] = max(played.ends) if played.ends else 0.0
+    best = min(results, key=lambda k: (results[k], list(orders).index(k)))
+    return orders[best], results
+
+
+def plan_step(
+    lengths: Sequence[int], sched: Schedule, opts: VarLen, stage_costs: Callable[[Action], float]
+) -> Packed:
+    """Pack and order one step (what rank 0 and the last stage's rank both compute, alike)."""
+    start = time.perf_counter()
+    groups = pack(lengths, sched.n_microbatches, opts)
+    widths = [_width(max(lengths[j] for j in g), opts.pad_multiple) for g in groups]
+    perm, results = order(groups, widths, sched, stage_costs)
+    return Packed(
+        tuple(groups[g] for g in perm),
+        tuple(widths[g] for g in perm),
+        tuple(lengths),
+        time.perf_counter() - start,
+        results,
+    )
+
+
+def pad(seqs: Sequence[torch.Tensor], packed: Packed, value: int) -> list[torch.Tensor]:
+    """The micro-batches of ``seqs`` as ``packed`` groups them, each (rows, width, ...) filled with
+    ``value`` past each sequence's end."""
+    out = []
+    for group, width in zip(packed.groups, packed.widths, strict=True):
+        first = seqs[group[0]]
+        batch = first.new_full((len(group), width, *first.shape[1:]), value)
+        for row, j in enumerate(group):
+            batch[row, : seqs[j].shape[0]] = seqs[j]
+        out.append(batch)
+    return out
+
+
+def stage_costs(plan: Plan | None, sched: Schedule) -> Callable[[Action], float]:
+    """Each compute's seconds at the plan's micro-batch: its stage's predicted forward, backward
+    (the input-gradient part alone when split) and weight-gradient times; without them (a plan
+    given as a balance) F 1, B 2 and W 1 for every stage (B 1 when split)."""
+    stages = plan.stages if plan is not None else []
+    if len(stages) == sched.n_stages and all(st.forward_time > 0 for st in stages):
+        split = sched.split_backward
+        f = [st.forward_time for st in stages]
+        b = [st.backward_time - (st.weight_time if split else 0.0) for st in stages]
+        w = [st.weight_time for st in stages]
+    else:
+        f = [1.0] * sched.n_stages
+        b = [1.0 if sched.split_backward else 2.0] * sched.n_stages
+        w = [1.0] * sched.n_stages
+    cost = {Kind.F: f, Kind.B: b, Kind.W: w}
+    return lambda a: cost[a.kind][a.stage]

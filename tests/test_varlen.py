@@ -1,0 +1,249 @@
+"""Variable-length steps (``pipeline.runtime.varlen``): packing, order, and transparency end to end.
+
+The unit tests pin the packing against brute force, the order against the simulator, and every
+refusal. The launches run the reference GPT on sequences of many lengths under every schedule,
+2 and 4 ranks, recomputation off and on, against one process taking the mean over every target
+token of the step (each sequence padded, the padding ignored by the loss); and once under the
+NCCL emulation, whose receive buffers then change shape with every micro-batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.reference.models import gpt, gpt_loss
+from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.varlen import VarLen, _width, lengths_of, order, pack, pad, plan_step, stage_costs
+from pipeline.schedules.program import play
+from pipeline.schedules.registry import REGISTRY
+from pipeline.schedules.schedule import schedule
+from tests.dist import job, run_ranks
+from tests.pipe_common import assert_close, balance_of, grads_of
+
+VOCAB, MAX_LEN, M = 16, 24, 4
+LENGTHS = [3, 17, 9, 24, 5, 12, 1, 20, 7, 15, 2, 11]  # 12 sequences of every length up to MAX_LEN
+OPTS = VarLen(token_budget=64, max_len=MAX_LEN)
+CONFIGS = [(name, e.default_virtual) for name, e in REGISTRY.items()]
+
+
+# ---- packing
+
+
+def _brute(lengths: list[int], m: int, multiple: int) -> int:
+    """The least largest padded group over every contiguous split of the sorted lengths."""
+    n = len(lengths)
+    widths = [_width(x, multiple) for x in sorted(lengths, reverse=True)]
+    return min(
+        max((b - a) * widths[a] for a, b in zip((0, *cuts), (*cuts, n), strict=True))
+        for cuts in itertools.combinations(range(1, n), m - 1)
+    )
+
+
+def test_packing_is_the_least_largest_micro_batch_of_sorted_groups() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        m, multiple = rng.randint(1, n), rng.choice([1, 1, 4])
+        lengths = [rng.randint(1, 50) for _ in range(n)]
+        groups = pack(lengths, m, VarLen(token_budget=10**6, pad_multiple=multiple))
+        assert len(groups) == m and all(groups)
+        assert sorted(j for g in groups for j in g) == list(range(n))  # each sequence once
+        widest = max(len(g) * _width(max(lengths[j] for j in g), multiple) for g in groups)
+        assert widest == _brute(lengths, m, multiple), (lengths, m, multiple)
+
+
+def test_pad_fills_each_micro_batch_past_each_sequence() -> None:
+    seqs = [torch.arange(1, n + 1) for n in (3, 1, 2)]
+    sched = schedule("gpipe", 1, 2)
+    packed = plan_step([3, 1, 2], sched, VarLen(token_budget=8), stage_costs(None, sched))
+    batches = pad(seqs, packed, -1)
+    shapes = [(len(g), w) for g, w in zip(packed.groups, packed.widths, strict=True)]
+    assert [tuple(b.shape) for b in batches] == shapes
+    for batch, group in zip(batches, packed.groups, strict=True):
+        for row, j in zip(batch, group, strict=True):
+            assert row[: len(seqs[j])].tolist() == seqs[j].tolist()
+            assert (row[len(seqs[j]) :] == -1).all()
+    assert packed.tokens == 6 and packed.padded_tokens >= 6 and 0 <= packed.padding_share < 1
+
+
+def test_the_order_is_the_fastest_the_simulator_finds() -> None:
+    sched = schedule("1f1b", 4, 4)
+    groups = [(0,), (1, 2), (3, 4, 5, 6), (7,)]
+    widths = [40, 20, 6, 3]
+    costs = stage_costs(None, sched)
+    perm, results = order(groups, widths, sched, costs)
+    assert sorted(perm) == [0, 1, 2, 3] and len(results) == 4
+    assert max(results.values()) > min(results.values())  # the orders differ here
+    # the order returned, played on its own: the least step of the candidates
+    size = [len(g) * w for g, w in zip(groups, widths, strict=True)]
+    scale = [size[g] / (sum(size) / len(size)) for g in perm]
+    played = play(sched.programs(), lambda a: costs(a) * scale[a.microbatch])
+    assert max(played.ends) == pytest.approx(min(results.values()))
+    packed = plan_step([40, 10, 10, 2, 2, 2, 2, 3], sched, VarLen(token_budget=64), costs)
+    assert packed.seconds < 0.05  # a few milliseconds per step
+
+
+@pytest.mark.parametrize(
+    ("lengths", "opts", "match"),
+    [
+        ([5, 5, 5], VarLen(token_budget=64), r"3 sequences but the pipeline runs n_microbatches=4"),
+        ([30, 30, 30, 30, 30], VarLen(token_budget=32), r"need 60 padded tokens .*token_budget=32"),
+    ],
+)
+def test_a_step_that_cannot_be_packed_is_refused(lengths: list[int], opts: VarLen, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pack(lengths, 4, opts)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "opts", "match"),
+    [
+        ([torch.arange(30)], VarLen(token_budget=64, max_len=24), r"more than the model's max_len 24"),
+        ([torch.arange(30)], VarLen(token_budget=16), r"30 tokens, more than VarLen\(token_budget=16\)"),
+        ([torch.arange(3), torch.arange(0)], OPTS, r"inputs\[1\] is empty"),
+        ([torch.arange(3), torch.arange(3.0)], OPTS, r"inputs\[1\] is torch.float32 .* only in length"),
+        ([], OPTS, r"inputs must be a non-empty list"),
+        ([torch.tensor(3)], OPTS, r"inputs\[0\] must be a tensor of at least one dimension"),
+    ],
+)
+def test_bad_sequences_are_refused(seqs: list[Any], opts: VarLen, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        lengths_of(seqs, "inputs", opts)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"token_budget": 0}, r"token_budget=0\): must be an integer >= 1"),
+        ({"token_budget": 8, "max_len": 0}, r"max_len=0\)"),
+        ({"token_budget": 8, "pad_multiple": 2.0}, r"pad_multiple=2.0\)"),
+        ({"token_budget": 8, "ignore_index": None}, r"ignore_index=None\): must be an integer"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        VarLen(**kwargs)
+
+
+# ---- end to end
+
+
+def _data(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One step's sequences and their next-token targets, a few target tokens ignored."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    ys = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    ys[1][:5] = -100  # a prompt whose tokens the loss ignores: weights count target tokens, not lengths
+    return xs, ys
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model, _ = gpt(vocab_size=VOCAB, width=16, n_layers=6, n_heads=2, max_seq_len=MAX_LEN)
+    return model
+
+
+def _reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, every sequence padded to the longest: the mean over every target token."""
+    model = _model()
+    xs, ys = _data()
+    x = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+    y = torch.nn.utils.rnn.pad_sequence(ys, batch_first=True, padding_value=-100)
+    loss = gpt_loss(model(x), y)
+    loss.backward()
+    return float(loss.detach()), grads_of(model.named_parameters())
+
+
+def _matrix() -> dict[str, Any]:
+    p, out = dist.get_world_size(), {}
+    for (sched, v), mode in itertools.product(CONFIGS, ("never", "always")):
+        model = _model()
+        pipe = Pipeline(
+            model, balance_of(len(model), p * v), schedule=sched, n_virtual=v, n_microbatches=M,
+            recompute=mode, loss_fn=gpt_loss, varlen=OPTS, timeout=30.0,
+        )  # fmt: skip
+        xs, ys = _data()
+        loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
+        packing = pipe.last_packing
+        out[f"{sched}/{mode}"] = (loss, grads_of(pipe.named_parameters()), packing)
+    return out
+
+
+_JOBS = {p: job(p, _matrix, timeout=180.0) for p in (2, 4)}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_schedule_equals_one_process_over_the_same_tokens(
+    p: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results = _JOBS[p].results(tmp_path_factory)
+    loss_ref, grads_ref = _reference()
+    for key in results[0]:
+        losses = [r[key][0] for r in results]
+        assert all(abs(v - loss_ref) <= 1e-5 * abs(loss_ref) for v in losses), (key, losses, loss_ref)
+        merged = {k: g for r in results for k, g in r[key][1].items()}
+        assert sum(len(r[key][1]) for r in results) == len(grads_ref)
+        assert_close(merged, grads_ref, f"p={p} {key}")
+        first, last = results[0][key][2], next(r[key][2] for r in reversed(results) if r[key][2] is not None)
+        assert first is not None and first.groups == last.groups  # packed alike at both ends
+        assert max(len(g) * w for g, w in zip(first.groups, first.widths, strict=True)) <= OPTS.token_budget
+
+
+def _emulated() -> tuple[float, dict[str, torch.Tensor], list[tuple[int, int]]]:
+    model = _model()
+    p = dist.get_world_size()
+    pipe = Pipeline(model, balance_of(len(model), p), schedule="1f1b", n_microbatches=M, loss_fn=gpt_loss,
+                    varlen=OPTS, timeout=30.0)  # fmt: skip
+    xs, ys = _data()
+    loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
+    shapes = [tuple(sig[0][0]) for sig in pipe.executor.micro]
+    return loss, grads_of(pipe.named_parameters()), shapes  # type: ignore[return-value]
+
+
+def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path, _emulated, 2, timeout=60.0, backend="nccl-emulated")
+    loss_ref, grads_ref = _reference()
+    assert all(abs(r[0] - loss_ref) <= 1e-5 * abs(loss_ref) for r in results)
+    assert_close({k: g for r in results for k, g in r[1].items()}, grads_ref, "emulated")
+    shapes = results[1][2]
+    assert len(set(shapes)) == M and shapes == results[0][2]  # each micro-batch its own (rows, length)
+
+
+def _mismatch(kind: str) -> str:
+    model = _model()
+    pipe = Pipeline(model, balance_of(len(model), 2), schedule="1f1b", n_microbatches=M, loss_fn=gpt_loss,
+                    varlen=OPTS, timeout=30.0)  # fmt: skip
+    xs, ys = _data()
+    if kind == "lengths" and pipe.needs_targets:
+        ys = [*ys[:-1], torch.cat([ys[-1], ys[-1][:1]])]  # one target token more than its input
+    if kind == "tensor" and pipe.needs_inputs:
+        xs = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # type: ignore[assignment]
+    try:
+        pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
+    except Exception as e:  # the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("lengths", r"sequence 11 has 11 input tokens but 12 target tokens"),
+        ("tensor", r"got a Tensor for inputs, but this Pipeline packs variable-length steps"),
+    ],
+)
+def test_targets_that_do_not_match_the_inputs_fail_before_any_compute(
+    kind: str, match: str, tmp_path: Path
+) -> None:
+    results = run_ranks(tmp_path, _mismatch, 2, kind, timeout=60.0)
+    assert any(re.search(match, r) for r in results), results
+    assert all(r != "no error" for r in results), results
