@@ -140,8 +140,11 @@ def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
 def _data(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One step's sequences and their next-token targets, a few target tokens ignored."""
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
-    ys = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    rng = random.Random(seed)  # seed 0: LENGTHS; later steps: other lengths, so other shapes
+    lengths = list(LENGTHS) if seed == 0 else [rng.randint(1, MAX_LEN) for _ in LENGTHS[:-1]] + [17]
+    lengths[1] = max(lengths[1], 6)
+    xs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    ys = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
     ys[1][:5] = -100  # a prompt whose tokens the loss ignores: weights count target tokens, not lengths
     return xs, ys
 
@@ -152,15 +155,19 @@ def _model() -> nn.Sequential:
     return model
 
 
-def _reference() -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, every sequence padded to the longest: the mean over every target token."""
+def _reference(seeds: tuple[int, ...] = (0,)) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, every sequence of a step padded to the longest: each step's mean over every
+    target token, and the gradients summed over the steps."""
     model = _model()
-    xs, ys = _data()
-    x = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
-    y = torch.nn.utils.rnn.pad_sequence(ys, batch_first=True, padding_value=-100)
-    loss = gpt_loss(model(x), y)
-    loss.backward()
-    return float(loss.detach()), grads_of(model.named_parameters())
+    losses = []
+    for seed in seeds:
+        xs, ys = _data(seed)
+        x = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+        y = torch.nn.utils.rnn.pad_sequence(ys, batch_first=True, padding_value=-100)
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    return losses, grads_of(model.named_parameters())
 
 
 def _matrix() -> dict[str, Any]:
@@ -186,7 +193,7 @@ def test_every_schedule_equals_one_process_over_the_same_tokens(
     p: int, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     results = _JOBS[p].results(tmp_path_factory)
-    loss_ref, grads_ref = _reference()
+    (loss_ref,), grads_ref = _reference()
     for key in results[0]:
         losses = [r[key][0] for r in results]
         assert all(abs(v - loss_ref) <= 1e-5 * abs(loss_ref) for v in losses), (key, losses, loss_ref)
@@ -198,24 +205,40 @@ def test_every_schedule_equals_one_process_over_the_same_tokens(
         assert max(len(g) * w for g, w in zip(first.groups, first.widths, strict=True)) <= OPTS.token_budget
 
 
-def _emulated() -> tuple[float, dict[str, torch.Tensor], list[tuple[int, int]]]:
+SEEDS = (0, 1, 2)  # three steps: the first sets up the shape rules, the others' new shapes use them
+
+
+def _emulated() -> tuple[list[float], dict[str, torch.Tensor], list[list[tuple[int, int]]], int, int]:
     model = _model()
     p = dist.get_world_size()
     pipe = Pipeline(model, balance_of(len(model), p), schedule="1f1b", n_microbatches=M, loss_fn=gpt_loss,
                     varlen=OPTS, timeout=30.0)  # fmt: skip
-    xs, ys = _data()
-    loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
-    shapes = [tuple(sig[0][0]) for sig in pipe.executor.micro]
-    return loss, grads_of(pipe.named_parameters()), shapes  # type: ignore[return-value]
+    losses, shapes = [], []
+    for seed in SEEDS:
+        xs, ys = _data(seed)
+        losses.append(pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None))
+        shapes.append([tuple(sig[0][0]) for sig in pipe.executor.micro])
+    ex = pipe.executor
+    distinct = len({sig for step in shapes for sig in step})
+    return losses, grads_of(pipe.named_parameters()), shapes, ex.fake_derivations, distinct  # type: ignore[return-value]
 
 
 def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Path) -> None:
     results = run_ranks(tmp_path, _emulated, 2, timeout=60.0, backend="nccl-emulated")
-    loss_ref, grads_ref = _reference()
-    assert all(abs(r[0] - loss_ref) <= 1e-5 * abs(loss_ref) for r in results)
+    losses_ref, grads_ref = _reference(SEEDS)
+    for r in results:
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[0], losses_ref, strict=True)), (
+            r[0],
+            losses_ref,
+        )
     assert_close({k: g for r in results for k, g in r[1].items()}, grads_ref, "emulated")
-    shapes = results[1][2]
-    assert len(set(shapes)) == M and shapes == results[0][2]  # each micro-batch its own (rows, length)
+    shapes, fake, distinct = results[1][2], results[1][3], results[1][4]
+    assert all(len(set(step)) == M for step in shapes) and shapes == results[0][2]  # each its own shape
+    # after the first step, new shapes come from the rules: fake tensors set up only the first
+    # step's and those a rule does not cover (a micro-batch of one row)
+    first = len(set(shapes[0]))
+    later = {sig for step in shapes[1:] for sig in step} - set(shapes[0])
+    assert fake == results[0][3] and fake < distinct and fake <= first + sum(rows == 1 for rows, _ in later)
 
 
 def _mismatch(kind: str) -> str:

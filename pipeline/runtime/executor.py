@@ -57,12 +57,14 @@ from pipeline.runtime.metadata import (
     check_sendable,
     derive_signatures,
     exchange_header,
+    exchange_rules,
     send_tensors,
     set_specs,
 )
 from pipeline.runtime.microbatch import Batch, Signature, batch_rows, from_tuple, signature
 from pipeline.runtime.p2p import NCCL_DTYPES, Comm
 from pipeline.runtime.program import Msg, compile_rank
+from pipeline.runtime.shape_rules import ShapeRule
 from pipeline.runtime.stage import StageRuntime
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
@@ -152,6 +154,11 @@ class Executor:
         self.in_sig: Signatures = {}  # per local stage, per micro-batch signature, this autocast state
         self.out_sig: Signatures = {}
         self.extra: tuple[int, ...] = ()  # the words rank 0 added to this step's header
+        # a variable-length run meets new shapes every step: each stage's shape rule, per autocast
+        # state, computes their signatures without fake tensors or messages (shape_rules.py)
+        self.shape_rules = False
+        self._rules: dict[int, dict[int, ShapeRule]] = {}
+        self.fake_derivations = 0  # micro-batch signatures set up with fake tensors (rules: none)
         compiled = compile_rank(sched, rank, stages, self, comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
         self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
@@ -274,8 +281,17 @@ class Executor:
         self._version += 1
         self.in_sig, self.out_sig = self._derived.setdefault(mode, ({}, {}))
         key = f"{self.key_prefix}/sig{self._version}"
-        sched, stages = self.sched, self.stages
-        derive_signatures(micro, stages, sched, self.rank, self.comm, key, self.in_sig, self.out_sig)
+        sched, stages, comm = self.sched, self.stages, self.comm
+        rules = self._rules.get(mode)
+        self.fake_derivations += derive_signatures(
+            micro, stages, sched, self.rank, comm, key, self.in_sig, self.out_sig, rules
+        )
+        if self.shape_rules and rules is None:
+            made = exchange_rules(
+                micro, self.in_sig, stages, sched, comm, f"{self.key_prefix}/rules{self._version}"
+            )
+            if made is not None:
+                self._rules[mode] = made
         self.micro, self.sizes = micro, [sig[0][0][0] for sig in micro]
         set_specs(self._msgs, self.in_sig, self.out_sig, micro)
         if self.nccl:

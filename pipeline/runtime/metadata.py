@@ -47,6 +47,7 @@ stage boundary (``check_sendable``).
 
 from __future__ import annotations
 
+import pickle
 import struct
 from collections.abc import Collection, Sequence
 
@@ -55,6 +56,7 @@ import torch
 from pipeline.runtime.microbatch import Signature, as_tuple, signature
 from pipeline.runtime.p2p import Comm
 from pipeline.runtime.program import Msg
+from pipeline.runtime.shape_rules import ShapeRule, apply_chain, trace_rule
 from pipeline.runtime.stage import StageRuntime
 from pipeline.runtime.stream import from_host
 from pipeline.schedules.actions import Action, Kind
@@ -72,6 +74,7 @@ __all__ = [
     "encode",
     "encode_words",
     "exchange_header",
+    "exchange_rules",
     "send_tensors",
     "set_specs",
 ]
@@ -249,13 +252,16 @@ def derive_signatures(
     key: str,
     in_sig: Signatures,
     out_sig: Signatures,
-) -> None:
+    rules: dict[int, ShapeRule] | None = None,
+) -> int:
     """Add every local stage's (input, output) signatures to ``in_sig`` and ``out_sig`` for each
     micro-batch signature of ``micro`` they do not hold yet (every rank sees the same headers, so
     they all miss the same ones).
 
     Per such signature, in stage order: an output that a stage on another rank takes is set in
-    the store under ``key``; an input from another rank is waited for there.
+    the store under ``key``; an input from another rank is waited for there. With ``rules`` (every
+    stage's but the last, shape_rules.py) a signature they cover is computed here, with no message.
+    Returns how many signatures were derived with fake tensors.
     """
     for s in stages:
         in_sig.setdefault(s, {})
@@ -263,13 +269,23 @@ def derive_signatures(
             out_sig.setdefault(s, {})
     new = [sig for sig in dict.fromkeys(micro) if not any(sig in d for d in in_sig.values())]
     if not stages:
-        return
+        return 0
+    last, derived = sched.n_stages - 1, 0
     for j, sig in enumerate(new):
+        chain = apply_chain(rules, sig, sched.n_stages) if rules else None
+        if chain is not None:  # every rank holds the same rules: all of them take this branch
+            for s in stages:
+                in_sig[s][sig] = chain[s]
+                if s < last:
+                    out_sig[s][sig] = chain[s + 1]
+            continue
         ins, outs = _derive(sig, stages, sched, rank, comm, f"{key}/{j}")
+        derived += 1
         for s, x in ins.items():
             in_sig[s][sig] = x
         for s, x in outs.items():
             out_sig[s][sig] = x
+    return derived
 
 
 def _derive(
@@ -308,6 +324,40 @@ def set_specs(
         m.mask = [forward or dt.is_floating_point for _, dt in boundary]
         m.spec = tuple(x for x, k in zip(boundary, m.mask, strict=True) if k)
         m.like_tuple = len(boundary) > 1
+
+
+def exchange_rules(
+    micro: Sequence[Signature],
+    in_sig: Signatures,
+    stages: dict[int, StageRuntime],
+    sched: Schedule,
+    comm: Comm | None,
+    key: str,
+) -> dict[int, ShapeRule] | None:
+    """Every stage's shape rule but the last's (shape_rules.py), traced where the stage lives at the
+    first micro-batch signature of ``micro`` whose rows and length are at least 2 (the same one on
+    every rank: they read the same header), and shared through the store under ``key``. None when
+    no micro-batch qualifies yet (ask again at a later step); empty when some stage has no rule
+    (signatures are then derived per shape, for good).
+    """
+    usable = [sig for sig in micro if all(n >= 2 for shape, _ in sig for n in shape[:2])]
+    if not usable:
+        return None
+    sig0, last = usable[0], sched.n_stages - 1
+    rules: dict[int, ShapeRule | None] = {}
+    for s in sorted(stages):
+        if s < last:
+            st = stages[s]
+            rules[s] = trace_rule(st.module, in_sig[s][sig0], st.device)
+            if comm is not None:
+                comm.set_key(f"{key}/{s}", pickle.dumps(rules[s]))
+    for s in range(last):
+        if s not in rules:
+            assert comm is not None
+            rules[s] = pickle.loads(comm.wait_key(f"{key}/{s}", f"stage {s}'s shape rule"))
+    if any(rule is None for rule in rules.values()):
+        return {}
+    return {s: rule for s, rule in rules.items() if rule is not None}
 
 
 # ---- the checks

@@ -316,6 +316,7 @@ class Pipeline:
         )  # fmt: skip
         if varlen is not None:
             self.runner.varlen = (varlen, stage_costs(self.plan, self.schedule))
+            self.executor.shape_rules = True
         self.last_loss_rank = self.runner.last_loss_rank  # the last stage's rank
 
     # ---- construction
