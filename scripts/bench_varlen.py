@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--token-budget", type=int, default=2048)
-    parser.add_argument("--pad-multiple", type=int, default=16)
+    parser.add_argument("--pad-multiple", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
