@@ -10,7 +10,10 @@ has one (as a pipeline step is: autocast's weight cache is then filled once and 
                                        saved by both (weight cache)      -> cache_bytes (once)
                                        pass 1's output -> layer l + 1's input
     untimed, LiveBytes               one forward, one backward -> what each allocates and frees
-                                     again: forward_ and backward_transient_bytes
+                                     again: forward_ and backward_transient_bytes; the split
+                                     backward's parts -> input_ and weight_transient_bytes; the
+                                     three backwards closing (the output held by its graph alone,
+                                     its gradient made inside, as under the loss) -> closing_*
     untimed, FlopCount               one forward, one whole backward -> flops, backward_flops;
                                      one split backward -> input_flops, weight_flops
     timed (``one_sample``, warm-up,  F; whole backward (B of gpipe/1f1b);
@@ -99,7 +102,7 @@ def measure(
     with precision(run):
         with run.live:
             out, saved, cache, inplace, saved_io, aliases = _untimed(fn, x, owned, first)
-        transients = _transients(fn, x, first)
+        transients = _transients(fn, x, first, wanted)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run)
@@ -131,6 +134,11 @@ def measure(
         input_grad_aliases=aliases[1],
         forward_transient_bytes=transients[0],
         backward_transient_bytes=transients[1],
+        input_transient_bytes=transients[2],
+        weight_transient_bytes=transients[3],
+        closing_backward_transient_bytes=transients[4],
+        closing_input_transient_bytes=transients[5],
+        closing_weight_transient_bytes=transients[6],
         sendable=sendable(out),
         input_flops=input_flops,
         weight_flops=weight_flops,
@@ -227,26 +235,75 @@ def _untimed(
     return tree_map(outs[0], lambda t: t.detach()), saved, cache, inplace, saved_io, (aliases, grad_aliases)
 
 
-def _transients(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:
-    """(forward, backward) transient bytes of one micro-batch, counted by ``LiveBytes``: what its
-    forward allocates and frees again before returning (intermediates nothing saves); the most its
-    backward holds at once beyond what was alive when it began (its input's gradient, weight
-    gradients or their accumulation's temporaries, intermediates; less what it has freed of its
-    saved tensors by then, never below 0). What stays (outputs, saved tensors) is counted elsewhere."""
+def _transients(
+    fn: Callable[[Any], Any], x: Any, first: bool, params: Sequence[torch.Tensor]
+) -> tuple[int, ...]:
+    """Transient bytes of one micro-batch, counted by ``LiveBytes``: (forward, then per backward
+    part: whole, input gradient, weight gradient; then those three again as ``closing``).
+
+    Forward: what it allocates and frees again before returning (intermediates nothing saves).
+    A backward part: the most it holds at once beyond what was alive when it began (its gradients,
+    their accumulation's temporaries, intermediates; less what it has freed of its saved tensors by
+    then, never below 0), its output and the output's gradient held by the caller, as a stage holds
+    them. What stays (outputs, saved tensors) is counted elsewhere."""
+    forward, device = _forward_transient(fn, x, first)
+    if device is None:
+        return (0,) * 7
+    parts = [_backward_peak(fn, x, first, params, part, closing, device)
+             for closing in (False, True) for part in ("whole", "input", "weight")]  # fmt: skip
+    return (forward, *parts)
+
+
+def _forward_transient(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, str | None]:
     a, _ = fresh(x, first)
     with LiveBytes() as live:
-        out = fn(a)
+        out = fn(a)  # held: what stays is not a transient
         device = max(live.peak, key=lambda d: live.peak[d], default=None)
-        if device is None:
-            return 0, 0
-        forward = live.peak[device] - live.now[device]
-        outs, grads = roots(out)
+        forward = live.peak[device] - live.now[device] if device is not None else 0
+    del out
+    return max(forward, 0), device
+
+
+def _backward_peak(
+    fn: Callable[[Any], Any],
+    x: Any,
+    first: bool,
+    params: Sequence[torch.Tensor],
+    part: str,
+    closing: bool,
+    device: str,
+) -> int:
+    """The most one backward part holds at once beyond what was alive when it began (see
+    ``_transients``): ``part`` "whole" (one ``autograd.backward``), "input" (the split B:
+    ``autograd.grad`` of the input, graph retained; nothing on layer 0) or "weight" (the split W:
+    ``autograd.backward(inputs=params)`` after the input part). ``closing``: as the last layer
+    runs under the loss, its output held by nothing but its graph (freed when the op saving it has
+    run) and its gradient made by the node after it (freed once read): through a multiply by 1."""
+    a, leaves = fresh(x, first)
+    with LiveBytes() as live:
+        out = fn(a)
+        outs, _ = roots(out)
+        if closing:  # new roots: the layer's outputs now held by its graph alone
+            outs = [t * 1 for t in outs]
+        del out
+        grads = [torch.ones_like(t) for t in outs]
+        if not outs or (part == "input" and not leaves):
+            return 0
+        if part == "weight":
+            if not params:
+                return 0
+            if leaves:  # the input part first, as B runs before W
+                torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
         begin = live.now[device]
         live.reset_peak()
-        if outs:
+        if part == "whole":
             torch.autograd.backward(outs, grads)
-        backward = live.peak[device] - begin
-    return max(forward, 0), max(backward, 0)
+        elif part == "input":
+            got = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+            del got
+        else:
+            torch.autograd.backward(outs, grads, inputs=list(params))
+        return int(max(live.peak[device] - begin, 0))
 
 
 def _flops(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, int]:

@@ -182,7 +182,8 @@ def memory_rows(
     modes = tuple(mode_of(recompute, s) for s in range(k))
     coefs = _coefficients(sched, modes)
     bounds = {f: np.asarray(x) for f, x in layer_bounds(profile, optimizer_state_factor).items()}
-    parts = ("saved", "chain", "grads", "transient_forward", "transient_backward", "transient_input_grad")
+    parts = ("saved", "chain", "grads", "transient_forward", "transient_backward", "transient_input_grad",
+             "transient_weight", "transient_recompute")  # fmt: skip
     by_coef: dict[tuple[float, ...], list[float]] = {}  # stages of equal coefficients share a row
     rows = []
     for c in coefs:

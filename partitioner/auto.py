@@ -42,6 +42,7 @@ evaluates the whole grid: the tests compare the two.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -52,15 +53,24 @@ from partitioner._fit import fits, smallest
 from partitioner._inputs import _prefix
 from partitioner._options import Options
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
-from partitioner.costs import cut_groups, cut_rows, layer_costs, n_links, with_loss
+from partitioner.costs import (
+    backward_time,
+    cut_groups,
+    cut_rows,
+    layer_costs,
+    n_links,
+    recomputed_share,
+    with_loss,
+)
 from partitioner.figures import Profile
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
 from pipeline.plan import Candidate, Plan, SearchStats
 from pipeline.runtime.recompute import RECOMPUTE_MODES, Recompute
+from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.registry import REGISTRY, entry
-from pipeline.schedules.schedule import schedule_options, unchecked
+from pipeline.schedules.schedule import Schedule, schedule_options, unchecked
 
 __all__ = ["PER_STAGE", "check_search", "rank_peaks", "search"]
 
@@ -235,6 +245,7 @@ def _evaluate(
     uniform = [mode for mode in RECOMPUTE_MODES if group.m >= 2 or mode != "except_last"]
     out: list[Plan] = []
     seen: set[tuple[tuple[int, ...], Recompute]] = set()
+    paths: list[list[tuple[int, Kind, int]]] = []  # the order's chains: read once a config needs them
     for config in [*uniform, PER_STAGE]:
         if net.memory_limit is not None:
             allowed = None if config == PER_STAGE else [[per_stage.modes.index(config)]] * k
@@ -251,9 +262,14 @@ def _evaluate(
         if (tuple(plan.balance), plan.recompute) in seen:
             continue  # the per-stage choice came out as a uniform config already evaluated
         seen.add((tuple(plan.balance), plan.recompute))
-        if _balance_bound(profile, plan, net, sched.split_backward) >= best[0] * slack:
+        if _balance_bound(profile, plan, net, sched.split_backward, []) >= best[0] * slack:
             stats.pruned_balance += 1
             continue
+        if best[0] < math.inf and slack < math.inf:  # the chains may prune it too (none before a best)
+            paths = paths or _order_paths(sched)
+            if _paths_bound(profile, plan, net, sched.split_backward, paths) >= best[0] * slack:
+                stats.pruned_balance += 1
+                continue
         plan = predicted(profile, plan, sched, net)
         stats.simulated += 1
         peaks = rank_peaks(plan)
@@ -272,14 +288,27 @@ def rank_peaks(plan: Plan) -> list[float]:
     return list(plan.rank_peaks)
 
 
-def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> float:
+def _balance_bound(
+    profile: Profile,
+    plan: Plan,
+    net: Options,
+    split: bool,
+    paths: list[list[tuple[int, Kind, int]]] | None = None,
+) -> float:
     """A lower bound on the simulated step of ``plan`` from its balance alone.
 
     Rank r runs m x its stages' F, B and W (cuts included) one after another: step >= m * work_r.
     With one stage per rank it also starts only once micro-batch 0's forward has crossed stages
     0 .. r-1, and (unsplit backward: its last action is a B) ends only after that micro-batch's
-    backward has crossed them again; those are at least their compute time (links left out)."""
+    backward has crossed them again; those are at least their compute time (links left out).
+
+    Any schedule: each of ``paths`` (``_order_paths``: chains of actions that the order runs one
+    after another) costs at least its actions' compute and runtime seconds (links left out), and the
+    step is at least the longest chain: the waits of the schedule's own order (its bubble); None:
+    read off the plan's schedule."""
     k, p, m = plan.n_stages, plan.n_ranks, plan.n_microbatches
+    if paths is None:
+        paths = _order_paths(unchecked(plan.schedule, p, m, plan.n_virtual))
     cuts = cut_rows(profile, k, p, net.latency, net.bandwidth, net.placement)
     modes = [plan.recompute_of(s) for s in range(k)]
     speeds = net.stage_speeds(k)
@@ -303,7 +332,106 @@ def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> f
     if k == p and net.cost == "time":  # one stage per rank: the fill (and drain) in front of each
         path = per_stage(False, forward_only=split)
         ranks = [ranks[r] + math.fsum(path[:r]) for r in range(p)]
-    return max(ranks)
+    return max(max(ranks), _paths_bound(profile, plan, net, split, paths))
+
+
+def _paths_bound(
+    profile: Profile, plan: Plan, net: Options, split: bool, paths: list[list[tuple[int, Kind, int]]]
+) -> float:
+    """The longest of ``paths`` ((stage, kind, count) each) at each action's least seconds: its
+    layers' compute (the recomputed forward in B), plus the runtime's seconds per action and message."""
+    if not paths or net.cost != "time":
+        return 0.0
+    k, p, m = plan.n_stages, plan.n_ranks, plan.n_microbatches
+    layers = with_loss(profile)
+    speeds = net.stage_speeds(k) or [1.0] * k
+    extras = stage_extras(k, p, net.runtime, net.rank_of)
+    w_extra = net.runtime.action if split else 0.0
+    cost: dict[Kind, list[float]] = {Kind.F: [], Kind.B: [], Kind.W: []}
+    start = 0
+    for s, size in enumerate(plan.balance):
+        lps = layers[start : start + size]
+        start += size
+        forward = math.fsum(lp.forward_time for lp in lps) / speeds[s]
+        rho = recomputed_share(plan.recompute_of(s), m)
+        cost[Kind.F].append(forward + extras[s][0])
+        cost[Kind.B].append(math.fsum(backward_time(lp, split) - (lp.weight_time if split else 0.0)
+                                      for lp in lps) / speeds[s] + rho * forward + extras[s][1])  # fmt: skip
+        cost[Kind.W].append(math.fsum(lp.weight_time for lp in lps) / speeds[s] + w_extra)
+    return max(math.fsum(n * cost[kind][s] for s, kind, n in path) for path in paths) * (1.0 - 1e-12)
+
+
+def _order_paths(sched: Schedule) -> list[list[tuple[int, Kind, int]]]:
+    """Chains of ``sched``'s actions, each one after another in every run (in a rank's order, or F(s, i)
+    after F(s-1, i), B(s, i) after B(s+1, i) (the last stage's after its F), W after its B), as
+    (stage, kind, how many) counts: the longest at unit costs, and per rank the longest through all
+    its actions. Read off the schedule's order, whatever its name: where ranks wait (the bubble)."""
+    k = sched.n_stages
+    index = {a: j for j, a in enumerate(a for order in sched.compute for a in order)}
+    acts = list(index)
+    n = len(acts)
+    preds: list[list[int]] = [[] for _ in acts]
+    succ: list[list[int]] = [[] for _ in acts]
+
+    def edge(a: Action, b: int) -> None:
+        if a in index:
+            preds[b].append(index[a])
+            succ[index[a]].append(b)
+
+    for order in sched.compute:
+        for a, after in itertools.pairwise(order):
+            edge(a, index[after])
+    for j, a in enumerate(acts):
+        s, i = a.stage, a.microbatch
+        if a.kind == Kind.F and s > 0:
+            edge(Action(s - 1, Kind.F, i), j)
+        elif a.kind == Kind.B:
+            edge(Action(s + 1, Kind.B, i) if s < k - 1 else Action(s, Kind.F, i), j)
+        elif a.kind == Kind.W:
+            edge(Action(s, Kind.B, i), j)
+    count = [len(ps) for ps in preds]
+    topo, ready = [], [j for j in range(n) if count[j] == 0]
+    while ready:
+        j = ready.pop()
+        topo.append(j)
+        for q in succ[j]:
+            count[q] -= 1
+            if count[q] == 0:
+                ready.append(q)
+    if len(topo) < n:  # a cycle: the schedule cannot run (the validator says why); no chains
+        return []
+    head, via = [0.0] * n, [-1] * n  # the longest chain ending with j, unit costs
+    for j in topo:
+        for q in preds[j]:
+            if head[q] > head[via[j]] if via[j] >= 0 else True:
+                via[j] = q
+        head[j] = 1.0 + (head[via[j]] if via[j] >= 0 else 0.0)
+    tail, nxt = [0.0] * n, [-1] * n  # the longest chain starting with j
+    for j in reversed(topo):
+        for q in succ[j]:
+            if tail[q] > tail[nxt[j]] if nxt[j] >= 0 else True:
+                nxt[j] = q
+        tail[j] = 1.0 + (tail[nxt[j]] if nxt[j] >= 0 else 0.0)
+
+    def walk(j: int, step: list[int]) -> list[int]:
+        out = []
+        while j >= 0:
+            out.append(j)
+            j = step[j]
+        return out
+
+    chains = [walk(max(range(n), key=head.__getitem__), via)]
+    for order in sched.compute:
+        if order:
+            mine = [index[a] for a in order]
+            chains.append(walk(via[mine[0]], via) + mine + walk(nxt[mine[-1]], nxt))
+    out = []
+    for chain in chains:
+        counts: dict[tuple[int, Kind], int] = {}
+        for j in chain:
+            counts[acts[j].stage, acts[j].kind] = counts.get((acts[j].stage, acts[j].kind), 0) + 1
+        out.append([(s, kind, c) for (s, kind), c in counts.items()])
+    return out
 
 
 def _runtime_per_stage(net: Options, k: int, split: bool) -> list[float]:

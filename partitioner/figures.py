@@ -105,6 +105,13 @@ class LayerProfile:
     input_grad_aliases: bool = False  # its input's gradient is its output gradient's storage (a view's)
     forward_transient_bytes: int = 0  # allocated and freed again inside its forward (one micro-batch)
     backward_transient_bytes: int = 0  # the most its backward allocates at once: gradients, temporaries
+    input_transient_bytes: int = 0  # the same of the split backward's B (its input's gradient; 0 on layer 0)
+    weight_transient_bytes: int = 0  # the same of the split backward's W (its weights' gradients, after B)
+    # the three again as the last layer runs them under the loss: its output held by its graph
+    # alone (freed once the op saving it has run), its gradient made by the loss (freed once read)
+    closing_backward_transient_bytes: int = 0
+    closing_input_transient_bytes: int = 0
+    closing_weight_transient_bytes: int = 0
     sendable: bool = True
     params: tuple[str, ...] = ()
     input_flops: int = 0

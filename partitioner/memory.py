@@ -28,7 +28,8 @@ count model, kept for their closed forms (``held``: sets and kept inputs per rec
 
 Per-rank walk. ``stage_bytes`` turns the profile into per-micro-batch figures of each stage
 (``StageBytes``: its graph beyond input and output, input, output, a split chain's unsaved
-outputs and output gradients, static bytes), counting a storage adjacent layers share once when
+outputs and output gradients, static bytes, and what each kind of compute holds while it runs:
+F, a recomputing F, B, a split B, W), counting a storage adjacent layers share once when
 given ``saved_io`` (what each layer saves of its input and output). ``rank_peaks`` then runs each
 rank's program (``Schedule.program``: compute and comm blocks, receives posted one block ahead,
 sends held until the free that a receive proves, the very order the executor runs) and returns, per
@@ -134,12 +135,19 @@ class StageBytes:
     input_grad_kept: bool = False
     # held only while one compute runs: the most a layer's forward allocates and frees again; the
     # most a layer's backward allocates at once, plus the gradient of its output it reads (the
-    # stage's last layer reads the received one, counted in ``output``)
+    # stage's last layer reads the received one, counted in ``output``; on the last stage the
+    # loss makes it, and the last layer's output goes with its graph: its closing figures)
     transient_forward: float = 0.0
     transient_backward: float = 0.0
-    # split backward's B: the input gradients only; on stage 0 its first layer computes none (the
-    # step's data needs no gradient: StageRuntime's B stops there), elsewhere as the whole backward
+    # split backward's B: the input gradients only (``input_transient_bytes``); on stage 0 its first
+    # layer computes none (the step's data needs no gradient: StageRuntime's B stops there)
     transient_input_grad: float = 0.0
+    # split backward's W: the weight gradients only (``weight_transient_bytes``): no input gradient,
+    # and the output gradients it reads are held anyway (``grads``, the received one)
+    transient_weight: float = 0.0
+    # a recomputing F (under no_grad: no graph keeps its layers' outputs): each layer's output
+    # beside its input and its forward's transient, the stage's input held apart
+    transient_recompute: float = 0.0
 
 
 def stage_bytes(
@@ -210,9 +218,8 @@ def stage_bytes(
             grads += most
         static = sum(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
                      for lp in lps)  # fmt: skip
-        forward, backward, input_grad = _transients(layers, loss if last else None, io, start, stop)
-        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, forward, backward,
-                              input_grad))  # fmt: skip
+        moments = _transients(layers, loss if last else None, io, start, stop)
+        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, *moments))
         start = stop
     return out
 
@@ -223,16 +230,24 @@ def _transients(
     io: Sequence[tuple[int, int]],
     start: int,
     stop: int,
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float, float]:
     """Stage [start, stop)'s momentary bytes on top of what the walk holds: (forward, backward,
-    a split backward's B).
+    a split backward's B, its W, a recomputing F).
 
     While layer j runs, the walk holds all the stage saves, but what the layers after j save is not
     there yet (forward) or already freed (backward): only layer j's excess over that counts. In
     backward, layer j also reads its output's gradient (the last layer's is the received one,
     counted by the walk). Each layer's own saved bytes leave out what it shares with the layer
-    before (one storage: still held by that layer's graph when this one's is freed)."""
+    before (one storage: still held by that layer's graph when this one's is freed).
+
+    Under a loss the last layer's output is held by its graph alone and its gradient is the loss's
+    (freed once read, the output once the op saving it has run): its ``closing_*`` figures, no
+    read added. W runs layer by layer with every output gradient held (``grads``, the received
+    one) and each graph still whole when its layer's turn comes: a layer's W figure alone. A
+    recomputing F keeps no graph: layer j's input (the previous layer's output), transient and
+    output at once."""
     figures = [*layers[start:stop], *([loss] if loss is not None else [])]
+    closing = stop - 1 - start if loss is not None else -1  # the loss's layer, within figures
     own = []
     for k, lp in enumerate(figures):
         g = start + k  # the loss: io's last entry
@@ -240,13 +255,31 @@ def _transients(
         own.append(float(lp.saved_bytes - shared - (io[g][1] if lp is loss else 0)))
     later = [sum(own[k + 1 :]) for k in range(len(figures))]
     reads = [float(lp.activation_bytes) for lp in figures[:-1]] + [0.0]
+    if closing >= 0:
+        reads[closing] = 0.0  # the loss's gradient: inside the closing figures
+
+    def part(field: str) -> list[float]:
+        # the loss's node runs in B and again in W: its whole backward is its figure in both
+        mine = [float(getattr(lp, ("closing_" if k == closing else "") + field))
+                for k, lp in enumerate(figures)]  # fmt: skip
+        if loss is not None and field != "backward_transient_bytes":
+            mine[-1] = float(max(loss.backward_transient_bytes, loss.input_transient_bytes))
+        return mine
+
     pairs = zip(figures, later, strict=True)
     forward = max(max(lp.forward_transient_bytes - after, 0.0) for lp, after in pairs)
-    each = [max(lp.backward_transient_bytes + g - after, 0.0)
-            for lp, g, after in zip(figures, reads, later, strict=True)]  # fmt: skip
+    each = [max(b + g - after, 0.0)
+            for b, g, after in zip(part("backward_transient_bytes"), reads, later, strict=True)]  # fmt: skip
+    inputs = [max(b + g - after, 0.0)
+              for b, g, after in zip(part("input_transient_bytes"), reads, later, strict=True)]  # fmt: skip
     # a split B on stage 0 runs no backward for its first layer (no gradient for the step's data)
-    input_grad = max(each[1:], default=0.0) if start == 0 else max(each)
-    return forward, max(each), input_grad
+    input_grad = max(inputs[1:], default=0.0) if start == 0 else max(inputs)
+    weight = max(part("weight_transient_bytes"))
+    outs = [0.0 if lp.output_aliases_input else float(lp.activation_bytes) for lp in figures]
+    before = [0.0, *(float(lp.activation_bytes) for lp in figures[:-1])]  # the stage's input: held
+    recompute = max(b + lp.forward_transient_bytes + o
+                    for lp, b, o in zip(figures, before, outs, strict=True))  # fmt: skip
+    return forward, max(each), input_grad, weight, recompute
 
 
 def _storages(
@@ -275,8 +308,10 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
 
     (stage_bytes subtracts its first layer's whole saved input, and the output it sends, where this
     subtracts only the share with the previous layer; chain and grads leave out its last layer).
-    ``transient_forward`` and ``transient_backward``: a stage's are the most of its layers', so at
-    most their sum."""
+    The transients (``transient_forward``, ``_backward``, ``_input_grad``, ``_weight``,
+    ``_recompute``): a stage's are the most of its layers', so at most their sum; per layer its
+    figure plus the output gradient it may read (backward, B), its input and output beside (a
+    recomputing F), on the last layer the most of that, its closing figure and the loss's."""
     layers = list(profile.layers)
     n, loss, f = len(layers), profile.loss, 2.0 + optimizer_state_factor
     io = np.asarray(_recorded_io(profile), np.float64).reshape(-1, 2)
@@ -297,14 +332,25 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
     unsaved[:-1] = (outs[:-1] == 0) & (ins[1:] == 0)  # a split chain keeps this output itself
     forward = column("forward_transient_bytes")
     backward = column("backward_transient_bytes") + act  # the most: it reads its output's gradient
-    if loss is not None:
+    input_grad = column("input_transient_bytes") + act
+    weight = column("weight_transient_bytes")
+    outs = np.where(column("output_aliases_input") > 0, 0.0, act)
+    recompute = np.concatenate([[0.0], act[:-1]]) + forward + outs  # its input, transient, output
+    if loss is not None:  # the last layer's closing figures (under the loss) and the loss's own
+        last = layers[-1]
+        lossb = max(loss.backward_transient_bytes, loss.input_transient_bytes)
         forward[-1] = max(forward[-1], loss.forward_transient_bytes)
-        backward[-1] = max(backward[-1], loss.backward_transient_bytes)
+        backward[-1] = max(backward[-1], last.closing_backward_transient_bytes, loss.backward_transient_bytes)
+        input_grad[-1] = max(input_grad[-1], last.closing_input_transient_bytes, lossb)
+        weight[-1] = max(weight[-1], last.closing_weight_transient_bytes, lossb)
+        recompute[-1] = max(recompute[-1], act[-1] + loss.forward_transient_bytes + loss.activation_bytes)
     return {
         "static": static.tolist(),
         "transient_forward": forward.tolist(),
         "transient_backward": backward.tolist(),
-        "transient_input_grad": backward.tolist(),  # at most the whole backward's
+        "transient_input_grad": input_grad.tolist(),
+        "transient_weight": weight.tolist(),
+        "transient_recompute": recompute.tolist(),
         "saved": np.maximum(own, 0.0).tolist(),
         "chain": np.where(unsaved, act, 0.0).tolist(),
         "grads": act.tolist(),
@@ -331,7 +377,10 @@ def rank_peaks(sched: Schedule, stages: Sequence[StageBytes], recompute: str | S
         end of B unsplit: everything of the micro-batch;  W: everything (split)
         SEND_*   the sent tensor from its post to the program's free of it
         RECV_*   the buffer from its posting (one comm block ahead) to its compute's end
-        F, B, W  while it runs: its layers' transients (``StageBytes.transient_*``)
+        F, B, W  while it runs: its layers' transients (``StageBytes.transient_*``): F's
+                 (a recomputing F's: its outputs too, no graph keeps them), B's (split: the
+                 input gradients'), W's (the weight gradients'); on the last stage its last
+                 layer's closing figures (its output and gradient freed inside, by the loss's)
 
     ``recompute``: one mode for every stage, or one per stage.
     """
@@ -360,10 +409,11 @@ _BUFFER = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND
 # what each holder of the walk weighs: a field of ``StageBytes``
 _FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
           "set": "saved", "chain": "chain", "grads": "grads", "tf": "transient_forward",
-          "tb": "transient_backward", "tbi": "transient_input_grad"}  # fmt: skip
+          "tb": "transient_backward", "tbi": "transient_input_grad", "tw": "transient_weight",
+          "tfr": "transient_recompute"}  # fmt: skip
 # the per-micro-batch figures of StageBytes
 PARTS = ("saved", "input", "output", "chain", "grads", "transient_forward", "transient_backward",
-         "transient_input_grad")  # fmt: skip
+         "transient_input_grad", "transient_weight", "transient_recompute")  # fmt: skip
 
 
 def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[str, float]]:
@@ -475,7 +525,7 @@ def _walk(
             if a.kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
                 kept = [] if replays else [("set", s, i), ("out", s, i)]
                 take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
-                momentary(("tf", s, i))
+                momentary(("tfr" if replays else "tf", s, i))
             elif a.kind is Kind.B:
                 if replays:
                     take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
@@ -486,7 +536,7 @@ def _walk(
                 else:
                     drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
             else:
-                momentary(("tb", s, i))
+                momentary(("tw", s, i))
                 drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
                 drop(*until_w)
             drop(*consumed)

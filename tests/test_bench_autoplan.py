@@ -94,9 +94,9 @@ def test_grid_is_every_schedule_microbatch_count_and_recompute_mode_that_can_run
     expected = set()
     schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
     schedules += [(name, v) for name in ("interleaved-1f1b", "interleaved-zb") for v in (2, 3)]
-    schedules += [("zb-v", 2)]  # two stages per rank in a V, any m
+    schedules += [(name, 2) for name in ("zb-v", "dualpipe-v", "v-half", "v-min")]  # in a V, any m
     for (name, v), m, mode in itertools.product(schedules, range(1, 9), RECOMPUTE_MODES):
-        if 8 % m or (name != "zb-v" and v > 1 and m % 2) or (mode == "except_last" and m == 1):
+        if 8 % m or (name.startswith("interleaved") and m % 2) or (mode == "except_last" and m == 1):
             continue
         expected.add(Config(name, m, v, mode))
     assert set(configs) == expected and len(configs) == len(expected)

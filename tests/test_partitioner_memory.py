@@ -311,6 +311,7 @@ def _shared_profile(n: int, seed: int) -> Profile:
                 (1,),
                 "float32",
                 buffer_bytes=rng.randint(0, 64),
+                **{f: rng.randint(0, 8) * 256 for f in _TRANSIENTS},
                 saved_input_bytes=inp,
                 saved_output_bytes=out,
                 output_aliases_input=rng.random() < 0.3,  # views: fewer storages, never more bytes
@@ -318,8 +319,42 @@ def _shared_profile(n: int, seed: int) -> Profile:
             )
         )
     loss = LayerProfile(n, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, 4, 512, (1,), "float32",
-                        saved_input_bytes=256, saved_target_bytes=256)  # fmt: skip
+                        saved_input_bytes=256, saved_target_bytes=256,
+                        **{f: rng.randint(0, 8) * 256 for f in _TRANSIENTS})  # fmt: skip
     return Profile(layers, "cpu", layer_graph(layers), input_bytes=256, loss=loss)
+
+
+_TRANSIENTS = ("forward_transient_bytes", "backward_transient_bytes", "input_transient_bytes",
+               "weight_transient_bytes", "closing_backward_transient_bytes",
+               "closing_input_transient_bytes", "closing_weight_transient_bytes")  # fmt: skip
+
+
+def test_each_compute_is_charged_its_own_transient() -> None:
+    # distinct figures per part: W is charged the weight gradients' (not the whole backward's), B
+    # (split) the input gradients', the last stage's last layer its closing figures (its output and
+    # gradient freed inside, by the loss's: no read added), a recomputing F its outputs beside
+    def lp(i: int, act: int, **figures: int) -> LayerProfile:
+        return LayerProfile(i, str(i), "Linear", 1e-3, 1e-3, 1, 0, act, 0, (1,), "float32", **figures)
+
+    layers = [lp(0, 64, forward_transient_bytes=1, backward_transient_bytes=10, weight_transient_bytes=30,
+                 closing_backward_transient_bytes=9000),
+              lp(1, 32, forward_transient_bytes=7, backward_transient_bytes=100, input_transient_bytes=200,
+                 weight_transient_bytes=300, closing_backward_transient_bytes=400,
+                 closing_input_transient_bytes=500, closing_weight_transient_bytes=600)]  # fmt: skip
+    loss = lp(2, 4, forward_transient_bytes=3, backward_transient_bytes=5, input_transient_bytes=5)
+    first, last = stage_bytes(Profile(layers, "cpu", layer_graph(layers), loss=loss), [1, 1], 0.0)
+    assert (first.transient_backward, first.transient_input_grad, first.transient_weight) == (10, 0, 30)
+    assert (last.transient_backward, last.transient_input_grad, last.transient_weight) == (400, 500, 600)
+    assert first.transient_recompute == 1 + 64  # its transient and output (its input: the data)
+    assert last.transient_recompute == 7 + 32  # more than the loss's: its input, transient, output
+    # the walk charges each compute its own: W only in a split schedule, F's recompute figure only
+    # where it recomputes
+    split = coefficients(schedule("zb-h1", 2, 4), "never")
+    unsplit = coefficients(schedule("1f1b", 2, 4), "never")
+    assert all(c["transient_weight"] == 1.0 and c["transient_backward"] == 0.0 for c in split)
+    assert all(c["transient_weight"] == 0.0 and c["transient_backward"] == 1.0 for c in unsplit)
+    assert all(c["transient_recompute"] == 0.0 for c in split)
+    assert all(c["transient_recompute"] == 1.0 for c in coefficients(schedule("1f1b", 2, 4), "always"))
 
 
 @pytest.mark.parametrize("seed", range(4))

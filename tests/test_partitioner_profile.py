@@ -108,6 +108,25 @@ def test_input_and_weight_gradients_are_timed_apart() -> None:
     assert 0.2 < lin.input_time / lin.weight_time < 5.0
 
 
+def test_backward_parts_and_closing_transients_are_profiled_apart() -> None:
+    # Linear(32, 32) + ReLU on 8 rows: an activation is 1024 bytes, the weight's gradient 4096, the
+    # bias's 128. Whole backward: ReLU's gradient, the input's, the weights'; B (split): no weights';
+    # W: no input's; layer 0 computes no input gradient (the step's data takes none)
+    act, w, b = 1024, 4096, 128
+    block = lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU())  # noqa: E731
+    first, second = profile(nn.Sequential(block(), block()), torch.randn(8, 32), warmup=0, repeat=1).layers
+    assert second.backward_transient_bytes == 2 * act + w + b
+    assert second.input_transient_bytes == 2 * act
+    assert second.weight_transient_bytes == act + w + b
+    assert first.input_transient_bytes == 0 and first.weight_transient_bytes == act + w + b
+    # closing (under the loss): the output is freed once ReLU's backward has read it, before the
+    # weights' gradients come; B keeps the graph (nothing freed), its gradient made inside
+    assert second.closing_backward_transient_bytes == 2 * act + w + b - act
+    assert second.closing_weight_transient_bytes == act + w + b - act
+    assert second.closing_input_transient_bytes == 2 * act
+    assert second.forward_transient_bytes == act  # Linear's output, freed once ReLU has run
+
+
 def test_views_of_one_storage_count_once() -> None:
     class TwoViews(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

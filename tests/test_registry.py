@@ -16,11 +16,13 @@ from pipeline.schedules.schedule import SCHEDULES, Schedule, schedule, schedule_
 
 
 def test_the_names_are_the_registrys() -> None:
-    names = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v")
+    names = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipe-v", "v-half",
+             "v-min")  # fmt: skip
     assert SCHEDULES == tuple(REGISTRY) == names
-    assert [e.split_backward for e in REGISTRY.values()] == [False, False, False, True, True, True]
-    assert [e.placement for e in REGISTRY.values()] == ["loop"] * 5 + ["v"]
-    assert entry("zb-v").virtual_counts(5) == [2]
+    assert [e.split_backward for e in REGISTRY.values()] == [False, False, False] + [True] * 6
+    assert [e.placement for e in REGISTRY.values()] == ["loop"] * 5 + ["v"] * 4
+    for name in ("zb-v", "dualpipe-v", "v-half", "v-min"):  # two stages per rank, in a V
+        assert entry(name).virtual_counts(5) == [2]
     assert entry("interleaved-1f1b").virtual_counts(5) == [2, 3, 4, 5]
     assert entry("1f1b").virtual_counts(5) == [1]
     with pytest.raises(ValueError, match="unknown schedule 'nope'; valid schedules are gpipe, 1f1b"):

@@ -31,7 +31,10 @@ def _lowered_text(sched: Schedule) -> list[str]:
 
 
 def test_every_name_is_available() -> None:
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v")
+    assert SCHEDULES == (
+        "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipe-v", "v-half",
+        "v-min",
+    )  # fmt: skip
     for name in SCHEDULES:
         sched = schedule(name, 4, 4, n_virtual=default_n_virtual(name))
         assert sched.name == name
@@ -231,7 +234,7 @@ def test_schedule_refuses_what_schedule_options_refuses(args: tuple[object, ...]
 )
 def test_schedule_options_defaults(args: tuple[object, ...], expected: tuple[int, int]) -> None:
     assert schedule_options(*args) == expected  # type: ignore[arg-type]
-    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1, 2, 2]
+    assert [default_n_virtual(name) for name in SCHEDULES] == [1, 1, 2, 1, 2, 2, 2, 2, 2]
     name, p, *rest = args
     m = rest[0] if rest else None
     v = rest[1] if len(rest) > 1 else None

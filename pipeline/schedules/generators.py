@@ -14,14 +14,27 @@ wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on ran
                 then fill the cool-down bubbles (at most p micro-batches in flight)
                 r=3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ... B7 W4 W5 W6 W7
     interleaved-zb   interleaved-1f1b with B split the same way (rank r's W's delayed by r)
+    zb-v, dualpipe-v, v-half, v-min   two stages per rank in a V: timed grids in their docstrings
 """
 
 from __future__ import annotations
 
+import functools
+
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.placement import rank_of
 
-__all__ = ["gpipe", "interleaved_1f1b", "interleaved_zb", "one_f_one_b", "zb_h1", "zb_v"]
+__all__ = [
+    "dualpipe_v",
+    "gpipe",
+    "interleaved_1f1b",
+    "interleaved_zb",
+    "one_f_one_b",
+    "v_half",
+    "v_min",
+    "zb_h1",
+    "zb_v",
+]
 
 Orders = tuple[tuple[Action, ...], ...]
 
@@ -217,3 +230,289 @@ def _greedy_v(p: int, m: int, cap: int) -> Orders:
             if a.kind is not Kind.W and 0 <= out < k and rank(out) != r:
                 channel.setdefault((r, rank(out)), []).append(a)
     return tuple(tuple(row) for row in orders)
+
+
+def dualpipe_v(p: int, v: int, m: int) -> Orders:
+    """DualPipeV (DeepSeek's DualPipe folded into a V; torch's ``ScheduleDualPipeV``): zb-v's
+    placement, B split into B and W. Each rank r (stages d = r, going down, and u = 2p - 1 - r,
+    coming back) runs eight phases; ``F d + B u`` marks a pair DualPipeV overlaps (one micro-batch's
+    forward beside another's backward), which we run as the two actions in that order, and a B
+    with its W right after is DualPipeV's unsplit backward:
+
+        1  2(p - r - 1) x  F d                       warm-up on the first chunk
+        2  r + 1        x  F d, F u
+        3  p - r - 1    x  B u, W u, F u             (zero bubble: the W fills the wait)
+        4  m - 2p + r + 1 x  F d + B u W u, F u + B d W d    steady state, two pairs
+        5  p - r - 1    x  B u W u, F u + B d W d
+        6  r + 1        x  B u, B d                  from the middle on the W's are deferred...
+        7  p - r - 1    x  W (oldest deferred), B d  ...and fill the cool-down
+        8  r + 1        x  W (oldest deferred)
+
+    p = 4, m = 8 at F = B = W = 1 (F/B/W: stage d, f/b/w: stage u; '.': idle), 51 units (ideal 48,
+    the bound 6m + p - 1; zb-v 51, 1F1B at equal work 66), every rank at most 2p + 1 = 9 stage
+    activations (DualPipeV's PP + 1; zb-v 11):
+
+        r=0  FFFFF..fbFwfbFwfbwfFbwfBWbwfBWbwfBWbwfBWbwBWBW.BWBW
+        r=1  .FFFFFf.fbFwfbwfFbwfBWFbwfBWbwfBWbwfBWbwBWbBw.BWBWW
+        r=2  ..FFFfFfFfbwfFbwfBWFbwfBWFbwfBWbwfBWbwBWbwBb.BWBwWW
+        r=3  ...FfFfFfFfFbwfBWFbwfBWFbwfBWFbwfBWbwBWbwBWbBbBwWwW
+
+    Our channels match a rank pair's messages in posting order (as NCCL does), and from p = 3 on
+    DualPipeV's receivers take some out of it (p = 3: rank 1 takes stage 5's gradient 0 before
+    stage 0's activation 4, which rank 0 sent first): ``_in_message_order`` then has the sender
+    run that forward right after the message taken first (p = 4, m = 8: 3 forwards move, p = 8,
+    m = 16: 21; none at p <= 2), which keeps the bubble and holds no more.
+
+    DualPipeV needs m >= 2p (phase 4 runs at least once on rank 0; torch refuses m < 2p). Fewer run
+    the order of m = 2p with the missing micro-batches left out, then put in message order: valid
+    and complete, with a longer bubble (the test matrix and a plan's default run m = p; 1f1b and
+    zb-v take any m too).
+    """
+    if v != 2:
+        raise ValueError(f"dualpipe-v places exactly 2 stages per rank, got n_virtual={v}; pass n_virtual=2")
+    return _dualpipe_v(p, m)
+
+
+@functools.cache  # the auto search asks again for each candidate: 0.4 s at p = 64, m = 128
+def _dualpipe_v(p: int, m: int) -> Orders:
+    full = max(m, 2 * p)
+    wanted = [[a for a in _dualpipe_v_rank(r, p, full) if a.microbatch < m] for r in range(p)]
+    return _in_message_order(wanted, p, "dualpipe-v")
+
+
+def _dualpipe_v_rank(r: int, p: int, m: int) -> list[Action]:
+    d, u = r, 2 * p - 1 - r
+    out: list[Action] = []
+    count: dict[tuple[int, Kind], int] = {}  # (stage, F or B) -> the next micro-batch
+    deferred: list[Action] = []  # the W's of split B's, oldest first
+
+    def run(stage: int, kind: Kind, split: bool = False) -> None:
+        i = count.get((stage, kind), 0)
+        count[stage, kind] = i + 1
+        out.append(Action(stage, kind, i))
+        if kind is Kind.B:
+            w = Action(stage, Kind.W, i)
+            if split:
+                deferred.append(w)
+            else:
+                out.append(w)
+
+    def weight() -> None:
+        if deferred:
+            out.append(deferred.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        run(d, Kind.F)
+    for _ in range(r + 1):
+        run(d, Kind.F)
+        run(u, Kind.F)
+    for _ in range(p - r - 1):
+        run(u, Kind.B, split=True)
+        weight()
+        run(u, Kind.F)
+    for _ in range(m - 2 * p + r + 1):
+        run(d, Kind.F)
+        run(u, Kind.B)
+        run(u, Kind.F)
+        run(d, Kind.B)
+    for _ in range(p - r - 1):
+        run(u, Kind.B)
+        run(u, Kind.F)
+        run(d, Kind.B)
+    split = False
+    for k in range(r + 1):  # the split starts halfway: before B u on odd ranks, after it on even
+        split = split or (k == (r + 1) // 2 and r % 2 == 1)
+        run(u, Kind.B, split)
+        split = split or (k == (r + 1) // 2 and r % 2 == 0)
+        run(d, Kind.B, split)
+    for _ in range(p - r - 1):
+        weight()
+        run(d, Kind.B, split=True)
+    while deferred:
+        weight()
+    return out
+
+
+def _in_message_order(wanted: list[list[Action]], p: int, name: str) -> Orders:
+    """``wanted`` (V placement) with each rank pair's messages taken in the order they are sent.
+
+    Our channels, like NCCL's, match a pair's messages in posting order, and in a V one pair
+    carries forwards one way and gradients the other way, so both ends must mix them alike. Where a
+    receiver takes a message ``first`` while an ``early`` one sent before it on the same pair is
+    still untaken, the sender runs ``early`` (and its W, if between) right after ``first``: the
+    sender holds its activation shorter, nobody holds more, and the receiver keeps the order it
+    wanted. A move changes only two sequences, the pair's posting order and the sender's order of
+    taking from the rank that fed ``early`` (its input now comes after those it jumped over), so
+    each pair keeps how far its two orders are known to agree and only a pair a move touched is
+    looked at again, from there. That replaces a cost-free play restarted from the start after
+    each move (moves x actions: 40 s at p = 32, m = 64; this 0.06 s); the orders are the same as
+    that play's (checked for every p <= 12, m <= 4p, and up to p = 64, m = 128), and came out the
+    same in every order of mending the clashes tried, though this one takes more moves than the
+    play (608 to its 560 at p = 16, m = 32). That the result runs is the validator's to check (the
+    play also found deadlocks; DualPipeV's orders have none)."""
+    k = 2 * p
+    rank = [rank_of("v", p, s) for s in range(k)]
+    acts = [a for row in wanted for a in row]  # actions by id: lists of ints search and move in C
+    ident = {a: n for n, a in enumerate(acts)}
+    rows = [[ident[a] for a in row] for row in wanted]
+    takes_on: list[tuple[int, int] | None] = [None] * len(acts)  # the pair an action takes its input on
+    feed: list[int] = [-1] * len(acts)  # the action that sends it that input
+    sent: dict[tuple[int, int], list[int]] = {}  # pair -> its messages in posting order
+    taken: dict[tuple[int, int], list[int]] = {}  # pair -> its messages in taking order
+    for r, row in enumerate(rows):
+        for n in row:
+            a = acts[n]
+            out = a.stage + 1 if a.kind is Kind.F else a.stage - 1
+            if a.kind is not Kind.W and 0 <= out < k and rank[out] != r:
+                sent.setdefault((r, rank[out]), []).append(n)
+            d = _input_of(a, k)
+            if d is not None and rank[d.stage] != r:
+                takes_on[n], feed[n] = (rank[d.stage], r), ident[d]
+                taken.setdefault((rank[d.stage], r), []).append(ident[d])
+    agree = dict.fromkeys(sent, 0)  # pair -> a prefix length where both orders are known to agree
+    todo = list(sent)
+    moves = 0
+    while todo:
+        key = todo.pop()
+        posted, took = sent[key], taken[key]
+        j = agree[key]
+        while posted[j : j + 64] == took[j : j + 64] and j < len(posted):  # 64 at a time, in C
+            j += 64
+        if j >= len(posted):
+            agree[key] = len(posted)
+            continue
+        while posted[j] == took[j]:
+            j += 1
+        agree[key] = j
+        early, first = posted[j], took[j]
+        moves += 1
+        if moves > 2 * len(acts):  # a safety bound: p = 64, m = 128 moves 41904 of 49152 actions
+            raise RuntimeError(f"{name}: no order of its messages found at p={p}")
+        row = rows[key[0]]
+        lo = row.index(early)
+        hi = row.index(first, lo)
+        span = row[lo : hi + 1]
+        # its own dependents on the rank (a W right after its B, the next stage's F) must stay after it
+        e = acts[early]
+        moved = [n for n in span if acts[n].microbatch == e.microbatch and acts[n].stage in _near(e)]
+        if any(n != early and acts[n].kind is not Kind.W for n in moved):
+            raise RuntimeError(f"{name}: cannot put {e} after {acts[first]} on rank {key[0]} at p={p}")
+        row[lo : hi + 1] = [n for n in span if n not in moved] + moved
+        posted.pop(j)
+        posted.insert(posted.index(first, j) + 1, early)
+        todo.append(key)
+        feeding = takes_on[early]  # the sender now takes early's input after those it jumped over
+        if feeding is not None:
+            over = sum(1 for n in span if n != early and takes_on[n] == feeding)
+            if over:
+                order = taken[feeding]
+                i = order.index(feed[early])
+                order.insert(i + over, order.pop(i))
+                if agree[feeding] > i:  # outside i .. i + over the two orders are as they were
+                    posted = sent[feeding]
+                    bad = [x for x in range(i, i + over + 1) if posted[x] != order[x]]
+                    if bad:
+                        agree[feeding] = bad[0]
+                todo.append(feeding)  # popped first: mended before the pair it came from
+    return tuple(tuple(acts[n] for n in row) for row in rows)
+
+
+def _input_of(a: Action, k: int) -> Action | None:
+    """The action whose output ``a`` takes (None: a W, stage 0's forward, the last stage's backward)."""
+    if a.kind is Kind.F and a.stage > 0:
+        return Action(a.stage - 1, Kind.F, a.microbatch)
+    if a.kind is Kind.B and a.stage < k - 1:
+        return Action(a.stage + 1, Kind.B, a.microbatch)
+    return None
+
+
+def _near(a: Action) -> tuple[int, ...]:
+    """The stages whose actions on micro-batch ``a.microbatch`` may depend on ``a`` locally."""
+    return (a.stage, a.stage + 1 if a.kind is Kind.F else a.stage - 1)
+
+
+def v_half(p: int, v: int, m: int) -> Orders:
+    """V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): zb-v's placement
+    and split backward at about half of 1F1B's activation memory, for a bubble about half of
+    1F1B's. Built from one micro-batch's building block (``_v_block``) repeated every 6 units:
+    the rising forwards (stages p + 1 .. 2p - 1) each start one unit late, which lets the block's
+    backwards meet fewer slot clashes (a shorter block: less bubble) at one more micro-batch held.
+
+    p = 4, m = 8 at F = B = W = 1 (F/B/W: rank r's stage r, f/b/w: its stage 2p - 1 - r;
+    '.': idle), 58 units (ideal 48; 1F1B at equal work 66), every rank holds at most 6 stage
+    activations, 3 micro-batches' worth ((p + 2) // 2; 1F1B's rank 0 holds p = 4):
+
+        r=0  FF.....fbFw.fbFw.fbFBwWfbFBwWfbFBwWfbFBwWfbBwWfbBwW..BW.BW
+        r=1  .FF...f..bFfw.bFfwBWbFfwBWbFfwBWbFfwBWbFfwBWbfwBWbw.BW.BW.
+        r=2  ..F..fF..fbFw.fbFBwWfbFBwWfbFBwWfbFBwWfbFBwWfbBwW.bBwWBW..
+        r=3  ...Ff..Ff..bFfBwWbFfBwWbFfBwWbFfBwWbFfBwWbFfBwWbBwWbBwW...
+    """
+    if v != 2:
+        raise ValueError(f"v-half places exactly 2 stages per rank, got n_virtual={v}; pass n_virtual=2")
+    return _repeat_v_block(p, m, rising_gap=1)
+
+
+def v_min(p: int, v: int, m: int) -> Orders:
+    """V-Min (Qi et al. 2024): zb-v's placement and split backward at about a third of 1F1B's
+    activation memory (p + 4) // 3 micro-batches: its building block runs every action as early
+    as the rank's free slots allow, so each activation lives as short as a repeating schedule can.
+
+    p = 4, m = 8 at F = B = W = 1 (F/B/W: rank r's stage r, f/b/w: its stage 2p - 1 - r;
+    '.': idle), 59 units (ideal 48; 1F1B at equal work 66), every rank holds at most 4 stage
+    activations, 2 micro-batches' worth:
+
+        r=0  FF.....fbwF..fbBwWFfbBwWFfbBwWFfbBwWFfbBwWFfbBwW.fbBwW...BW
+        r=1  .F....fF.bw.fFBbwWfFBbwWfFBbwWfFBbwWfFBbwWfFBbwWf.BbwW..BW.
+        r=2  ..F..f..F.bfwBFWbfwBFWbfwBFWbfwBFWbfwBFWbfwBFWbfwBW.bw.BW..
+        r=3  ...Ff....FfbBwWFfbBwWFfbBwWFfbBwWFfbBwWFfbBwWFfbBwW..bBwW..
+    """
+    if v != 2:
+        raise ValueError(f"v-min places exactly 2 stages per rank, got n_virtual={v}; pass n_virtual=2")
+    return _repeat_v_block(p, m, rising_gap=0)
+
+
+_PERIOD = 6  # a rank's units per micro-batch at F = B = W = 1: F, B and W on each of its 2 stages
+
+
+def _v_block(p: int, rising_gap: int) -> dict[Action, int]:
+    """When micro-batch 0's actions start in a schedule that repeats every ``_PERIOD`` units.
+
+    Each action starts at the first unit after its input (F(s-1), or B(s+1); W after its B; the
+    rising forwards ``rising_gap`` later) whose slot mod ``_PERIOD`` is still free on its rank, so
+    that the repeated blocks never clash; W's take the two slots left. An activation lives from
+    its F to its W: the block's lifespans decide the memory (the paper's observation)."""
+    k = 2 * p
+    free = [set(range(_PERIOD)) for _ in range(p)]
+    start: dict[Action, int] = {}
+
+    def put(a: Action, earliest: int) -> None:
+        slots = free[rank_of("v", p, a.stage)]
+        t = earliest
+        while t % _PERIOD not in slots:
+            t += 1
+        slots.remove(t % _PERIOD)
+        start[a] = t
+
+    for s in range(k):
+        gap = rising_gap if s > p else 0
+        put(Action(s, Kind.F, 0), 0 if s == 0 else start[Action(s - 1, Kind.F, 0)] + 1 + gap)
+    for s in reversed(range(k)):
+        after = Action(s, Kind.F, 0) if s == k - 1 else Action(s + 1, Kind.B, 0)
+        put(Action(s, Kind.B, 0), start[after] + 1)
+    for s in sorted(range(k), key=lambda s: start[Action(s, Kind.B, 0)]):
+        put(Action(s, Kind.W, 0), start[Action(s, Kind.B, 0)] + 1)
+    return start
+
+
+def _repeat_v_block(p: int, m: int, rising_gap: int) -> Orders:
+    """Micro-batch i's block shifted by i * ``_PERIOD``; each rank runs its actions in start order.
+    The blocks never clash, so the repeated timing is a valid run and its per-rank order is
+    deadlock-free with every rank pair's messages in one order (sent and taken in start order);
+    a rank's held activations change only at its own F's and W's, so the order holds the block's
+    memory however the simulator or the runtime squeezes the idle time out."""
+    block = _v_block(p, rising_gap)
+    rows: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    for a, t in block.items():
+        for i in range(m):
+            rows[rank_of("v", p, a.stage)].append((t + _PERIOD * i, Action(a.stage, a.kind, i)))
+    return tuple(tuple(a for _, a in sorted(row, key=lambda x: x[0])) for row in rows)

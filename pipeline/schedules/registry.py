@@ -5,8 +5,8 @@
 An entry holds everything that differs between schedules: its generator ((p, v, m) -> each rank's
 ordered compute actions), whether its backward is split (B, then W), the v it takes (one stage per
 rank, or several), whether m must be a multiple of p and where the stages live (the placement:
-stage s on rank s % p, or zb-v's V). Nothing else names a schedule, so adding one is an entry
-here plus its generator:
+stage s on rank s % p, or the V of zb-v, dualpipe-v, v-half and v-min). Nothing else names a
+schedule, so adding one is an entry here plus its generator:
 
     REGISTRY["gpipe"] ----> schedule("gpipe", p, m)          build + validate
                       \\---> schedule_options(...)            the one check of (v, m)
@@ -61,6 +61,12 @@ _ENTRIES = (
           m_multiple_of_p=True),  # interleaved-1f1b with zb-h1's split backward
     Entry("zb-v", generators.zb_v, True, min_virtual=2, max_virtual=2,
           placement="v"),  # two stages per rank in a V, split backward: near-zero bubble
+    Entry("dualpipe-v", generators.dualpipe_v, True, min_virtual=2, max_virtual=2,
+          placement="v"),  # DeepSeek's DualPipe in a V (torch's ScheduleDualPipeV); its order for m >= 2p
+    Entry("v-half", generators.v_half, True, min_virtual=2, max_virtual=2,
+          placement="v"),  # controllable memory: (p + 2) // 2 micro-batches held, about half 1F1B's bubble
+    Entry("v-min", generators.v_min, True, min_virtual=2, max_virtual=2,
+          placement="v"),  # controllable memory: (p + 4) // 3 micro-batches held, about 2/3 1F1B's bubble
 )  # fmt: skip
 REGISTRY: dict[str, Entry] = {e.name: e for e in _ENTRIES}
 
