@@ -91,8 +91,11 @@ def measure(
     run: Run,
     *,
     first: bool,
+    closing: bool = False,
 ) -> tuple[LayerProfile, Any]:
-    """Figures of ``fn`` (a layer's working copy ``module``, or the loss) on ``x``, and its output.
+    """Figures of ``fn`` (a layer's working copy ``module``, or the loss) on ``x``, and its output;
+    ``closing``: the model's last layer, which alone runs under the loss (its ``closing_*`` figures
+    are measured; elsewhere they repeat the plain ones, never read: three backwards fewer a layer).
 
     Raises ``Rejected`` when the first forward raises."""
     params = [] if module is None else list(module.parameters())
@@ -102,7 +105,7 @@ def measure(
     with precision(run):
         with run.live:
             out, saved, cache, inplace, saved_io, aliases = _untimed(fn, x, owned, first)
-        transients = _transients(fn, x, first, wanted)
+        transients = _transients(fn, x, first, wanted, closing)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run)
@@ -236,7 +239,7 @@ def _untimed(
 
 
 def _transients(
-    fn: Callable[[Any], Any], x: Any, first: bool, params: Sequence[torch.Tensor]
+    fn: Callable[[Any], Any], x: Any, first: bool, params: Sequence[torch.Tensor], closing: bool
 ) -> tuple[int, ...]:
     """Transient bytes of one micro-batch, counted by ``LiveBytes``: (forward, then per backward
     part: whole, input gradient, weight gradient; then those three again as ``closing``).
@@ -249,9 +252,14 @@ def _transients(
     forward, device = _forward_transient(fn, x, first)
     if device is None:
         return (0,) * 7
-    parts = [_backward_peak(fn, x, first, params, part, closing, device)
-             for closing in (False, True) for part in ("whole", "input", "weight")]  # fmt: skip
-    return (forward, *parts)
+    parts = [
+        _backward_peak(fn, x, first, params, part, False, device) for part in ("whole", "input", "weight")
+    ]
+    if closing:
+        parts += [
+            _backward_peak(fn, x, first, params, part, True, device) for part in ("whole", "input", "weight")
+        ]
+    return (forward, *parts, *([] if closing else parts))
 
 
 def _forward_transient(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[int, str | None]:

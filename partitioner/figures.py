@@ -108,7 +108,8 @@ class LayerProfile:
     input_transient_bytes: int = 0  # the same of the split backward's B (its input's gradient; 0 on layer 0)
     weight_transient_bytes: int = 0  # the same of the split backward's W (its weights' gradients, after B)
     # the three again as the last layer runs them under the loss: its output held by its graph
-    # alone (freed once the op saving it has run), its gradient made by the loss (freed once read)
+    # alone (freed once the op saving it has run), its gradient made by the loss (freed once read);
+    # measured for the model's last layer only (the only one under the loss), elsewhere the three above
     closing_backward_transient_bytes: int = 0
     closing_input_transient_bytes: int = 0
     closing_weight_transient_bytes: int = 0

@@ -99,7 +99,10 @@ def profile_graph(
             run = Run(here, autocast, warmup, repeat, live)
             first = all(name in traced.inputs for name in spec.inputs)
             try:
-                figures, out = measure(index, layer.name, layer.kind, work, work, x, run, first=first)
+                last = index == len(traced.layers) - 1
+                figures, out = measure(
+                    index, layer.name, layer.kind, work, work, x, run, first=first, closing=last
+                )
             except Rejected as err:
                 raise ValueError(
                     f"{label} rejected its input {describe(x)}: {err}; pass the sample the model was "

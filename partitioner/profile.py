@@ -133,7 +133,10 @@ def profile(
             before = versions(layer)
             run = Run(here, autocast, warmup, repeat, live)
             try:
-                figures, x = measure(index, name, type(layer).__name__, work, work, x, run, first=index == 0)
+                last = index == len(model._modules) - 1
+                figures, x = measure(
+                    index, name, type(layer).__name__, work, work, x, run, first=index == 0, closing=last
+                )
             except Rejected as err:
                 raise ValueError(
                     f"{label} rejected its input {describe(x)}: {err}; "

@@ -283,15 +283,16 @@ class Executor:
         key = f"{self.key_prefix}/sig{self._version}"
         sched, stages, comm = self.sched, self.stages, self.comm
         rules = self._rules.get(mode)
+        known = list(next(iter(self.in_sig.values()), {}))  # set up at earlier steps: the same everywhere
+        if self.shape_rules and rules is None and known and any(sig not in known for sig in micro):
+            # new shapes after the first step's: from here on rules pay for their trace
+            at = f"{self.key_prefix}/rules{self._version}"
+            made = exchange_rules(known, self.in_sig, stages, sched, comm, at)
+            if made is not None:
+                self._rules[mode] = rules = made
         self.fake_derivations += derive_signatures(
             micro, stages, sched, self.rank, comm, key, self.in_sig, self.out_sig, rules
         )
-        if self.shape_rules and rules is None:
-            made = exchange_rules(
-                micro, self.in_sig, stages, sched, comm, f"{self.key_prefix}/rules{self._version}"
-            )
-            if made is not None:
-                self._rules[mode] = made
         self.micro, self.sizes = micro, [sig[0][0][0] for sig in micro]
         set_specs(self._msgs, self.in_sig, self.out_sig, micro)
         if self.nccl:

@@ -335,10 +335,10 @@ def exchange_rules(
     key: str,
 ) -> dict[int, ShapeRule] | None:
     """Every stage's shape rule but the last's (shape_rules.py), traced where the stage lives at the
-    first micro-batch signature of ``micro`` whose rows and length are at least 2 (the same one on
-    every rank: they read the same header), and shared through the store under ``key``. None when
-    no micro-batch qualifies yet (ask again at a later step); empty when some stage has no rule
-    (signatures are then derived per shape, for good).
+    first micro-batch signature of ``micro`` (set up already, in the same order on every rank: they
+    read the same headers) whose rows and length are at least 2, and shared through the store under
+    ``key``. None when none qualifies yet (ask again at a later step); empty when some stage has no
+    rule (signatures are then derived per shape, for good).
     """
     usable = [sig for sig in micro if all(n >= 2 for shape, _ in sig for n in shape[:2])]
     if not usable:
