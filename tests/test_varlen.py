@@ -270,3 +270,40 @@ def test_targets_that_do_not_match_the_inputs_fail_before_any_compute(
     results = run_ranks(tmp_path, _mismatch, 2, kind, timeout=60.0)
     assert any(re.search(match, r) for r in results), results
     assert all(r != "no error" for r in results), results
+
+
+# ---- replicas: each weighs by its target tokens, as one process over every replica's sequences
+
+REPLICA_SEEDS = (3, 4)  # replica d's sequences: _data(REPLICA_SEEDS[d])
+
+
+def _replicated() -> tuple[float, dict[str, torch.Tensor], int]:
+    from pipeline.plan import Plan
+
+    model = _model()
+    plan = Plan(balance=balance_of(len(model), 2), schedule="1f1b", n_microbatches=M, dp=2)
+    pipe = Pipeline(model, plan, loss_fn=gpt_loss, varlen=OPTS, timeout=30.0)
+    xs, ys = _data(REPLICA_SEEDS[pipe.replica])
+    loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
+    return loss, grads_of(pipe.named_parameters()), pipe.replica
+
+
+def test_replicas_weigh_their_losses_by_target_tokens(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path, _replicated, 4, timeout=60.0)
+    model = _model()  # one process: every replica's sequences, the mean over all their target tokens
+    xs, ys = [], []
+    for seed in REPLICA_SEEDS:
+        a, b = _data(seed)
+        xs += a
+        ys += b
+    x = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+    y = torch.nn.utils.rnn.pad_sequence(ys, batch_first=True, padding_value=-100)
+    loss = gpt_loss(model(x), y)
+    loss.backward()
+    ref_loss = float(loss.detach())
+    tokens = [sum(int((t != -100).sum()) for t in _data(seed)[1]) for seed in REPLICA_SEEDS]
+    assert tokens[0] != tokens[1]  # the replicas weigh differently: a row-weighted mean would be off
+    assert all(abs(r[0] - ref_loss) <= 1e-5 * abs(ref_loss) for r in results), [r[0] for r in results]
+    ref = grads_of(model.named_parameters())
+    for d in (0, 1):  # every replica ends with the global gradient
+        assert_close({k: g for r in results if r[2] == d for k, g in r[1].items()}, ref, f"replica {d}")

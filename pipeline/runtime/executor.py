@@ -151,6 +151,7 @@ class Executor:
         self._derived: dict[int, tuple[Signatures, Signatures]] = {}
         self.micro: tuple[Signature, ...] = ()  # this step's micro-batch signatures (stage 0's input)
         self.sizes: list[int] = []  # the rows of this step's micro-batches
+        self.units: list[int] = []  # what they weigh: their rows, or a varlen step's target tokens
         self.in_sig: Signatures = {}  # per local stage, per micro-batch signature, this autocast state
         self.out_sig: Signatures = {}
         self.extra: tuple[int, ...] = ()  # the words rank 0 added to this step's header
@@ -347,9 +348,10 @@ class Executor:
                 if check is not None:
                     check(self.extra)
                 self._check_targets()
-                share = self.on_rows(self.sizes) if self.on_rows is not None else None
+                self.units = units if units is not None else self.sizes
+                share = self.on_rows(self.units) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
-                    st.set_rows(units if units is not None else self.sizes, share)
+                    st.set_rows(self.units, share)
                 bound = self.nccl
                 for a, fn in self._program:
                     if a is None:

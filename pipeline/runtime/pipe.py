@@ -284,11 +284,6 @@ class Pipeline:
         self._replicas: replicas.Replicas | None = None
         if varlen is not None and not isinstance(varlen, VarLen):
             raise TypeError(f"varlen must be a pipeline.VarLen or None, got {type(varlen).__name__}")
-        if varlen is not None and self.dp > 1:
-            raise ValueError(
-                f"varlen with dp={self.dp}: variable-length steps run on one pipeline for now (their loss "
-                "weighs target tokens, which the replicas' reduction does not count yet); use dp=1"
-            )
         self.varlen = varlen
         if self.dp > 1:
             assert failure is not None

@@ -155,9 +155,10 @@ class Replicas:
                 "every replica's Pipeline from the same model and Plan (and bucket_mb)"
             )
 
-    def global_mean(self, value: float, rows: int) -> float:
-        """The replicas' losses weighted by their rows: the mean over the global batch."""
-        pair = self.comm.tensor([value * rows, float(rows)], torch.float64)
+    def global_mean(self, value: float, weight: float) -> float:
+        """The replicas' losses weighted by what their batches weigh (rows, or a variable-length
+        step's target tokens): the mean over the global batch."""
+        pair = self.comm.tensor([value * weight, weight], torch.float64)
         self.comm.all_reduce(pair, dist.ReduceOp.SUM, "the loss's all-reduce over the replicas")
         return float(pair[0] / pair[1])
 

@@ -147,7 +147,7 @@ class StepRunner:
         elif scaler is not None:  # its scale is made at the first scale(): unscale_ needs it here too
             scaler.scale(torch.zeros((), device=self.device))
         self.executor.run(batch.xs, batch.ys, record, batch.extra, batch.units, batch.check)
-        return self.finish(self.program, self.executor.sizes)
+        return self.finish(self.program, self.executor.units)
 
     def forward_only(
         self,
@@ -187,7 +187,7 @@ class StepRunner:
             with torch.no_grad():
                 self.eval_executor.run(batch.xs, ys, False, batch.extra, batch.units, batch.check)
             tail = self.eval_executor.sched.program(self.rank, dp=self.dp)  # the loss's collectives
-            loss = self.finish(tail, self.eval_executor.sizes) if want_loss else None
+            loss = self.finish(tail, self.eval_executor.units) if want_loss else None
             kept = last.outputs if last is not None else None
             out = share_outputs(kept, self.comm, self.last_loss_rank, dst, method) if outputs else None
             return loss, out
@@ -295,17 +295,22 @@ class StepRunner:
 
     # ---- the program's tail
 
-    def finish(self, program: Program, sizes: Sequence[int]) -> float:
+    def finish(self, program: Program, units: Sequence[int]) -> float:
         """Run ``program``'s tail in its order (the order every rank of each group runs it, which
         the validator checks): the replicas' reductions finish, tied weights' gradients are summed
-        (each copy: every copy's sum), the loss goes out. The batch's mean loss, on every rank."""
+        (each copy: every copy's sum), the loss goes out. The batch's mean loss, on every rank.
+
+        The loss travels with what its micro-batches weigh in all (``units``: rows, or a variable-
+        length step's target tokens, which only the last stage's rank knows), so that every rank
+        weighs the replicas' losses alike."""
         last = self.stages.get(self.last)
         comm = self.comm
-        value = comm.zeros(()) if comm is not None else torch.zeros((), device=self.device)
-        if last is not None:  # each micro-batch loss weighted by its rows: the batch's mean
+        pair = comm.zeros((2,), torch.float64) if comm is not None else torch.zeros((2,), dtype=torch.float64)
+        if last is not None:  # each micro-batch loss weighted by its share: the batch's mean
             losses = torch.stack(last.losses).float()
             shares = from_host(last.weights, torch.float32, losses.device)
-            value += (losses * shares).sum().to(value.device)
+            pair[0] += (losses * shares).sum().to(pair.device)  # float32 to float64: exact
+            pair[1] += float(sum(units))
         mean: float | None = None
         for x in program.tail():
             if isinstance(x, ReduceWait):
@@ -315,8 +320,9 @@ class StepRunner:
                 self.tied.reduce(x.ranks)
             elif isinstance(x, Collective) and x.op == "broadcast":
                 assert comm is not None
-                comm.broadcast(value, x.root, f"the loss from rank {comm.name(x.root)}")
+                comm.broadcast(pair, x.root, f"the loss from rank {comm.name(x.root)}")
             elif isinstance(x, Collective):  # the loss over the replicas
                 assert self.replicas is not None
-                mean = self.replicas.global_mean(float(value), sum(sizes))
-        return float(value) if mean is None else mean
+                value, weight = pair.tolist()
+                mean = self.replicas.global_mean(value, weight)
+        return float(pair[0]) if mean is None else mean
