@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime.microbatch import concat, rows, signature, split, weights, with_rows
+from pipeline.runtime.microbatch import concat, rows, signature, split, weights
 
 
 def test_split_tensor_into_views() -> None:
@@ -47,11 +47,6 @@ def test_uneven_batches_split_as_evenly_as_possible(n: int, m: int, sizes: list[
     assert shares == [k / n for k in sizes] and abs(sum(shares) - 1.0) < 1e-12
     if n % m == 0:
         assert shares == [1.0 / m] * m  # even batches weigh each micro-batch exactly 1/m, as before
-
-
-def test_a_micro_batch_signature_has_its_rows() -> None:
-    sig = (((30, 4, 5), torch.float32), ((30,), torch.int64))
-    assert with_rows(sig, 7) == (((7, 4, 5), torch.float32), ((7,), torch.int64))
 
 
 def test_fewer_rows_than_micro_batches_names_both_and_the_fix() -> None:

@@ -196,11 +196,11 @@ def exchange_header(
 def _header_words(micro: Sequence[Signature], extra: Sequence[int], tag: int) -> list[int]:
     """The step header (see the module docstring): each distinct signature once, then each
     micro-batch's index into them, then the extra words."""
-    distinct = list(dict.fromkeys(micro))
-    words = [tag, len(micro), len(distinct)]
-    for sig in distinct:
+    index = {sig: j for j, sig in enumerate(dict.fromkeys(micro))}  # each distinct one, in order
+    words = [tag, len(micro), len(index)]
+    for sig in index:
         words += _sig_words(sig)
-    words += [distinct.index(sig) for sig in micro]
+    words += [index[sig] for sig in micro]
     return [*words, len(extra), *extra]
 
 

@@ -17,8 +17,7 @@ when m divides B): with a loss that is a mean over rows, the weighted sum is the
 mean over the whole batch, as one process computes it.
 
 ``signature`` describes a batch's tensors by shape and dtype: the executor
-allocates receive buffers and checks stage outputs against it;
-``with_rows`` is the signature of a micro-batch of the given rows.
+allocates receive buffers and checks stage outputs against it.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ __all__ = [
     "signature",
     "split",
     "weights",
-    "with_rows",
 ]
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
@@ -85,11 +83,6 @@ def weights(sizes: Sequence[int]) -> list[float]:
     """Each micro-batch's share of the batch's rows: the weight of its loss."""
     total = sum(sizes)
     return [n / total for n in sizes]
-
-
-def with_rows(sig: Signature, n_rows: int) -> Signature:
-    """``sig`` with every tensor's dim 0 set to ``n_rows``: a micro-batch's signature."""
-    return tuple(((n_rows, *shape[1:]), dtype) for shape, dtype in sig)
 
 
 def split(batch: Batch, chunks: int, *, what: str = "batch") -> list[Batch]:

@@ -37,18 +37,18 @@ _DYNAMIC_DIMS = 2  # rows and length: what changes between a variable-length run
 class ShapeRule:
     """A stage's output signature for any input that matches ``inputs`` and passes ``guards``."""
 
-    # per input tensor: its dtype's name and its dims, None where the dim is a symbol
-    inputs: tuple[tuple[str, tuple[int | None, ...]], ...]
+    # per input tensor: its dtype and its dims, None where the dim is a symbol
+    inputs: tuple[tuple[torch.dtype, tuple[int | None, ...]], ...]
     symbols: tuple[tuple[str, int, int], ...]  # (name, input tensor, dim) of each symbol
     guards: str | None  # a Python expression over the inputs (torch's produce_guards_expression)
-    outputs: tuple[tuple[str, tuple[str, ...]], ...]  # per output: dtype name, dims as expressions
+    outputs: tuple[tuple[torch.dtype, tuple[str, ...]], ...]  # per output: dtype, dims as expressions
 
     def apply(self, sig: Signature) -> Signature | None:
         """The output signature for input ``sig``; None where the rule does not cover it."""
         if len(sig) != len(self.inputs):
             return None
         for (shape, dtype), (want_dtype, dims) in zip(sig, self.inputs, strict=True):
-            if str(dtype) != want_dtype or len(shape) != len(dims):
+            if dtype != want_dtype or len(shape) != len(dims):
                 return None
             if any(d is not None and d != n for d, n in zip(dims, shape, strict=True)):
                 return None
@@ -59,11 +59,7 @@ class ShapeRule:
             if not ShapeEnv().evaluate_guards_expression(self.guards, metas):
                 return None
         values = {name: sig[t][0][d] for name, t, d in self.symbols}
-        return tuple((tuple(_evaluate(e, values) for e in dims), _DTYPE[name]) for name, dims in self.outputs)
-
-
-_DTYPE = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
+        return tuple((tuple(_evaluate(e, values) for e in dims), dtype) for dtype, dims in self.outputs)
 
 
 def _evaluate(expr: str, values: dict[str, int]) -> int:
@@ -84,8 +80,6 @@ def trace_rule(module: torch.nn.Module, sig: Signature, device: torch.device) ->
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    if not all(dtype in _DTYPE.values() for _, dtype in sig):
-        return None
     env = ShapeEnv(duck_shape=False)  # rows and length stay two symbols even when equal
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
@@ -111,7 +105,7 @@ def trace_rule(module: torch.nn.Module, sig: Signature, device: torch.device) ->
             for b, copy in buffers:
                 b.copy_(copy)
     symbols: list[tuple[str, int, int]] = []
-    inputs: list[tuple[str, tuple[int | None, ...]]] = []
+    inputs: list[tuple[torch.dtype, tuple[int | None, ...]]] = []
     for t_index, t in enumerate(fake):
         dims: list[int | None] = []
         for d, n in enumerate(t.shape):
@@ -120,7 +114,7 @@ def trace_rule(module: torch.nn.Module, sig: Signature, device: torch.device) ->
                 dims.append(None)
             else:
                 dims.append(int(n))
-        inputs.append((str(t.dtype), tuple(dims)))
+        inputs.append((t.dtype, tuple(dims)))
     if not symbols:
         return None
     outputs = []
@@ -136,7 +130,7 @@ def trace_rule(module: torch.nn.Module, sig: Signature, device: torch.device) ->
                 exprs.append(str(n.node.expr))
             else:
                 exprs.append(str(int(n)))
-        outputs.append((str(t.dtype), tuple(exprs)))
+        outputs.append((t.dtype, tuple(exprs)))
     return ShapeRule(tuple(inputs), tuple(symbols), guards, tuple(outputs))
 
 

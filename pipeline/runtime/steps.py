@@ -218,9 +218,9 @@ class StepRunner:
                     f"{method}() got a list for inputs; a list of sequences of different lengths needs a "
                     "Pipeline built with varlen=VarLen(token_budget=...); else pass a batch tensor"
                 )
-            xs = split(self._on_device(self._given(inputs, method), "inputs"), m, what="inputs")
+            xs = split(self._on_device(self._given(inputs, "inputs", method), "inputs"), m, what="inputs")
         if self.needs_targets and want_targets:
-            ys = split(self._on_device(self._given_targets(targets, method), "targets"), m, what="targets")
+            ys = split(self._on_device(self._given(targets, "targets", method), "targets"), m, what="targets")
         return Prepared(xs, ys)
 
     def _packed(self, inputs: Any, targets: Any, method: str, want_targets: bool) -> Prepared:
@@ -233,13 +233,13 @@ class StepRunner:
         lengths: list[int] | None = None
         self.last_packing = None
         if self.needs_inputs:
-            _sequences(self._given(inputs, method), "inputs", method)
+            _sequences(self._given(inputs, "inputs", method), "inputs", method)
             lengths = lengths_of(inputs, "inputs", opts)
             self.last_packing = plan_step(lengths, self.schedule, opts, costs)
             out.xs = [self.executor.to_device(x) for x in pad(inputs, self.last_packing, opts.pad_id)]
             out.extra = tuple(lengths)
         if self.needs_targets and want_targets:
-            _sequences(self._given_targets(targets, method), "targets", method)
+            _sequences(self._given(targets, "targets", method), "targets", method)
             mine = lengths_of(targets, "targets", opts)
             if lengths is None or mine != lengths:  # packed alike from the same lengths, else refused
                 self.last_packing = plan_step(mine, self.schedule, opts, costs)
@@ -257,22 +257,17 @@ class StepRunner:
             out.check = functools.partial(_check_lengths, mine)
         return out
 
-    def _given(self, inputs: Any, method: str) -> Any:
-        if inputs is None:
-            raise ValueError(
-                f"rank {self.rank} holds stage 0 but {method}() got no inputs; pass the batch on this "
-                "rank (pipe.needs_inputs is True here)"
-            )
-        return inputs
-
-    def _given_targets(self, targets: Any, method: str) -> Any:
-        if targets is None:
-            raise ValueError(
-                f"rank {self.rank} holds the last stage ({self.last}) but {method}() got no targets; "
-                "pass targets=... on this rank (the loss is computed there; pipe.needs_targets is "
-                "True here)"
-            )
-        return targets
+    def _given(self, value: Any, slot: str, method: str) -> Any:
+        """``value``, the call's "inputs" or "targets", refused where this rank needs it and it is None."""
+        if value is None:
+            fix = {
+                "inputs": f"stage 0 but {method}() got no inputs; pass the batch on this rank "
+                "(pipe.needs_inputs is True here)",
+                "targets": f"the last stage ({self.last}) but {method}() got no targets; pass targets=... "
+                "on this rank (the loss is computed there; pipe.needs_targets is True here)",
+            }
+            raise ValueError(f"rank {self.rank} holds {fix[slot]}")
+        return value
 
     def _on_device(self, batch: Any, slot: str) -> Any:
         """``batch`` on this rank's device: its prefetched copy when it is the batch prefetched."""
