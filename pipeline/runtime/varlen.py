@@ -223,7 +223,7 @@ def order(
         scale = [size[g] / mean for g in perm]
         played = play(programs, lambda a, scale=scale: stage_costs(a) * scale[a.microbatch])  # type: ignore[misc]
         results[name] = max(played.ends) if played.ends else 0.0
-    best = min(results, key=lambda k: (results[k], list(orders).index(k)))
+    best = min(results, key=results.__getitem__)  # on a tie, the first of ``orders``
     return orders[best], results
 
 

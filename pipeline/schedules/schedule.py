@@ -80,13 +80,16 @@ class Schedule:
 
     @functools.cached_property
     def _lowered(self) -> tuple[tuple[Action, ...], ...]:
-        return tuple(tuple(self._lower_rank(actions)) for actions in self.compute)
-
-    def _lower_rank(self, actions: tuple[Action, ...]) -> list[Action]:
         ranks = [self.rank_of(s) for s in range(self.n_stages)]
         # per stage: whether the stage before it, and the one after it, live on another rank
         prev_remotes = [s > 0 and ranks[s - 1] != ranks[s] for s in range(self.n_stages)]
         next_remotes = [s < self.n_stages - 1 and ranks[s + 1] != ranks[s] for s in range(self.n_stages)]
+        return tuple(tuple(self._lower_rank(actions, prev_remotes, next_remotes)) for actions in self.compute)
+
+    @staticmethod
+    def _lower_rank(
+        actions: tuple[Action, ...], prev_remotes: list[bool], next_remotes: list[bool]
+    ) -> list[Action]:
         out: list[Action] = []
         for a in actions:
             s, i = a.stage, a.microbatch
