@@ -262,7 +262,7 @@ def _evaluate(
         if (tuple(plan.balance), plan.recompute) in seen:
             continue  # the per-stage choice came out as a uniform config already evaluated
         seen.add((tuple(plan.balance), plan.recompute))
-        if _balance_bound(profile, plan, net, sched.split_backward, []) >= best[0] * slack:
+        if _balance_bound(profile, plan, net, sched.split_backward) >= best[0] * slack:
             stats.pruned_balance += 1
             continue
         if best[0] < math.inf and slack < math.inf:  # the chains may prune it too (none before a best)
@@ -288,27 +288,16 @@ def rank_peaks(plan: Plan) -> list[float]:
     return list(plan.rank_peaks)
 
 
-def _balance_bound(
-    profile: Profile,
-    plan: Plan,
-    net: Options,
-    split: bool,
-    paths: list[list[tuple[int, Kind, int]]] | None = None,
-) -> float:
+def _balance_bound(profile: Profile, plan: Plan, net: Options, split: bool) -> float:
     """A lower bound on the simulated step of ``plan`` from its balance alone.
 
     Rank r runs m x its stages' F, B and W (cuts included) one after another: step >= m * work_r.
     With one stage per rank it also starts only once micro-batch 0's forward has crossed stages
     0 .. r-1, and (unsplit backward: its last action is a B) ends only after that micro-batch's
     backward has crossed them again; those are at least their compute time (links left out).
-
-    Any schedule: each of ``paths`` (``_order_paths``: chains of actions that the order runs one
-    after another) costs at least its actions' compute and runtime seconds (links left out), and the
-    step is at least the longest chain: the waits of the schedule's own order (its bubble); None:
-    read off the plan's schedule."""
+    The schedule's own waits (its bubble) bound it too: ``_paths_bound``, checked second, as it
+    reads the order's chains."""
     k, p, m = plan.n_stages, plan.n_ranks, plan.n_microbatches
-    if paths is None:
-        paths = _order_paths(unchecked(plan.schedule, p, m, plan.n_virtual))
     cuts = cut_rows(profile, k, p, net.latency, net.bandwidth, net.placement)
     modes = [plan.recompute_of(s) for s in range(k)]
     speeds = net.stage_speeds(k)
@@ -332,14 +321,17 @@ def _balance_bound(
     if k == p and net.cost == "time":  # one stage per rank: the fill (and drain) in front of each
         path = per_stage(False, forward_only=split)
         ranks = [ranks[r] + math.fsum(path[:r]) for r in range(p)]
-    return max(max(ranks), _paths_bound(profile, plan, net, split, paths))
+    return max(ranks)
 
 
 def _paths_bound(
     profile: Profile, plan: Plan, net: Options, split: bool, paths: list[list[tuple[int, Kind, int]]]
 ) -> float:
-    """The longest of ``paths`` ((stage, kind, count) each) at each action's least seconds: its
-    layers' compute (the recomputed forward in B), plus the runtime's seconds per action and message."""
+    """A lower bound on the simulated step of ``plan`` from its schedule's order: each of ``paths``
+    (``_order_paths``: chains of actions that the order runs one after another; (stage, kind, count)
+    each) costs at least its actions' least seconds, its layers' compute (the recomputed forward in
+    B) plus the runtime's seconds per action and message (links left out), and the step is at least
+    the longest."""
     if not paths or net.cost != "time":
         return 0.0
     k, p, m = plan.n_stages, plan.n_ranks, plan.n_microbatches

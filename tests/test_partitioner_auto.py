@@ -24,7 +24,7 @@ from partitioner import partition, plan_for
 from partitioner._balance import Modes
 from partitioner._options import Options
 from partitioner._planning import least_memory, predicted
-from partitioner.auto import _balance_bound, _least_work, rank_peaks, search
+from partitioner.auto import _balance_bound, _least_work, _order_paths, _paths_bound, rank_peaks, search
 from partitioner.costs import cut_groups, recomputed_share
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
@@ -401,6 +401,8 @@ def test_the_pruning_bounds_never_exceed_a_simulated_step(seed: int) -> None:
         net = Options.make("time", 2, v, None, 1e8, 1e-4, None, 2.0, RUNTIME, entry(c.schedule).placement)
         split = entry(c.schedule).split_backward
         assert _balance_bound(scaled, plan, net, split) <= plan.step_time * (1 + 1e-12), c
+        paths = _order_paths(plan.build_schedule())
+        assert _paths_bound(scaled, plan, net, split, paths) <= plan.step_time * (1 + 1e-12), c
         sizes, _ = cut_groups(scaled.layers)
         assert m * _least_work(scaled, net, 2 * v, m, split, sizes) <= plan.step_time * (1 + 1e-12), c
 
