@@ -354,11 +354,10 @@ def _paths_bound(
 
 
 def _order_paths(sched: Schedule) -> list[list[tuple[int, Kind, int]]]:
-    """Chains of ``sched``'s actions, each one after another in every run (in a rank's order, or F(s, i)
-    after F(s-1, i), B(s, i) after B(s+1, i) (the last stage's after its F), W after its B), as
-    (stage, kind, how many) counts: the longest at unit costs, and per rank the longest through all
-    its actions. Read off the schedule's order, whatever its name: where ranks wait (the bubble)."""
-    k = sched.n_stages
+    """Chains of ``sched``'s actions, each one after another in every run (in a rank's order, or after
+    what it needs: ``Action.needs``), as (stage, kind, how many) counts: the longest at unit costs,
+    and per rank the longest through all its actions. Read off the schedule's order, whatever its
+    name: where ranks wait (the bubble)."""
     index = {a: j for j, a in enumerate(a for order in sched.compute for a in order)}
     acts = list(index)
     n = len(acts)
@@ -374,13 +373,8 @@ def _order_paths(sched: Schedule) -> list[list[tuple[int, Kind, int]]]:
         for a, after in itertools.pairwise(order):
             edge(a, index[after])
     for j, a in enumerate(acts):
-        s, i = a.stage, a.microbatch
-        if a.kind == Kind.F and s > 0:
-            edge(Action(s - 1, Kind.F, i), j)
-        elif a.kind == Kind.B:
-            edge(Action(s + 1, Kind.B, i) if s < k - 1 else Action(s, Kind.F, i), j)
-        elif a.kind == Kind.W:
-            edge(Action(s, Kind.B, i), j)
+        for d in a.needs:  # a B's own F also precedes it through the later stages: same chains
+            edge(d, j)
     count = [len(ps) for ps in preds]
     topo, ready = [], [j for j in range(n) if count[j] == 0]
     while ready:

@@ -65,3 +65,11 @@ def test_an_action_from_another_process_finds_its_equal() -> None:
     table = {parse_action("3B7"): "b", parse_action("0SEND_F2"): "send"}
     assert [table.get(a) for a in pickle.loads(sent)] == ["b", "send"]
     assert pickle.loads(pickle.dumps(Kind.W)) is Kind.W
+
+
+def test_a_compute_action_needs_its_inputs_producers_and_a_message_needs_none() -> None:
+    assert parse_action("2F1").needs == (parse_action("1F1"),)
+    assert parse_action("2B1").needs == (parse_action("2F1"), parse_action("3B1"))
+    assert parse_action("2W1").needs == (parse_action("2B1"),)
+    with pytest.raises(ValueError, match=r"2SEND_F1 is a send or receive"):
+        _ = parse_action("2SEND_F1").needs

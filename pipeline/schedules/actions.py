@@ -78,6 +78,20 @@ class Action:
             return self.stage - 1
         raise ValueError(f"{self} is a compute action; only send and receive actions have a peer")
 
+    @property
+    def needs(self) -> tuple[Action, ...]:
+        """The compute actions whose results this compute action takes: F(s, i) the forward of
+        stage s - 1, B(s, i) its own forward and the backward of stage s + 1, W(s, i) its B (the
+        stages past either end do not exist: a caller looks up only what its schedule holds)."""
+        s, i = self.stage, self.microbatch
+        if self.kind is Kind.F:
+            return (Action(s - 1, Kind.F, i),)
+        if self.kind is Kind.B:
+            return (Action(s, Kind.F, i), Action(s + 1, Kind.B, i))
+        if self.kind is Kind.W:
+            return (Action(s, Kind.B, i),)
+        raise ValueError(f"{self} is a send or receive; only compute actions need others' results")
+
 
 # Longest kinds first so that "SEND_F" is not read as "S" + ...
 _KINDS = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))

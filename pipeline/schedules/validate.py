@@ -187,13 +187,7 @@ def _check_local_order(sched: Schedule) -> None:
     for r, actions in enumerate(sched.compute):
         step = {a: t for t, a in enumerate(actions)}
         for t, a in enumerate(actions):
-            s, i = a.stage, a.microbatch
-            needs = {
-                Kind.F: [Action(s - 1, Kind.F, i)],
-                Kind.B: [Action(s, Kind.F, i), Action(s + 1, Kind.B, i)],
-                Kind.W: [Action(s, Kind.B, i)],
-            }[a.kind]
-            for d in needs:
+            for d in a.needs:
                 if d in step and step[d] > t:
                     _fail(
                         sched,
