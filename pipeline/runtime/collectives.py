@@ -10,7 +10,8 @@ inside ``broadcast`` / ``all_reduce``) and then waited for like a receive
 NCCL makes a communicator at its first operation, a blocking rendezvous of its
 ranks outside every timeout of ours, so a peer that died before would hang a
 step there. So on the NCCL path (emulated too) a pipeline's communicators are
-made at construction (``make_communicators``), in one order:
+made at construction (``make_communicators``), once every rank has arrived
+there (arrival.py), in one order:
 
     1. the group's own: an all-reduce of one zero on every rank (the loss, the
        norm, and messages between non-neighbours, whose first operation would

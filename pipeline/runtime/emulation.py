@@ -30,7 +30,9 @@ communicators  NCCL makes a group's communicator at the group's first operation,
             a peer died before it. Both raise here (``first_use``, ``stepping``); a
             collective on the group, which every rank takes part in, makes the
             communicator, as does each channel's first message at construction
-            (``Comm``).
+            (``Comm``). The creation itself is that rendezvous here too: each
+            rank waits for all, watched by nothing of the pipeline's, so a peer
+            dead before it is never named (arrival.py keeps that from happening).
 
 Host-to-device copies of the inputs (``copy``) are emulated the same way: the
 copy reads as poison until compute is ordered after the copy stream it was
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -82,6 +85,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip() not in ("", "0")
 
 
+_CREATED = "stagewise/emulated_nccl_comm"  # in a group's store: its ranks at the communicator's creation
 _made: set[int] = set()  # ids of the groups whose communicator exists (groups live as long as the job)
 
 
@@ -116,7 +120,31 @@ def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
             "every rank of the group, so the others never come and this hangs on GPUs. Run a "
             "collective on every rank of the group first (Comm makes its group's at construction)"
         )
+    _rendezvous(group, size, what)
     _made.add(id(group))
+
+
+def _rendezvous(group: Any, size: int, what: str) -> None:
+    """NCCL's communicator creation: each of the group's ``size`` ranks waits here for all of them,
+    and nothing of the pipeline's watches that wait (no failure key, no liveness, no timeout of ours:
+    only the group's own). A peer dead before it is never named; arrival.py keeps one from coming here."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._world.pg_map[group][1]  # the group's own prefix of the job's store
+    try:
+        bound = float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:
+        bound = 1800.0
+    start = time.monotonic()
+    store.add(_CREATED, 1)
+    while int(store.add(_CREATED, 0)) < size:
+        if time.monotonic() - start > bound:
+            raise RuntimeError(
+                f"NCCL emulation: {what} made its group's communicator, a rendezvous of the group's "
+                f"{size} ranks that waited {bound:g} s for the others: on GPUs NCCL waits here for good, "
+                "outside the pipeline's timeout and failure watch, and names no rank"
+            )
+        time.sleep(0.002)
 
 
 def strict_devices(active: bool) -> contextlib.AbstractContextManager[Any]:

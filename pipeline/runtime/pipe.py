@@ -148,6 +148,7 @@ from torch import nn
 from pipeline.plan import Plan
 from pipeline.runtime import emulation, grads, memory, pretrained, replicas
 from pipeline.runtime.agree import agree, summary
+from pipeline.runtime.arrival import arrive
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.gather import gather_state_dict
@@ -161,6 +162,7 @@ from pipeline.runtime.stage import LossFn, StageRuntime
 from pipeline.runtime.steps import Inputs, StepRunner
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
+from pipeline.runtime.transport import transport_class
 from pipeline.runtime.varlen import Packed, VarLen, stage_costs
 from pipeline.schedules.program import tie_groups
 from pipeline.schedules.schedule import Schedule
@@ -227,6 +229,12 @@ class Pipeline:
             raise ValueError("loss_fn is required: pass loss_fn=f with f(output, target) -> scalar tensor")
         bucket_mb = check_bucket_mb(bucket_mb)
         distributed = dist.is_available() and dist.is_initialized()
+        # on the NCCL path every group and communicator is made after all its ranks arrived (arrival.py)
+        nccl = distributed and transport_class(dist.get_backend(group)).nccl
+        pg = group if group is not None else dist.group.WORLD
+        members = tuple(dist.get_process_group_ranks(pg)) if nccl else ()
+        if nccl:
+            arrive(world_store(), members, dist.get_rank(), timeout, "the Pipeline's construction")
         dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
         groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed, timeout)
         check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
@@ -257,7 +265,8 @@ class Pipeline:
         names = first_names(model)
         self._state_names = {n: first for n, first in names.items() if n in saved}  # name -> first name
         self._transient = set(names) - saved  # non-persistent buffers
-        local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
+        with self._publish_failure():  # a rank that cannot build its stages: its peers must not wait
+            local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
         self._modules = [local[s] for s in self._stage_ids]
         self.fingerprint = shape.graph.fingerprint if shape.graph is not None else ""  # a traced model
         self.module: nn.Module = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
@@ -296,6 +305,9 @@ class Pipeline:
                 )  # fmt: skip
         params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
         shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
+        if nccl and self.comm is not None and tie_groups(self.schedule.rank_of, tie_stages):
+            at = "the tied weights' groups"
+            arrive(world_store(), members, dist.get_rank(), timeout, at, self.comm.board)
         self.tied = TiedGrads(
             ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
             key_prefix=f"{self._prefix}/ties", failure=shared, pipelines=pipelines,

@@ -1,0 +1,212 @@
+"""Every rank at a Pipeline's construction before NCCL makes communicators (``pipeline.runtime.arrival``).
+
+Under the NCCL emulation a communicator's creation is what it is on GPUs: a rendezvous of its ranks
+that nothing of the pipeline's watches (``emulation._rendezvous``; a new group's own barrier, too).
+A peer that never comes, dies after coming, or raises while building its stages must be named by
+the ranks waiting for it, within the pipeline's timeout, never left to those rendezvous.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.launch import RankError
+from pipeline.plan import Plan
+from pipeline.runtime import emulation
+from pipeline.runtime.arrival import arrive
+from pipeline.runtime.board import FailureBoard
+from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.watchdog import PeerFailure, PipelineTimeout, _machine
+from tests.dist import run_ranks
+
+# ---- arrive() alone, in one process: peers as a store's entries
+
+
+def _store(tmp_path: Path) -> Any:
+    return dist.FileStore(str(tmp_path / "store"), 1)
+
+
+def _key(members: tuple[int, ...]) -> str:
+    """arrive's key for its first call on ``members`` in this process (unused elsewhere here)."""
+    return f"stagewise/arrive0/{'_'.join(map(str, members))}"
+
+
+def test_arriving_returns_once_every_rank_has_come(tmp_path: Path) -> None:
+    store, members = _store(tmp_path), (11, 12)
+    store.set(f"{_key(members)}/1", f"{_machine()}|{os.getpid()}|0")  # rank 12 came first
+    start = time.monotonic()
+    arrive(store, members, 11, 5.0, "the test")
+    assert time.monotonic() - start < 1.0
+    assert store.check([f"{_key(members)}/0"])  # and rank 11 is recorded for the others
+
+
+def test_a_peer_that_came_and_died_is_named_at_once(tmp_path: Path) -> None:
+    store, members = _store(tmp_path), (21, 22, 23)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # exited and reaped: its pid is gone
+    store.set(f"{_key(members)}/2", f"{_machine()}|{gone.pid}|0")  # rank 23 came, then died
+    start = time.monotonic()
+    with pytest.raises(PeerFailure) as info:
+        arrive(store, members, 21, 60.0, "the test's point")
+    assert time.monotonic() - start < 2.0  # not the timeout
+    assert str(info.value) == (
+        f"rank 23's process (pid {gone.pid}) is gone: it arrived and then died (SIGKILL, the OOM "
+        "killer, a native crash) while rank 21 waited for ranks [22] at the test's point"
+    )
+
+
+def test_a_failure_published_on_the_board_ends_the_wait(tmp_path: Path) -> None:
+    store, members = _store(tmp_path), (31, 32)
+    board = FailureBoard(store, None, "stagewise/test", 0, [31, 32])
+    board.publish_as(32, "ValueError: bad")
+    with pytest.raises(PeerFailure, match=r"^rank 32 failed while rank 31 waited for ranks \[32\] at "
+                       r"the point: ValueError: bad$"):  # fmt: skip
+        arrive(store, members, 31, 60.0, "the point", board)
+
+
+def test_a_peer_that_never_comes_is_named_at_the_timeout(tmp_path: Path) -> None:
+    store, members = _store(tmp_path), (41, 42, 43)
+    store.set(f"{_key(members)}/0", f"{_machine()}|{os.getpid()}|0")
+    start = time.monotonic()
+    with pytest.raises(
+        PipelineTimeout, match=r"^rank 42 timed out after 0.3 s waiting for ranks \[43\] at x"
+    ):
+        arrive(store, members, 42, 0.3, "x")
+    assert 0.3 <= time.monotonic() - start < 2.0
+
+
+# ---- in a Pipeline, under the emulation
+
+
+def _pipeline(model: nn.Module, timeout: float, **kw: Any) -> Pipeline:
+    return Pipeline(model, Plan(balance=[2, 2], n_microbatches=2), loss_fn=nn.functional.mse_loss,
+                    timeout=timeout, **kw)  # fmt: skip
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+
+
+def _outcome(folder: str, fn: Any) -> None:
+    """Rank 0's outcome of ``fn()`` (its error's type and text, and the seconds it took) in a file."""
+    start = time.monotonic()
+    try:
+        fn()
+        kind, text = "ok", ""
+    except Exception as exc:
+        kind, text = type(exc).__name__, str(exc)
+    Path(folder, "rank0").write_text(f"{kind}|{time.monotonic() - start:.2f}|{text}")
+
+
+def _absent(folder: str) -> None:
+    if dist.get_rank() == 0:
+        _outcome(folder, lambda: _pipeline(_model(), timeout=2.0))
+    else:  # never constructs: waits until rank 0 has given up
+        while not Path(folder, "rank0").exists():
+            time.sleep(0.05)
+
+
+class _Tied(nn.Module):
+    """One weight in stage 0 and stage 1: the pipeline makes a group for it after building its stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _init_fails_on_rank_1(module: nn.Module) -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1's init_fn failed")
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+
+def _raised_before_the_tie_group(folder: str) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(_Tied(), nn.ReLU(), _Tied())
+    model[2].a.weight = model[0].a.weight  # tied across the cut
+
+    def build() -> None:
+        Pipeline(model, Plan(balance=[2, 1], n_microbatches=2), loss_fn=nn.functional.mse_loss,
+                 timeout=60.0, init_fn=_init_fails_on_rank_1)  # fmt: skip
+
+    if dist.get_rank() == 0:
+        _outcome(folder, build)
+        return
+    try:
+        build()
+    finally:  # the launcher ends the other ranks once this one exits: let rank 0 say what it saw first
+        deadline = time.monotonic() + 10.0
+        while not Path(folder, "rank0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _rank0(tmp_path: Path) -> tuple[str, float, str]:
+    kind, seconds, text = (tmp_path / "rank0").read_text().split("|", 2)
+    return kind, float(seconds), text
+
+
+def test_a_rank_that_never_comes_is_named_after_the_timeout(tmp_path: Path) -> None:
+    run_ranks(tmp_path, _absent, 2, str(tmp_path), timeout=60.0, backend="nccl-emulated")
+    kind, seconds, text = _rank0(tmp_path)
+    assert kind == "PipelineTimeout" and seconds < 10.0  # the group's own barrier would wait 60 s
+    assert text.startswith("rank 0 timed out after 2 s waiting for ranks [1] at the Pipeline's construction")
+
+
+def test_a_rank_that_raised_building_its_stages_is_named_before_the_tie_groups(tmp_path: Path) -> None:
+    with pytest.raises(RankError, match=r"rank 1's init_fn failed"):
+        run_ranks(tmp_path, _raised_before_the_tie_group, 2, str(tmp_path), timeout=60.0,
+                  backend="nccl-emulated")  # fmt: skip
+    kind, seconds, text = _rank0(tmp_path)
+    assert kind == "PeerFailure" and seconds < 10.0, text  # the tie group's barrier would wait 60 s
+    assert "rank 0 waited for ranks [1] at the tied weights' groups" in text
+    assert text.endswith("RuntimeError: rank 1's init_fn failed")
+
+
+# ---- the emulation's model of NCCL's communicator creation
+
+
+def _creation(folder: str) -> None:
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    lone = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    emulation.first_use(group, 2, 2, "the test's first collective")
+    dist.all_reduce(torch.zeros(1), group=group)
+    Path(folder, f"rank{dist.get_rank()}").write_text(f"{time.monotonic() - start:.2f}")
+    if dist.get_rank() == 0:  # a group whose other rank never comes
+        try:
+            emulation.first_use(lone, 2, 2, "a collective rank 1 never joins")
+            Path(folder, "lone").write_text("made")
+        except RuntimeError as exc:
+            Path(folder, "lone").write_text(str(exc))
+
+
+def test_the_emulation_makes_a_communicator_as_a_rendezvous_nothing_watches(tmp_path: Path) -> None:
+    run_ranks(tmp_path, _creation, 2, str(tmp_path), timeout=30.0, backend="gloo")
+    assert float((tmp_path / "rank0").read_text()) >= 0.9  # rank 0 waited there for rank 1
+    assert (tmp_path / "rank1").exists()
+    assert (
+        (tmp_path / "lone")
+        .read_text()
+        .startswith(
+            "NCCL emulation: a collective rank 1 never joins made its group's communicator, a rendezvous of "
+            "the group's 2 ranks that waited 1 s for the others"
+        )
+    )
