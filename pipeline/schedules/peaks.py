@@ -12,7 +12,7 @@ runtime's package, because the runtime may not import the partitioner.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeline.runtime.recompute import check_mode, recomputes
@@ -70,7 +70,7 @@ def rank_peaks(
     sched: Schedule,
     stages: Sequence[StageBytes],
     recompute: str | Sequence[str],
-    microbatches: Sequence[Sequence[StageBytes]] | None = None,
+    microbatches: Sequence[Mapping[str, Sequence[float]]] | None = None,
 ) -> list[float]:
     """Per rank: its predicted peak bytes in a step (static bytes + the most activation bytes held).
 
@@ -86,9 +86,10 @@ def rank_peaks(
                  input gradients'), W's (the weight gradients'); on the last stage its last
                  layer's closing figures (its output and gradient freed inside, by the loss's)
 
-    ``recompute``: one mode for every stage, or one per stage. ``microbatches[s][i]``: micro-batch
-    i's own figures on stage s where micro-batches differ (a variable-length step's shapes); None:
-    each weighs ``stages[s]``. Static bytes and ``input_grad_kept`` are ``stages``'.
+    ``recompute``: one mode for every stage, or one per stage. ``microbatches[s][f][i]``: figure f
+    (of ``PARTS``) of micro-batch i on stage s, where micro-batches differ (a variable-length
+    step's shapes); None: each weighs ``stages[s]``. Static bytes and ``input_grad_kept`` are
+    ``stages``'.
     """
     modes = [recompute] * sched.n_stages if isinstance(recompute, str) else list(recompute)
     if len(modes) != sched.n_stages or len(stages) != sched.n_stages:
@@ -98,12 +99,14 @@ def rank_peaks(
         )
     for mode in modes:
         check_mode(mode)
+    m = sched.n_microbatches
     if microbatches is not None and (
-        len(microbatches) != sched.n_stages or any(len(row) != sched.n_microbatches for row in microbatches)
+        len(microbatches) != sched.n_stages
+        or any(len(figures.get(f, ())) != m for figures in microbatches for f in PARTS)
     ):
         raise ValueError(
-            f"microbatches must give {sched.n_microbatches} micro-batches' figures for each of "
-            f"{sched.n_stages} stages, got {[len(row) for row in microbatches]}"
+            f"microbatches must give each figure of PARTS for {m} micro-batches on each of "
+            f"{sched.n_stages} stages; got {len(microbatches)} stages"
         )
 
     def weigh(key: tuple[str, int, int]) -> tuple[int, float]:
@@ -112,7 +115,7 @@ def rank_peaks(
 
     def weigh_own(key: tuple[str, int, int]) -> tuple[int, float]:
         kind, s, i = key
-        return 0, getattr(microbatches[s][i], _FIELD[kind])  # type: ignore[index]
+        return 0, microbatches[s][_FIELD[kind]][i]  # type: ignore[index]
 
     gin_kept = [st.input_grad_kept for st in stages]
     return [
