@@ -10,7 +10,7 @@ is a group of sequences padded only to the longest of its own group, with its ow
                  90  12 300  40  41 250  16  88
     sorted       300 250 | 90 88 41 40 | 16 12          contiguous groups, longest first
     padded       2 x 300    4 x 90       2 x 16         the most padded tokens of any group is least
-    run order    the order the simulator finds fastest for the schedule (costs ~ padded tokens)
+    run order    the fastest the simulator finds that fits the memory limit (costs: tokens, length²)
 
 Packing. Sorted by length, the sequences are cut into m contiguous groups so that the largest
 group's padded tokens (rows x its longest) is as small as it can be (a greedy fill against a
@@ -19,10 +19,28 @@ bisected cap; exact for contiguous groups of sorted lengths); the longest group 
 low; balancing the groups keeps the pipeline's stages evenly fed.
 
 Order. The schedule's shape stays; which group runs as micro-batch i changes. A few orders
-(longest first, shortest first, alternating) are played on the schedule's programs
-(``pipeline.schedules.program.play``) with each compute's cost scaled by its group's padded tokens,
-and the fastest is kept. Relabelling micro-batches keeps every rank's program, so every order run
-is the validated schedule's.
+(costliest first, cheapest first, alternating, and the most bytes spread p apart, each also
+reversed) are played on the schedule's programs (``pipeline.schedules.program.play``), and the
+fastest whose memory fits is kept. Relabelling micro-batches keeps every rank's program, so every
+order run is the validated schedule's.
+
+Cost. A compute of stage s on a micro-batch of shape (r, L), with the plan's time t0 at its own
+micro-batch (R0, L0) and the share q of t0 that grows as rows x length² (attention's products;
+``StagePlan.*_squared``, which the partitioner splits off from the profile's flops at two lengths,
+``partitioner.lengths``)::
+
+    t(r, L) = t0 [(1 - q) r L / (R0 L0) + q r L² / (R0 L0²)]
+
+so 1 x 512 tokens costs more than 8 x 64 wherever attention weighs. Without a plan's predictions
+(a balance given by hand) F 1, B 2, W 1 per stage, scaled by the padded tokens alone.
+
+Memory. Where the plan carries the memory walk's figures per stage (``StagePlan.held``: what a
+micro-batch holds, each figure with its own length² share, e.g. scores a kernel materialises),
+each candidate is walked rank by rank (``pipeline.schedules.peaks``, the partitioner's own walk)
+with every micro-batch's figures grown to its shape by the same rule; an order fits when every
+rank's peak is within the ``memory_limit`` the plan was made under, or, when it was made without
+one, within the plan's own predicted peak (the plan was accepted at its micro-batch). None fits:
+a ValueError naming the step's longest micro-batch, its best peak, the limit and the fix.
 
 Loss by tokens. Micro-batch i's loss (``loss_fn``, a mean over the tokens its targets do not mark
 ``ignore_index``) is weighted by its share of the step's such tokens: the step's loss and gradients
