@@ -19,6 +19,8 @@ seconds are each of its times times that part's flop share (forward, whole backw
 weight gradients). Bytes are split per figure of the walk (``StageBytes``) by the same rule,
 from ``stage_bytes`` at both shapes. A layer or loss that cannot run at the probe's shape (a
 fixed length, a size built into a view) leaves no probe: every figure then grows as the tokens.
+At equal tokens a per-call constant cancels out, but a term that grows as the length alone (a
+position table's indices) reads as length²: small beside any layer that does real work.
 """
 
 from __future__ import annotations
