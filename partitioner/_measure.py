@@ -92,10 +92,12 @@ def measure(
     *,
     first: bool,
     closing: bool = False,
+    timed: bool = True,
 ) -> tuple[LayerProfile, Any]:
     """Figures of ``fn`` (a layer's working copy ``module``, or the loss) on ``x``, and its output;
     ``closing``: the model's last layer, which alone runs under the loss (its ``closing_*`` figures
-    are measured; elsewhere they repeat the plain ones, never read: three backwards fewer a layer).
+    are measured; elsewhere they repeat the plain ones, never read: three backwards fewer a layer);
+    ``timed=False``: flops and bytes only, every time 0 (the length probe's).
 
     Raises ``Rejected`` when the first forward raises."""
     params = [] if module is None else list(module.parameters())
@@ -108,9 +110,11 @@ def measure(
         transients = _transients(fn, x, first, wanted, closing)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
-        samples = _timed(fn, x, wanted, first, run)
-    timing = LayerTiming(*(estimate([s[j] for s in samples]) for j in range(4)))
+        samples = _timed(fn, x, wanted, first, run) if timed else []
+    # untimed (the length probe): every time 0, no samples to judge
+    timing = LayerTiming(*(estimate([s[j] for s in samples]) for j in range(4))) if samples else LayerTiming()
     totals = [s[0] + s[1] for s in samples]
+    gap = floor_gap(totals) if samples else 0.0
     found = tensors(out)
     head = found[0] if found else None
     figures = LayerProfile(
@@ -146,10 +150,10 @@ def measure(
         input_flops=input_flops,
         weight_flops=weight_flops,
         samples=len(samples),
-        spread=spread(totals),
-        error=floor_gap(totals),
-        noisy=floor_gap(totals) > NOISE_LIMIT,
-        timing=timing,
+        spread=spread(totals) if samples else 0.0,
+        error=gap,
+        noisy=gap > NOISE_LIMIT,
+        timing=timing if samples else None,
     )
     return figures, out
 

@@ -7,7 +7,10 @@ cut splits, and a plan's predictions (stage times, memory, simulated step).
 walk into the solver's rows: per stage, the walk's coefficients (unit bytes) times per-layer
 bounds, plus an offset for its input and output buffers; the rows bound the walk from above, so
 a balance fitting them fits what a run holds. ``predicted`` records the walk itself per rank
-(``Plan.rank_peaks``): what decides fit and what ``memory_stats`` measures. ``recompute`` is
+(``Plan.rank_peaks``): what decides fit and what ``memory_stats`` measures; and, for micro-batches
+of other shapes (a variable-length step's, ``pipeline.runtime.varlen``), the walk's figures per
+stage (``StagePlan.held``), each time's and figure's length² share (``partitioner.lengths``), the
+profiled micro-batch's shape and the ``memory_limit`` it was given. ``recompute`` is
 one mode for every stage or one per stage (``Plan.recompute``); each stage's rows follow its own
 mode, and so does its recomputed forward time.
 """
@@ -32,7 +35,8 @@ from partitioner.costs import (
 )
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
-from partitioner.memory import coefficients, layer_bounds, stage_bytes
+from partitioner.lengths import held_bytes, squared_seconds
+from partitioner.memory import coefficients, layer_bounds
 from partitioner.memory import rank_peaks as walked_peaks
 from partitioner.overhead import stage_extras
 from partitioner.solve import stage_costs, stage_memory
@@ -103,6 +107,9 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     sent = cut_bytes(profile.graph)
     extras = stage_extras(k, p, net.runtime, net.rank_of)  # the runtime's own seconds per action and message
     w_extra = net.runtime.action if split else 0.0
+    squared = squared_seconds(profile)  # per layer: (F, whole B, input, weight) seconds growing as length²
+    # per stage: what the memory walk holds of one micro-batch, each figure with its length² share
+    held = held_bytes(profile, balance, net.optimizer_state_factor)
     stages, start = [], 0
     for s, size in enumerate(balance):
         stop = start + size
@@ -123,6 +130,14 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         f_extra, b_extra = extras[s]
         weight = min(weight, backward) + w_extra
         backward += b_extra + w_extra  # B (input gradient, or the whole) and W each run as an action
+        # the seconds that grow as length² (partitioner.lengths): F's; B's as the schedule runs it,
+        # with its recomputed forward; W's, its own time's share
+        sq_f, sq_whole, sq_input, sq_w = (
+            math.fsum(q[j] for q in squared[start:stop]) / speeds[s] for j in range(4)
+        )
+        own_w = math.fsum(lp.weight_time for lp in lps) / speeds[s]
+        sq_b = (sq_input + sq_w if split else sq_whole) + rho * sq_f
+        sq_weight = (weight - w_extra) * sq_w / own_w if own_w > 0 else 0.0
         stages.append(
             StagePlan(
                 start=start,
@@ -134,6 +149,10 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
                 memory_bytes=mem[s] + offsets[s],
                 sent_bytes=out,
                 weight_time=weight,
+                forward_squared=_share(sq_f, forward + link + f_extra),
+                backward_squared=_share(sq_b, backward + rho * forward + link),
+                weight_squared=_share(sq_weight, weight),
+                held=held[s],
             )
         )
         start = stop
@@ -150,7 +169,6 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         begins = [st.names[0] for st in stages[1:]]
     # per rank: the schedule walked action by action, each storage once (what memory_stats measures);
     # (the decision); the stages' memory_bytes above are the solver's rows, a bound of it per stage
-    bytes_ = stage_bytes(profile, balance, net.optimizer_state_factor)
     return shape.replace(
         stages=stages,
         bottleneck=max(per_stage),
@@ -158,14 +176,20 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         bubble=bubble,
         cost=net.cost,
         prediction="simulator",
-        rank_peaks=walked_peaks(sched, bytes_, shape.recompute),
+        rank_peaks=walked_peaks(sched, held, shape.recompute),
         ties=ties_of(profile.layers, balance),
         cuts=begins,
         problems=cut_problems(profile.layers, balance, profile.cut_reasons),
         graph=graph,
         autocast=profile.autocast,
         loss_profiled=profile.loss is not None,
+        micro_batch_shape=list(profile.shape or ()),
+        memory_limit=list(net.memory_limit or ()),
     )
+
+
+def _share(part: float, whole: float) -> float:
+    return min(part / whole, 1.0) if whole > 0 else 0.0
 
 
 def memory_rows(

@@ -35,6 +35,7 @@ __all__ = [
     "device_of",
     "generators_kept",
     "held_names",
+    "loss_figures",
     "profile_loss",
     "refuse_ambient_autocast",
     "trust",
@@ -76,6 +77,20 @@ def check_autocast(autocast: object) -> None:
 
 
 def profile_loss(loss_fn: LossFn, target: Any, out: Any, run: Run) -> LayerProfile:
+    """The loss's figures on the last layer's output ``out`` (``loss_figures``); a ValueError
+    naming both inputs when the loss rejects them."""
+    try:
+        return loss_figures(loss_fn, target, out, run)
+    except Rejected as err:
+        raise ValueError(
+            f"loss_fn rejected the last layer's output {describe(out)} with target {describe(target)}: "
+            f"{err}; pass target= (one micro-batch of targets) that loss_fn accepts"
+        ) from err.__cause__
+
+
+def loss_figures(loss_fn: LossFn, target: Any, out: Any, run: Run, timed: bool = True) -> LayerProfile:
+    """``measure`` of the loss on (``out``, ``target``), its saved input split into the output's part
+    (what the last layer may save too) and the target's; ``Rejected`` when it raises."""
     target = tree_map(target, lambda t: t.to(run.device))
 
     def loss(pair: tuple[Any, Any]) -> torch.Tensor:
@@ -89,13 +104,9 @@ def profile_loss(loss_fn: LossFn, target: Any, out: Any, run: Run) -> LayerProfi
 
     module = loss_fn if isinstance(loss_fn, nn.Module) else None
     kind = type(loss_fn).__name__
-    try:
-        figures, _ = measure(-1, "loss", kind, loss, module, WithTarget(out, target), run, first=False)
-    except Rejected as err:
-        raise ValueError(
-            f"loss_fn rejected the last layer's output {describe(out)} with target {describe(target)}: "
-            f"{err}; pass target= (one micro-batch of targets) that loss_fn accepts"
-        ) from err.__cause__
+    figures, _ = measure(
+        -1, "loss", kind, loss, module, WithTarget(out, target), run, first=False, timed=timed
+    )
     # its input is (output, target): the output's part is what the last layer may save too
     of_output = min(figures.saved_input_bytes, nbytes(out))
     return dataclasses.replace(

@@ -15,7 +15,7 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["LayerProfile", "LayerTiming", "Profile", "TimeEstimate"]
+__all__ = ["LayerProfile", "LayerTiming", "Profile", "ShapeProbe", "TimeEstimate"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,18 @@ class LayerProfile:
     timing: LayerTiming | None = None
 
 
+@dataclass(frozen=True)
+class ShapeProbe:
+    """The layers' (and the loss's) untimed figures, flops and bytes, again at ``shape``: twice the
+    sample's rows at half its length, the same tokens. Beside the profile's own they tell how each
+    figure grows with the length at fixed tokens: attention's matrix products and the scores a
+    kernel materialises as rows x length², the rest as the tokens (``partitioner.lengths``)."""
+
+    shape: tuple[int, int]  # (rows, length)
+    layers: list[LayerProfile]
+    loss: LayerProfile | None = None
+
+
 @dataclass
 class Profile:
     """The layers' figures plus ``graph``: a DiGraph with a node per layer and bytes on its edges.
@@ -138,6 +150,11 @@ class Profile:
     Trust (``partitioner.noise``): ``noisy_layers`` the indices of the layers whose times are too
     noisy to trust (-1: the loss), ``trusted`` whether there are none; ``seconds_per_flop`` the
     FLOP prior fitted on the stable layers, per time ("forward", "backward", "input", "weight").
+
+    Length. ``shape``: the sample's (rows, length), its first tensor's two leading sizes (None when
+    it has fewer); ``probe``: every layer's figures again at twice the rows and half the length
+    (``ShapeProbe``), None when a layer (or the loss) cannot run at that shape: then every figure
+    is taken to grow as the tokens.
     """
 
     layers: list[LayerProfile]
@@ -152,6 +169,8 @@ class Profile:
     traced: dict[str, Any] | None = None
     noisy_layers: list[int] = field(default_factory=list)
     seconds_per_flop: dict[str, float] = field(default_factory=dict)
+    shape: tuple[int, int] | None = None
+    probe: ShapeProbe | None = None
 
     @property
     def trusted(self) -> bool:

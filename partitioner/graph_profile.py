@@ -48,6 +48,7 @@ from partitioner._profiling import (
 from partitioner._trees import describe, nbytes
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
+from partitioner.lengths import sample_shape
 from pipeline.runtime.layers import cut_blocks
 from pipeline.runtime.live import LiveBytes
 from pipeline.runtime.traced import build, holder, layer_spec
@@ -138,6 +139,7 @@ def profile_graph(
         seconds_per_flop=rates,
         cut_reasons=cut_blocks(traced.graph, traced.layers, traced.values, traced.root),
         traced=traced_record(traced),
+        shape=sample_shape(sample),  # no length probe: a traced graph may hold the sample's sizes
     )
 
 

@@ -17,8 +17,9 @@ Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast
 ``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages.
 The rows bound the schedule walked rank by rank (``partitioner.memory``): every plan returned
 under ``memory_limit`` has each rank's walked peak (``plan.rank_peaks``, what
-``pipe.memory_stats()`` measures) within its limit. A stage's input and output buffers are
-charged at the largest activation any cut can carry.
+``pipe.memory_stats()`` measures) within its limit; the plan records the limit
+(``plan.memory_limit``), which a variable-length run's steps are held to as well. A
+stage's input and output buffers are charged at the largest activation any cut can carry.
 
 Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
 when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.

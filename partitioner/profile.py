@@ -30,6 +30,11 @@ Times are trusted only as far as their samples allow (``partitioner.noise``): on
 each is the minimum of adaptive repeats, and one whose samples find no clear floor is blended
 toward what its flops predict and named in a warning.
 
+Length. Each layer (and the loss) is measured once more, untimed, on its input cut to twice the
+rows at half the length (the same tokens): its flops and bytes there tell how they grow with a
+micro-batch's length at fixed tokens, attention's as rows x length² (``Profile.probe``,
+``partitioner.lengths``). A layer that rejects that input ends the probe (no share: all linear).
+
 ``peak_bytes`` is the profile's own peak: the most bytes of tensors it held at once on one device
 (the working copy, inputs, two held forwards and their gradients), counted by ``LiveBytes``.
 """
@@ -62,9 +67,10 @@ from partitioner._profiling import (
     uses_cuda,
 )
 from partitioner._trees import describe, nbytes, tree_map
-from partitioner.figures import LayerProfile, Profile
+from partitioner.figures import LayerProfile, Profile, ShapeProbe
 from partitioner.graph import layer_graph
 from partitioner.graph_profile import profile_graph
+from partitioner.lengths import probe_layer, probe_loss, probe_shape, sample_shape
 from pipeline.runtime.live import LiveBytes
 from pipeline.runtime.tracing import trace
 
@@ -121,6 +127,9 @@ def profile(
     layers: list[LayerProfile] = []
     devices: list[str] = []
     loss = None
+    shape = sample_shape(sample)
+    half = probe_shape(shape)  # the length probe's shape (Profile.probe, partitioner.lengths)
+    probed: list[LayerProfile] | None = [] if half is not None else None
     with generators_kept(uses_cuda(model, sample, dev)):
         x = sample
         # every entry, a module that appears twice included (named_children() would skip it)
@@ -132,6 +141,7 @@ def profile(
                 work = working_copy(layer, here, init_fn)
             before = versions(layer)
             run = Run(here, autocast, warmup, repeat, live)
+            given = x
             try:
                 last = index == len(model._modules) - 1
                 figures, x = measure(
@@ -142,12 +152,25 @@ def profile(
                     f"{label} rejected its input {describe(x)}: {err}; "
                     "pass a sample that the model accepts (one micro-batch)"
                 ) from err.__cause__
-            del work
+            if probed is not None and shape is not None:  # the same layer at half the length, if it runs
+                seen = probe_layer(
+                    index, name, type(layer).__name__, work, given, run, shape, first=index == 0, closing=last
+                )
+                if seen is None:
+                    probed = None
+                else:
+                    probed.append(seen)
+            del work, given
             check_untouched(label, layer, before)
             layers.append(dataclasses.replace(figures, params=held_names(layer, names)))
             devices.append(str(here))
+        probed_loss = None
         if loss_fn is not None:
-            loss = profile_loss(loss_fn, target, x, Run(device_of(x), autocast, warmup, repeat, live))
+            run = Run(device_of(x), autocast, warmup, repeat, live)
+            loss = profile_loss(loss_fn, target, x, run)
+            if probed is not None and shape is not None:
+                probed_loss = probe_loss(loss_fn, target, x, run, shape)
+                probed = None if probed_loss is None else probed
     layers, loss, noisy, rates = trust(layers, loss, repeat)
     return Profile(
         layers,
@@ -160,6 +183,8 @@ def profile(
         seconds=time.perf_counter() - start,
         noisy_layers=noisy,
         seconds_per_flop=rates,
+        shape=shape,
+        probe=None if probed is None or half is None else ShapeProbe(half, probed, probed_loss),
     )
 
 

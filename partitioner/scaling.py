@@ -10,6 +10,7 @@ at r = B / m rows for each candidate m. The model, per layer and figure::
     flops(r) = flops(r0) * r / r0        (forward, backward and its input and weight parts)
     timing estimates (spread, prior): kept as measured at r0, describing the measurement
     parameters, buffers and autocast's weight copies: unchanged
+    the sample's shape (r0, L) and the length probe's (2 r0, L / 2): r0 to r, its figures per row
 
 With one profile, c = 0 (simply linear). Given a second profile of the same model at r1 != r0
 rows, c and s come from the two points (s clamped at >= 0, then c at >= 0), which keeps a tiny
@@ -33,7 +34,7 @@ from typing import Any
 import networkx as nx
 
 from partitioner._trees import tensors
-from partitioner.figures import LayerProfile, Profile
+from partitioner.figures import LayerProfile, Profile, ShapeProbe
 
 __all__ = ["batch_rows", "scale_profile", "second_rows"]
 
@@ -109,12 +110,21 @@ def scale_profile(
     loss = profile.loss
     if loss is not None:
         loss = scaled(loss, None if second is None else second[0].loss, at_rows)
+    shape, probe = profile.shape, profile.probe
+    if probe is not None:  # the length probe: untimed, its rows scaled alike
+        probe = ShapeProbe(
+            (_per_row(probe.shape[0], factor), probe.shape[1]),
+            [scaled(lp, None, 0) for lp in probe.layers],
+            None if probe.loss is None else scaled(probe.loss, None, 0),
+        )
     return dataclasses.replace(
         profile,
         layers=layers,
         graph=_scaled_graph(profile.graph, factor),
         input_bytes=_per_row(profile.input_bytes, factor),
         loss=loss,
+        shape=None if shape is None else (to_rows, shape[1]),
+        probe=probe,
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
+from pipeline.schedules.peaks import StageBytes
 from pipeline.schedules.program import Program
 from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import Schedule, default_n_virtual, rank_of, schedule, schedule_options
@@ -51,6 +52,12 @@ class StagePlan:
 
     ``backward_time`` is the whole backward; ``weight_time`` the part of it that is the
     weight gradient (what a split-backward schedule such as zb-h1 runs as W), 0 if unknown.
+
+    For micro-batches of other shapes (``pipeline.runtime.varlen``): ``*_squared``, the share of
+    each time that grows as rows x length² at fixed tokens (attention), the rest growing as the
+    tokens, from the profile's flops (``partitioner.lengths``; 0: all as the tokens); ``held``,
+    the figures of one micro-batch that the memory walk holds (``pipeline.schedules.peaks``),
+    each with its own share; None for a plan made without them.
     """
 
     start: int
@@ -62,6 +69,14 @@ class StagePlan:
     memory_bytes: float
     sent_bytes: int
     weight_time: float = 0.0
+    forward_squared: float = 0.0
+    backward_squared: float = 0.0
+    weight_squared: float = 0.0
+    held: StageBytes | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.held, dict):  # JSON gives the record as a dict
+            object.__setattr__(self, "held", StageBytes(**_known(StageBytes, self.held)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +160,10 @@ class Plan:
     search: SearchStats | None = None  # how much of the grid it simulated and pruned, and its seconds
     batch_size: int = 0  # rows of one step (one replica's)
     micro_batch_rows: int = 0  # batch_size // n_microbatches
+    # the micro-batch every per-micro-batch prediction is for: (rows, length), the profiled
+    # sample's two leading sizes (the auto search's rows); empty: unknown
+    micro_batch_shape: list[int] = field(default_factory=list)
+    memory_limit: list[float] = field(default_factory=list)  # per rank, what partition was given; empty: none
 
     def __post_init__(self) -> None:
         balance = self.balance
@@ -204,6 +223,18 @@ class Plan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} ({value!r}) must be an integer >= 0 (0: not searched)")
+        shape = _listed(self.micro_batch_shape, "micro_batch_shape", int, "sizes: [rows, length]")
+        if shape and (len(shape) != 2 or min(shape) < 1):
+            raise ValueError(
+                f"micro_batch_shape ({shape!r}) must be [rows, length], both >= 1, or empty (unknown)"
+            )
+        object.__setattr__(self, "micro_batch_shape", shape)
+        limits = _listed(self.memory_limit, "memory_limit", (int, float), "bytes, one per rank")
+        if limits and len(limits) != self.n_ranks:
+            raise ValueError(
+                f"memory_limit has {len(limits)} entries for {self.n_ranks} ranks; give one per rank, or none"
+            )
+        object.__setattr__(self, "memory_limit", [float(x) for x in limits])
 
     # ---- shape
 

@@ -12,7 +12,10 @@ step of each run in turn in a fresh random order so that a load spike hits them 
 
     ours varlen   Pipeline(varlen=VarLen(token_budget)): sequences grouped by length into m
                   micro-batches, each padded to its own longest, run in the order the simulator
-                  finds fastest
+                  finds fastest within the plan's memory; the plan is the balance below with the
+                  partitioner's predictions (``plan_for`` on a profile at token_budget / 512 x 512
+                  tokens, the largest micro-batch the budget allows): each compute's cost split
+                  into tokens and attention's length², each order's memory walked
     (a) padded    ours on the step padded to its longest sequence: m equal micro-batches, what
                   users do today with any runtime
     (b) torch     torch.distributed.pipelining's Schedule1F1B on (a)'s batches; its stages take one
@@ -22,13 +25,15 @@ Per run: real tokens per second (the step's tokens over its median step, barrier
 the share of the computed tokens that are padding, and the most bytes live at once on any rank
 (every tensor storage, transients included: ``step(measure_memory=True)`` for ours, the same
 counter, ``LiveBytes``, around torch's step, both over the parameters, buffers and gradients);
-for ours varlen also the packing's planning time as a share of the step.
+for ours varlen also the packing's planning time as a share of the step, and the most any step's
+chosen order was predicted to hold on a rank against the plan's own predicted peak (its bound).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import random
 import statistics
@@ -41,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import VarLen, launch
+from pipeline import Plan, VarLen, launch
 from pipeline.reference.models import gpt, gpt_loss
 from pipeline.runtime.live import LiveBytes
 from pipeline.runtime.memory import storage_bytes
@@ -62,6 +67,7 @@ class Config:
     steps: int
     warmup: int
     seed: int
+    plan: str = ""  # the balance's plan with predictions, as JSON (``planned``)
 
 
 def lengths(cfg: Config, rng: random.Random) -> list[int]:
@@ -101,15 +107,27 @@ def balance(n: int, p: int) -> list[int]:
     return [n // p + (1 if s < n % p else 0) for s in range(p)]
 
 
+def planned(cfg: Config) -> str:
+    """``balance``'s plan with predictions from a profile at the largest micro-batch the token
+    budget allows (rows of MAX_LEN tokens): the costs and memory limit ours varlen orders by."""
+    from partitioner import plan_for, profile
+
+    mod = model(cfg.p)
+    sample = torch.randint(0, VOCAB, (max(cfg.token_budget // MAX_LEN, 1), MAX_LEN))
+    prof = profile(mod, sample, loss_fn=gpt_loss, target=sample)
+    return plan_for(prof, balance(len(mod), cfg.p), schedule="1f1b", n_microbatches=cfg.m).to_json()
+
+
 class Ours:
     def __init__(self, cfg: Config, varlen: bool) -> None:
         mod = model(cfg.p)
         packing = VarLen(token_budget=cfg.token_budget, max_len=MAX_LEN, pad_multiple=cfg.pad_multiple)
         opts = packing if varlen else None
         self.varlen = varlen
-        self.pipe = Pipeline(mod, balance(len(mod), cfg.p), schedule="1f1b", n_microbatches=cfg.m,
-                             loss_fn=gpt_loss, varlen=opts)  # fmt: skip
+        self.pipe = Pipeline(mod, Plan.from_json(cfg.plan), loss_fn=gpt_loss, varlen=opts)
         self.planning: list[float] = []
+        self.predicted: list[float] = []  # per step, the chosen order's predicted peak (worst rank)
+        self.bound = max(Plan.from_json(cfg.plan).rank_peaks)
 
     def step(self, xs: list[torch.Tensor], ys: list[torch.Tensor], measure: bool = False) -> int:
         """One step; the tokens its micro-batches computed (real and padding)."""
@@ -120,6 +138,7 @@ class Ours:
             packing = pipe.last_packing
             if packing is not None:
                 self.planning.append(packing.seconds)
+                self.predicted.append(max(packing.peaks, default=0.0))
                 return packing.padded_tokens
             return 0
         x, y = padded(xs, ys)
@@ -190,7 +209,8 @@ def rank_main(cfg: Config) -> dict[str, Any]:
         run.step(xs, ys, measure=True)
         peaks[name] = run.peak()
     ours = runs["ours varlen"]
-    return {"times": times, "computed": computed, "real": real, "peaks": peaks, "planning": ours.planning}
+    return {"times": times, "computed": computed, "real": real, "peaks": peaks, "planning": ours.planning,
+            "predicted": ours.predicted, "bound": ours.bound}  # fmt: skip
 
 
 def report(cfg: Config, per_rank: list[dict[str, Any]]) -> None:
@@ -218,6 +238,10 @@ def report(cfg: Config, per_rank: list[dict[str, Any]]) -> None:
     if planning:
         print(f"planning (pack + order) per step: median {statistics.median(planning) * 1e3:.2f} ms, "
               f"{statistics.median(planning) / med:.2%} of the step")  # fmt: skip
+    predicted = [x for r in per_rank for x in r["predicted"]]
+    if predicted:
+        print(f"predicted peak of the chosen order, worst step: {max(predicted) / 1e6:.2f} MB, within the "
+              f"plan's {r0['bound'] / 1e6:.2f} MB")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in args.ranks:
         cfg = Config(p, args.microbatches, args.sequences, args.token_budget, args.pad_multiple, args.steps,
                      args.warmup, args.seed)  # fmt: skip
+        cfg = dataclasses.replace(cfg, plan=planned(cfg))
         report(cfg, launch(rank_main, p, cfg, backend="gloo", timeout=900.0))
     return 0
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import partitioner
 from pipeline.plan import Candidate, Plan, SearchStats, StagePlan, TracedGraph
+from pipeline.schedules.peaks import PARTS, StageBytes
 
 
 def _stage(start: int, stop: int, fwd: float, bwd: float, weight: float = 0.0) -> StagePlan:
@@ -74,6 +75,11 @@ def test_defaults_follow_schedule_options() -> None:
 
 
 def test_json_round_trips_every_field() -> None:
+    held = StageBytes(saved=3.0, input=1.0, output=2.0, static=7.0, squared=(0.5, *[0.0] * (len(PARTS) - 1)))
+    first = _stage(0, 1, 1.0, 2.0, 0.5)  # with the length² shares and the walk's figures
+    first = dataclasses.replace(
+        first, forward_squared=0.25, backward_squared=0.5, weight_squared=0.125, held=held
+    )
     plan = Plan(
         balance=[1, 2, 1, 3],
         schedule="interleaved-1f1b",
@@ -82,7 +88,7 @@ def test_json_round_trips_every_field() -> None:
         recompute="except_last",
         dp=3,
         stages=[
-            _stage(0, 1, 1.0, 2.0, 0.5),
+            first,
             _stage(1, 3, 0.5, 0.5, 0.25),
             _stage(3, 4, 2.0, 2.0, 1.0),
             _stage(4, 7, 0.25, 0.25, 0.125),
@@ -103,6 +109,8 @@ def test_json_round_trips_every_field() -> None:
         search=SearchStats(grid=48, simulated=7, pruned_group=30, pruned_fit=4, pruned_balance=7, seconds=1),
         batch_size=32,
         micro_batch_rows=8,
+        micro_batch_shape=[8, 64],
+        memory_limit=[5e6, 6e6],
     )
     defaults = Plan(balance=[1, 1])
     for f in dataclasses.fields(Plan):  # every field is set away from its default, so the test sees it
@@ -116,6 +124,7 @@ def test_json_round_trips_every_field() -> None:
     for f in dataclasses.fields(Plan):
         assert getattr(back, f.name) == getattr(plan, f.name), f.name
     assert all(isinstance(st, StagePlan) for st in back.stages)
+    assert back.stages[0].held == held and back.stages[1].held is None  # the walk's figures, typed again
     assert isinstance(back.graph, TracedGraph) and isinstance(back.search, SearchStats)
     assert all(isinstance(c, Candidate) for c in back.candidates)
     assert back.candidates[1].recompute == ("always",) * 4  # a tuple again, as given
@@ -290,6 +299,21 @@ def test_a_plan_written_with_extra_reads_into_the_typed_fields() -> None:
     assert Plan.from_json(json.dumps(bare)) == Plan(balance=[2, 2])
 
 
+def test_a_plan_written_before_the_length_figures_reads_as_linear() -> None:
+    """Plans written before micro-batch shapes, length² shares and the walk's figures: read with
+    every share 0 (all as the tokens), no figures, no shape and no memory_limit (varlen's fallback)."""
+    text = _plan().to_json()
+    old = json.loads(text)
+    del old["micro_batch_shape"], old["memory_limit"]
+    for st in old["stages"]:
+        for key in ("forward_squared", "backward_squared", "weight_squared", "held"):
+            del st[key]
+    back = Plan.from_json(json.dumps(old))
+    assert back == _plan() and (back.micro_batch_shape, back.memory_limit) == ([], [])
+    assert all((st.forward_squared, st.backward_squared, st.weight_squared, st.held) == (0, 0, 0, None)
+               for st in back.stages)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -303,6 +327,8 @@ def test_a_plan_written_with_extra_reads_into_the_typed_fields() -> None:
         ({"ties": {"tok.weight": 1}}, TypeError, r"ties\['tok.weight'\] must be a list of stage indices"),
         ({"batch_size": -1}, ValueError, r"batch_size \(-1\) must be an integer >= 0 \(0: not searched\)"),
         ({"micro_batch_rows": 2.5}, ValueError, r"micro_batch_rows \(2.5\) must be an integer >= 0"),
+        ({"micro_batch_shape": [8]}, ValueError, r"micro_batch_shape \(\[8\]\) must be \[rows, length\]"),
+        ({"memory_limit": [1e9]}, ValueError, r"memory_limit has 1 entries for 2 ranks; give one per rank"),
     ],
 )  # fmt: skip
 def test_bad_findings_are_named(kwargs: dict[str, object], error: type[Exception], match: str) -> None:

@@ -18,14 +18,31 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from partitioner import plan_for, profile
+from partitioner.figures import Profile
+from partitioner.lengths import share
 from pipeline.reference.models import gpt, gpt_loss
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.varlen import VarLen, _width, lengths_of, order, pack, pad, plan_step, stage_costs
+from pipeline.runtime.varlen import (
+    StepCosts,
+    StepMemory,
+    VarLen,
+    _width,
+    lengths_of,
+    order,
+    pack,
+    pad,
+    plan_step,
+    step_costs,
+)
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.peaks import PARTS, StageBytes
 from pipeline.schedules.program import play
 from pipeline.schedules.registry import REGISTRY
-from pipeline.schedules.schedule import schedule
+from pipeline.schedules.schedule import Schedule, schedule
 from tests.dist import job, run_ranks
 from tests.pipe_common import assert_close, balance_of, grads_of
 
@@ -64,7 +81,7 @@ def test_packing_is_the_least_largest_micro_batch_of_sorted_groups() -> None:
 def test_pad_fills_each_micro_batch_past_each_sequence() -> None:
     seqs = [torch.arange(1, n + 1) for n in (3, 1, 2)]
     sched = schedule("gpipe", 1, 2)
-    packed = plan_step([3, 1, 2], sched, VarLen(token_budget=8), stage_costs(None, sched))
+    packed = plan_step([3, 1, 2], sched, VarLen(token_budget=8), step_costs(None, sched))
     batches = pad(seqs, packed, -1)
     shapes = [(len(g), w) for g, w in zip(packed.groups, packed.widths, strict=True)]
     assert [tuple(b.shape) for b in batches] == shapes
@@ -79,17 +96,206 @@ def test_the_order_is_the_fastest_the_simulator_finds() -> None:
     sched = schedule("1f1b", 4, 4)
     groups = [(0,), (1, 2), (3, 4, 5, 6), (7,)]
     widths = [40, 20, 6, 3]
-    costs = stage_costs(None, sched)
-    perm, results = order(groups, widths, sched, costs)
-    assert sorted(perm) == [0, 1, 2, 3] and len(results) == 4
+    costs = step_costs(None, sched)
+    perm, results, peaks = order(groups, widths, sched, costs)
+    assert sorted(perm) == [0, 1, 2, 3] and len(results) >= 4 and peaks == []  # no plan: no memory check
     assert max(results.values()) > min(results.values())  # the orders differ here
     # the order returned, played on its own: the least step of the candidates
     size = [len(g) * w for g, w in zip(groups, widths, strict=True)]
     scale = [size[g] / (sum(size) / len(size)) for g in perm]
-    played = play(sched.programs(), lambda a: costs(a) * scale[a.microbatch])
+    played = play(sched.programs(), lambda a: costs.seconds[a.kind][a.stage] * scale[a.microbatch])
     assert max(played.ends) == pytest.approx(min(results.values()))
     packed = plan_step([40, 10, 10, 2, 2, 2, 2, 3], sched, VarLen(token_budget=64), costs)
     assert packed.seconds < 0.05  # a few milliseconds per step
+
+
+# ---- the cost of a micro-batch's shape, and the memory limit
+
+
+def _costs(p: int, squared: float, memory: StepMemory | None = None) -> StepCosts:
+    """Hand-made costs at micro-batches of 4 x 64: F 1, B 2, W 1 on every stage, ``squared`` of each
+    growing as rows x length²."""
+    seconds = {Kind.F: [1.0] * p, Kind.B: [2.0] * p, Kind.W: [1.0] * p}
+    return StepCosts(seconds, {kind: [squared] * p for kind in seconds}, (4, 64), memory)
+
+
+def _played(sched: Schedule, groups: list[tuple[int, ...]], widths: list[int], perm: list[int],
+            costs: StepCosts) -> float:  # fmt: skip
+    """The step of ``perm`` played with ``costs`` worked out here: t0 [(1 - q) rL / 256 + q rL² / 64²/4]."""
+    shapes = [(len(groups[g]), widths[g]) for g in perm]
+
+    def cost(a: Action) -> float:
+        rows, length = shapes[a.microbatch]
+        q = costs.squared[a.kind][a.stage]
+        return costs.seconds[a.kind][a.stage] * (
+            (1 - q) * rows * length / 256 + q * rows * length**2 / (4 * 64**2)
+        )
+
+    return max(play(sched.programs(), cost).ends)
+
+
+def _groups(shapes: list[tuple[int, int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Groups of consecutive sequence indices with these (rows, width)."""
+    groups, start = [], 0
+    for rows, _ in shapes:
+        groups.append(tuple(range(start, start + rows)))
+        start += rows
+    return groups, [w for _, w in shapes]
+
+
+def test_the_length_squared_term_changes_the_order_it_prices() -> None:
+    # 128, 512, 224 and 48 tokens; rows x length² 16384, 32768, 7168 and 768: a token count ranks
+    # them otherwise than attention's cost does
+    sched = schedule("1f1b", 2, 4)
+    groups, widths = _groups([(1, 128), (8, 64), (7, 32), (3, 16)])
+    linear, _, _ = order(groups, widths, sched, _costs(2, 0.0))
+    squared, results, _ = order(groups, widths, sched, _costs(2, 0.8))
+    assert squared != linear
+    true = _costs(2, 0.8)  # priced with the length² term, the order chosen with it is the fastest
+    assert _played(sched, groups, widths, squared, true) == pytest.approx(min(results.values()))
+    assert _played(sched, groups, widths, linear, true) > 1.1 * _played(sched, groups, widths, squared, true)
+
+
+def test_the_fastest_order_that_fits_the_memory_limit_is_chosen() -> None:
+    # per micro-batch of 4 x 64: 1000 bytes kept by its graph, 100 sent and received
+    sched = schedule("1f1b", 2, 4)
+    stages = [
+        StageBytes(saved=1000.0, input=0.0, output=100.0),
+        StageBytes(saved=1000.0, input=100.0, output=0.0),
+    ]
+    groups, widths = _groups([(3, 128), (2, 32), (2, 64), (8, 64)])  # 384, 64, 128 and 512 tokens
+
+    def limited(limit: float) -> StepCosts:
+        return _costs(2, 0.0, StepMemory(stages, ["never", "never"], [limit, limit], "a test's limit"))
+
+    fastest, _, peaks = order(groups, widths, sched, limited(1e12))
+    # the two largest (512 + 384 tokens) held at once on rank 0: 1000 x 3.5 + 1000 x 0.5 + buffers
+    assert max(peaks) == 4200.0 and fastest == [3, 0, 2, 1]
+    fits, _, peaks = order(groups, widths, sched, limited(4000.0))
+    assert fits != fastest and max(peaks) <= 4000.0
+    plain = _costs(2, 0.0)  # it is slower: chosen for the limit alone
+    assert _played(sched, groups, widths, fits, plain) > _played(sched, groups, widths, fastest, plain)
+    with pytest.raises(ValueError, match=(
+        r"no run order of this step's micro-batches fits the memory limit: with its longest micro-batch "
+        r"\(3 sequences padded to 128 tokens: \[0, 1, 2\]\), rank 0's predicted peak is 0.0027 MB at best "
+        r"\(order '.*'\), over its limit 0.0025 MB \(a test's limit\); lower VarLen\(token_budget=...\) "
+        r"below its 384 padded tokens.*or raise the limit \(partition\(..., memory_limit=...\)\)"
+    )):  # fmt: skip
+        order(groups, widths, sched, limited(2500.0))
+
+
+def test_memory_grows_with_the_tokens_and_the_length_squared_share() -> None:
+    # one micro-batch alone: its rank holds its graph's saved bytes, 1000 at 4 x 64, half of them
+    # growing as rows x length² (scores a kernel materialises), half as the tokens
+    sched = schedule("gpipe", 1, 1)
+    shares = tuple(0.5 if f == "saved" else 0.0 for f in PARTS)
+    memory = StepMemory(
+        [StageBytes(saved=1000.0, input=0.0, output=0.0, squared=shares)], ["never"], [1e12], ""
+    )
+    costs = _costs(1, 0.0, memory)
+
+    def peak(rows: int, length: int) -> float:
+        return order([tuple(range(rows))], [length], sched, costs)[2][0]
+
+    assert peak(4, 64) == 1000.0  # the plan's own shape
+    assert peak(4, 32) == pytest.approx(500 * 0.5 + 500 * 0.25)  # half the tokens, a quarter the squares
+    assert peak(1, 256) == pytest.approx(500 * 1 + 500 * 4)  # the same tokens, 4 x the length
+    assert peak(8, 32) == pytest.approx(500 * 1 + 500 * 0.5)
+
+
+class _Attention(nn.Module):
+    """Self-attention whose scores are materialised (a math kernel's): (R, L, W) -> (R, L, W)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1)
+        return x + scores @ v
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+def _token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+@pytest.fixture(scope="module")
+def toy() -> tuple[nn.Sequential, Profile]:
+    """Attention then an MLP, width 16, profiled at 2 x 32 tokens (and probed at 4 x 16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Attention(16), _Mlp(16))
+    x, y = torch.randn(2, 32, 16), torch.randint(0, 16, (2, 32))
+    return model, profile(model, x, loss_fn=_token_loss, target=y, warmup=0, repeat=1)
+
+
+def test_the_profile_splits_attention_s_length_squared_share_from_an_mlp_s(
+    toy: tuple[nn.Sequential, Profile],
+) -> None:
+    _, prof = toy
+    assert prof.shape == (2, 32) and prof.probe is not None and prof.probe.shape == (4, 16)
+    probe = prof.probe
+
+    def q(layer: int, figure: str) -> float:
+        return share(
+            getattr(prof.layers[layer], figure), getattr(probe.layers[layer], figure), (2, 32), (4, 16)
+        )
+
+    # attention's forward per token: 6 W² + W (its Linear, the residual) + L (4 W + 2) (q k^T, scale,
+    # softmax, scores v): the last term's share at L = 32, W = 16 is 2112 / 3664
+    assert q(0, "flops") == pytest.approx(2112 / 3664, rel=0.01)
+    for figure in ("backward_flops", "weight_flops", "saved_bytes"):  # (layer 0 has no input gradient)
+        assert q(0, figure) > 0.2, figure  # the scores' products, and the scores it keeps
+    for figure in (
+        "flops",
+        "backward_flops",
+        "input_flops",
+        "weight_flops",
+        "saved_bytes",
+        "activation_bytes",
+    ):
+        assert q(1, figure) == 0.0, figure  # per token the same at any length
+    plan = plan_for(prof, [1, 1], n_microbatches=2)
+    first, second = plan.stages
+    assert first.held is not None and second.held is not None and plan.micro_batch_shape == [2, 32]
+    assert min(first.forward_squared, first.backward_squared, first.held.squared[PARTS.index("saved")]) > 0.2
+    assert (second.forward_squared, second.backward_squared, any(second.held.squared)) == (0.0, 0.0, False)
+    # a layer that cannot take half the length (features, not tokens) leaves no probe: all linear
+    assert profile(nn.Sequential(nn.Linear(8, 8)), torch.randn(4, 8), warmup=0, repeat=1).probe is None
+
+
+def test_a_plan_bounds_each_step_by_its_memory(toy: tuple[nn.Sequential, Profile]) -> None:
+    model, prof = toy
+    plan = plan_for(prof, [2], n_microbatches=2)  # one rank: a Pipeline in this process
+    sched = plan.build_schedule()
+    costs = step_costs(plan, sched)
+    assert (
+        costs.memory is not None and costs.memory.limits == plan.rank_peaks
+    )  # no memory_limit: its own peak
+    assert order(*_groups([(2, 32), (2, 32)]), sched, costs)[2] == plan.rank_peaks  # the partitioner's walk
+    pipe = Pipeline(model, plan, loss_fn=_token_loss, varlen=VarLen(token_budget=64))
+
+    def step(lengths: list[int]) -> None:
+        g = torch.Generator().manual_seed(0)
+        pipe.step([torch.randn(n, 16, generator=g) for n in lengths],
+                  [torch.randint(0, 16, (n,), generator=g) for n in lengths])  # fmt: skip
+
+    step([20, 12, 30, 10, 16, 16])  # 2 x 30 and 4 x 16: within 2 x 32's
+    assert pipe.last_packing is not None and max(pipe.last_packing.peaks) <= max(plan.rank_peaks)
+    # as many tokens as 2 x 32 in one sequence of 64: its scores (L²) are over the plan's peak
+    with pytest.raises(ValueError, match=r"longest micro-batch \(1 sequences padded to 64 tokens: \[0\]\)"):
+        step([64, 8, 8, 8, 8])
+    roomy = plan.replace(memory_limit=[2 * plan.rank_peaks[0]])  # the limit partition was given, when it was
+    assert order(*_groups([(1, 64), (4, 8)]), sched, step_costs(roomy, sched))[2]
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ from pipeline.runtime.steps import Inputs, StepRunner
 from pipeline.runtime.ties import TiedGrads
 from pipeline.runtime.tracing import first_names, is_constant
 from pipeline.runtime.transport import transport_class
-from pipeline.runtime.varlen import Packed, VarLen, stage_costs
+from pipeline.runtime.varlen import Packed, VarLen, step_costs
 from pipeline.schedules.program import tie_groups
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import Timeline
@@ -322,7 +322,7 @@ class Pipeline:
             self.device, self._prefix, self.tied, self._replicas, self.dp, self.check_values,
         )  # fmt: skip
         if varlen is not None:
-            self.runner.varlen = (varlen, stage_costs(self.plan, self.schedule))
+            self.runner.varlen = (varlen, step_costs(self.plan, self.schedule))
             self.executor.shape_rules = True
         self.last_loss_rank = self.runner.last_loss_rank  # the last stage's rank
 

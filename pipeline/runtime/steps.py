@@ -34,8 +34,7 @@ from pipeline.runtime.replicas import Replicas
 from pipeline.runtime.stage import StageRuntime
 from pipeline.runtime.stream import from_host
 from pipeline.runtime.ties import TiedGrads
-from pipeline.runtime.varlen import Packed, VarLen, is_ragged, lengths_of, pad, plan_step
-from pipeline.schedules.actions import Action
+from pipeline.runtime.varlen import Packed, StepCosts, VarLen, is_ragged, lengths_of, pad, plan_step
 from pipeline.schedules.program import Collective, Program, ReduceWait
 from pipeline.schedules.schedule import Schedule, forward_only
 
@@ -113,8 +112,8 @@ class StepRunner:
         self.eval_executor: Executor | None = None  # built at the first forward-only call
         self.prefetched: dict[str, Prefetched] = {}  # "inputs" / "targets": the next call's copy
         self.prefetch_used = 0  # prefetched copies a call took (for tests)
-        # variable-length steps (varlen.py): the packing options and each compute's cost
-        self.varlen: tuple[VarLen, Callable[[Action], float]] | None = None
+        # variable-length steps (varlen.py): the packing options, each compute's cost and the memory limit
+        self.varlen: tuple[VarLen, StepCosts] | None = None
         self.last_packing: Packed | None = None  # the last call's, where this rank packed one
 
     @property

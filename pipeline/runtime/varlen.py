@@ -10,7 +10,7 @@ is a group of sequences padded only to the longest of its own group, with its ow
                  90  12 300  40  41 250  16  88
     sorted       300 250 | 90 88 41 40 | 16 12          contiguous groups, longest first
     padded       2 x 300    4 x 90       2 x 16         the most padded tokens of any group is least
-    run order    the order the simulator finds fastest for the schedule (costs ~ padded tokens)
+    run order    the fastest the simulator finds that fits the memory limit (costs: tokens, length²)
 
 Packing. Sorted by length, the sequences are cut into m contiguous groups so that the largest
 group's padded tokens (rows x its longest) is as small as it can be (a greedy fill against a
@@ -19,10 +19,28 @@ bisected cap; exact for contiguous groups of sorted lengths); the longest group 
 low; balancing the groups keeps the pipeline's stages evenly fed.
 
 Order. The schedule's shape stays; which group runs as micro-batch i changes. A few orders
-(longest first, shortest first, alternating) are played on the schedule's programs
-(``pipeline.schedules.program.play``) with each compute's cost scaled by its group's padded tokens,
-and the fastest is kept. Relabelling micro-batches keeps every rank's program, so every order run
-is the validated schedule's.
+(costliest first, cheapest first, alternating, and the most bytes spread p apart, each also
+reversed) are played on the schedule's programs (``pipeline.schedules.program.play``), and the
+fastest whose memory fits is kept. Relabelling micro-batches keeps every rank's program, so every
+order run is the validated schedule's.
+
+Cost. A compute of stage s on a micro-batch of shape (r, L), with the plan's time t0 at its own
+micro-batch (R0, L0) and the share q of t0 that grows as rows x length² (attention's products;
+``StagePlan.*_squared``, which the partitioner splits off from the profile's flops at two lengths,
+``partitioner.lengths``)::
+
+    t(r, L) = t0 [(1 - q) r L / (R0 L0) + q r L² / (R0 L0²)]
+
+so 1 x 512 tokens costs more than 8 x 64 wherever attention weighs. Without a plan's predictions
+(a balance given by hand) F 1, B 2, W 1 per stage, scaled by the padded tokens alone.
+
+Memory. Where the plan carries the memory walk's figures per stage (``StagePlan.held``: what a
+micro-batch holds, each figure with its own length² share, e.g. scores a kernel materialises),
+each candidate is walked rank by rank (``pipeline.schedules.peaks``, the partitioner's own walk)
+with every micro-batch's figures grown to its shape by the same rule; an order fits when every
+rank's peak is within the ``memory_limit`` the plan was made under, or, when it was made without
+one, within the plan's own predicted peak (the plan was accepted at its micro-batch). None fits:
+a ValueError naming the step's longest micro-batch, its best peak, the limit and the fix.
 
 Loss by tokens. Micro-batch i's loss (``loss_fn``, a mean over the tokens its targets do not mark
 ``ignore_index``) is weighted by its share of the step's such tokens: the step's loss and gradients
@@ -37,20 +55,33 @@ them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.actions import Kind
+from pipeline.schedules.peaks import PARTS, StageBytes, rank_peaks
 from pipeline.schedules.program import play
 from pipeline.schedules.schedule import Schedule
 
 if TYPE_CHECKING:
     from pipeline.plan import Plan
 
-__all__ = ["Packed", "VarLen", "is_ragged", "lengths_of", "order", "pack", "pad", "plan_step", "stage_costs"]
+__all__ = [
+    "Packed",
+    "StepCosts",
+    "StepMemory",
+    "VarLen",
+    "is_ragged",
+    "lengths_of",
+    "order",
+    "pack",
+    "pad",
+    "plan_step",
+    "step_costs",
+]
 
 
 @dataclass(frozen=True)
@@ -87,13 +118,15 @@ class VarLen:
 @dataclass(frozen=True)
 class Packed:
     """One step's packing: ``groups[i]``, the sequences micro-batch i holds (in run order), padded to
-    ``widths[i]``; ``lengths[j]``, sequence j's; ``seconds``, the time packing and ordering took."""
+    ``widths[i]``; ``lengths[j]``, sequence j's; ``seconds``, the time packing and ordering took;
+    ``candidates``, each order's simulated step; ``peaks``, the chosen order's predicted peak per rank."""
 
     groups: tuple[tuple[int, ...], ...]
     widths: tuple[int, ...]
     lengths: tuple[int, ...]
     seconds: float = 0.0
     candidates: dict[str, float] = field(default_factory=dict)  # order name -> simulated step
+    peaks: tuple[float, ...] = ()  # per rank, the chosen order's predicted peak bytes (empty: unchecked)
 
     @property
     def tokens(self) -> int:
@@ -198,49 +231,109 @@ def pack(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
 
 
 def order(
-    groups: Sequence[tuple[int, ...]],
-    widths: Sequence[int],
-    sched: Schedule,
-    stage_costs: Callable[[Action], float],
-) -> tuple[list[int], dict[str, float]]:
-    """The run order of ``groups`` (a permutation of their indices) that the schedule finishes first,
-    each compute costing ``stage_costs(action)`` times its group's padded tokens over the mean; and
-    every candidate's simulated step."""
-    size = [len(g) * w for g, w in zip(groups, widths, strict=True)]
-    mean = sum(size) / len(size)
-    by_size = sorted(range(len(groups)), key=lambda i: (-size[i], i))
-    # the longest, the shortest, the second longest, the second shortest, ...
-    alternating = [by_size[k // 2] if k % 2 == 0 else by_size[-1 - k // 2] for k in range(len(by_size))]
-    orders = {
-        "longest first": by_size,
-        "shortest first": by_size[::-1],
+    groups: Sequence[tuple[int, ...]], widths: Sequence[int], sched: Schedule, costs: StepCosts
+) -> tuple[list[int], dict[str, float], list[float]]:
+    """The run order of ``groups`` (a permutation of their indices): of a few candidates, the one the
+    schedule finishes first with each compute costing ``costs`` at its group's shape (rows, width),
+    among those whose every rank's predicted peak fits ``costs.memory``'s limit; each candidate's
+    simulated step; the chosen order's predicted peak per rank (empty: no memory check). A
+    ValueError naming the step's longest micro-batch when no candidate fits."""
+    m = len(groups)
+    shapes = [(len(g), w) for g, w in zip(groups, widths, strict=True)]
+    grow = _growth(shapes, costs.shape)
+    # table[kind][s][g]: a compute of group g on stage s, in seconds
+    table = {kind: [[_grown(t, q, *grow[g]) for g in range(m)]
+                    for t, q in zip(costs.seconds[kind], costs.squared[kind], strict=True)]
+             for kind in costs.seconds}  # fmt: skip
+    memory = costs.memory
+    # held[s][f][g]: figure f of the memory walk for group g on stage s, in bytes
+    held = None if memory is None else [_held_at(st, grow) for st in memory.stages]
+    work = [sum(row[g] for rows in table.values() for row in rows) for g in range(m)]  # each group's seconds
+    by_work = sorted(range(m), key=lambda g: (-work[g], g))
+    # the costliest, the cheapest, the second costliest, the second cheapest, ...
+    alternating = [by_work[k // 2] if k % 2 == 0 else by_work[-1 - k // 2] for k in range(m)]
+    # the groups holding the most bytes p apart: any p micro-batches in a row (what 1F1B's first
+    # stage holds at once) take one of each tier, so the most held at once is least
+    weight = (
+        work
+        if held is None
+        else [sum(row[g] for figures in held for row in figures.values()) for g in range(m)]
+    )
+    by_weight = sorted(range(m), key=lambda g: (-weight[g], g))
+    slots = [i for first in range(sched.n_ranks) for i in range(first, m, sched.n_ranks)]
+    spread = [0] * m
+    for g, i in zip(by_weight, slots, strict=True):
+        spread[i] = g
+    candidates = {
+        "longest first": by_work,
+        "shortest first": by_work[::-1],
         "alternating": alternating,
         "alternating, shortest first": alternating[::-1],
+        "spread": spread,
+        "spread, reversed": spread[::-1],
     }
+    orders: dict[str, list[int]] = {}
+    for name, perm in candidates.items():  # each order once, under its first name
+        if perm not in orders.values():
+            orders[name] = perm
     programs = sched.programs()
     results: dict[str, float] = {}
     for name, perm in orders.items():
-        scale = [size[g] / mean for g in perm]
-        played = play(programs, lambda a, scale=scale: stage_costs(a) * scale[a.microbatch])  # type: ignore[misc]
+        played = play(programs, lambda a, perm=perm: table[a.kind][a.stage][perm[a.microbatch]])  # type: ignore[misc]
         results[name] = max(played.ends) if played.ends else 0.0
-    best = min(results, key=results.__getitem__)  # on a tie, the first of ``orders``
-    return orders[best], results
+    fastest = sorted(orders, key=results.__getitem__)  # stable: on a tie, the first of ``orders``
+    if memory is None or held is None:
+        return orders[fastest[0]], results, []
+    tried: dict[str, list[float]] = {}
+    for name in fastest:
+        perm = orders[name]
+        own = [{f: [row[g] for g in perm] for f, row in figures.items()} for figures in held]
+        tried[name] = rank_peaks(sched, memory.stages, memory.recompute, own)
+        if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(tried[name], memory.limits, strict=True)):
+            return perm, results, tried[name]
+    raise ValueError(_too_big(groups, widths, tried, memory))
 
 
-def plan_step(
-    lengths: Sequence[int], sched: Schedule, opts: VarLen, stage_costs: Callable[[Action], float]
-) -> Packed:
+def _too_big(
+    groups: Sequence[tuple[int, ...]],
+    widths: Sequence[int],
+    tried: dict[str, list[float]],
+    memory: StepMemory,
+) -> str:
+    """Why no order fits: the step's longest micro-batch, the least overshoot of any order, the fix."""
+    longest = max(range(len(groups)), key=lambda g: (widths[g], len(groups[g])))
+
+    def over(name: str) -> tuple[float, int]:
+        return max(
+            (peak - limit, r) for r, (peak, limit) in enumerate(zip(tried[name], memory.limits, strict=True))
+        )
+
+    best = min(tried, key=over)
+    r = over(best)[1]
+    rows, width = len(groups[longest]), widths[longest]
+    return (
+        f"no run order of this step's micro-batches fits the memory limit: with its longest micro-batch "
+        f"({rows} sequences padded to {width} tokens: {list(groups[longest])}), rank {r}'s "
+        f"predicted peak is {tried[best][r] / 1e6:.4g} MB at best (order {best!r}), over its limit "
+        f"{memory.limits[r] / 1e6:.4g} MB ({memory.bound}); lower VarLen(token_budget=...) below its "
+        f"{rows * width} padded tokens, so that long sequences go fewer to a "
+        "micro-batch, or raise the limit (partition(..., memory_limit=...))"
+    )
+
+
+def plan_step(lengths: Sequence[int], sched: Schedule, opts: VarLen, costs: StepCosts) -> Packed:
     """Pack and order one step (what rank 0 and the last stage's rank both compute, alike)."""
     start = time.perf_counter()
     groups = pack(lengths, sched.n_microbatches, opts)
     widths = [_width(max(lengths[j] for j in g), opts.pad_multiple) for g in groups]
-    perm, results = order(groups, widths, sched, stage_costs)
+    perm, results, peaks = order(groups, widths, sched, costs)
     return Packed(
         tuple(groups[g] for g in perm),
         tuple(widths[g] for g in perm),
         tuple(lengths),
         time.perf_counter() - start,
         results,
+        tuple(peaks),
     )
 
 
@@ -257,19 +350,97 @@ def pad(seqs: Sequence[torch.Tensor], packed: Packed, value: int) -> list[torch.
     return out
 
 
-def stage_costs(plan: Plan | None, sched: Schedule) -> Callable[[Action], float]:
-    """Each compute's seconds at the plan's micro-batch: its stage's predicted forward, backward
-    (the input-gradient part alone when split) and weight-gradient times; without them (a plan
-    given as a balance) F 1, B 2 and W 1 for every stage (B 1 when split)."""
+@dataclass(frozen=True)
+class StepMemory:
+    """What each order's memory is checked against: per stage, the figures the walk holds of one
+    micro-batch at the plan's shape (``StagePlan.held``, each with its length² shares); each
+    stage's recompute mode; per rank, the limit; and what that limit is (for the message)."""
+
+    stages: list[StageBytes]
+    recompute: list[str]
+    limits: list[float]
+    bound: str
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step's order is chosen by (``step_costs``): per kind (F, B, W) and stage, a compute's
+    seconds at the micro-batch ``shape`` (rows, length) and the share of them that grows as rows x
+    length² (the rest as the tokens); ``shape`` None: at the step's mean padded tokens, all as the
+    tokens; ``memory``: the limit every rank's predicted peak must fit (None: unchecked)."""
+
+    seconds: dict[Kind, list[float]]
+    squared: dict[Kind, list[float]]
+    shape: tuple[int, int] | None = None
+    memory: StepMemory | None = None
+
+
+def step_costs(plan: Plan | None, sched: Schedule) -> StepCosts:
+    """What the plan predicts of each compute and of memory, for ``order``.
+
+    Times: its stages' forward, backward (the input-gradient part alone when split) and weight-
+    gradient times at its micro-batch shape, each split into the part growing as the tokens and
+    the part growing as rows x length² (``StagePlan.*_squared``). Without them (a plan given as a
+    balance): F 1, B 2 and W 1 for every stage (B 1 when split), scaled by the tokens alone.
+
+    Memory, where the plan carries the walk's figures (``StagePlan.held``) and its shape: every
+    rank's peak must stay within the ``memory_limit`` the plan was made under, or else within the
+    plan's own predicted peak (``Plan.rank_peaks``: the plan was accepted at its micro-batch)."""
     stages = plan.stages if plan is not None else []
-    if len(stages) == sched.n_stages and all(st.forward_time > 0 for st in stages):
-        split = sched.split_backward
-        f = [st.forward_time for st in stages]
-        b = [st.backward_time - (st.weight_time if split else 0.0) for st in stages]
-        w = [st.weight_time for st in stages]
-    else:
-        f = [1.0] * sched.n_stages
-        b = [1.0 if sched.split_backward else 2.0] * sched.n_stages
-        w = [1.0] * sched.n_stages
-    cost = {Kind.F: f, Kind.B: b, Kind.W: w}
-    return lambda a: cost[a.kind][a.stage]
+    k, split = sched.n_stages, sched.split_backward
+    if plan is None or len(stages) != k or not all(st.forward_time > 0 for st in stages):
+        seconds = {Kind.F: [1.0] * k, Kind.B: [1.0 if split else 2.0] * k, Kind.W: [1.0] * k}
+        return StepCosts(seconds, {kind: [0.0] * k for kind in seconds})
+    b = [st.backward_time - (st.weight_time if split else 0.0) for st in stages]
+    # B's length² seconds: the whole backward's, less W's when W runs apart
+    b_squared = [st.backward_time * st.backward_squared - (st.weight_time * st.weight_squared if split else 0)
+                 for st in stages]  # fmt: skip
+    seconds = {
+        Kind.F: [st.forward_time for st in stages],
+        Kind.B: b,
+        Kind.W: [st.weight_time for st in stages],
+    }
+    squared = {
+        Kind.F: [st.forward_squared for st in stages],
+        Kind.B: [min(max(q / t, 0.0), 1.0) if t > 0 else 0.0 for q, t in zip(b_squared, b, strict=True)],
+        Kind.W: [st.weight_squared for st in stages],
+    }
+    if len(plan.micro_batch_shape) != 2:
+        return StepCosts(seconds, squared)
+    rows, length = plan.micro_batch_shape
+    held = [st.held for st in stages]
+    limits, bound = plan.memory_limit, "the memory_limit the plan was made under"
+    if not limits:
+        limits, bound = (
+            plan.rank_peaks,
+            f"no memory_limit: the plan's own predicted peak at {rows} x {length}",
+        )
+    memory = None
+    if limits and all(h is not None for h in held):
+        modes = [plan.recompute_of(s) for s in range(k)]
+        memory = StepMemory([h for h in held if h is not None], modes, list(limits), bound)
+    return StepCosts(seconds, squared, (rows, length), memory)
+
+
+def _growth(shapes: Sequence[tuple[int, int]], shape: tuple[int, int] | None) -> list[tuple[float, float]]:
+    """Per micro-batch of ``shapes`` (rows, length): how much its tokens and its rows x length² are
+    of ``shape``'s (None: of the mean tokens, the second as the first)."""
+    if shape is None:
+        tokens = [r * w for r, w in shapes]
+        mean = sum(tokens) / len(tokens)
+        return [(t / mean, t / mean) for t in tokens]
+    rows, length = shape
+    return [(r * w / (rows * length), r * w * w / (rows * length * length)) for r, w in shapes]
+
+
+def _grown(value: float, squared: float, tokens: float, square: float) -> float:
+    """A figure of the plan's micro-batch at another shape: the share ``squared`` of it grows as rows
+    x length² (``square``: how much that is of the plan's), the rest as the tokens (``tokens``)."""
+    return value * ((1.0 - squared) * tokens + squared * square)
+
+
+def _held_at(st: StageBytes, grow: Sequence[tuple[float, float]]) -> dict[str, list[float]]:
+    """Per figure of ``st`` (one micro-batch's bytes at the plan's shape), its bytes at each shape
+    whose growth ``grow`` gives (see ``_grown``); static bytes do not grow."""
+    shares = st.squared or (0.0,) * len(PARTS)
+    return {f: [_grown(getattr(st, f), q, *g) for g in grow] for f, q in zip(PARTS, shares, strict=True)}

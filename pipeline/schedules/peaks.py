@@ -1,0 +1,265 @@
+"""The per-rank memory walk: each rank's program run instruction by instruction, holding each
+micro-batch's figures (``StageBytes``) from the action that makes them to the one that frees them.
+
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, i: micro-batch, r: rank
+
+ONE rule of what a rank holds when, read by the partitioner (``partitioner.memory``: its figures
+from a profile, its solver rows from ``coefficients``, a plan's ``rank_peaks``) and by the runtime
+(``pipeline.runtime.varlen``: a variable-length step's run order, each micro-batch's figures
+scaled to its own shape, checked against the plan's memory limit). It lives here, in the
+runtime's package, because the runtime may not import the partitioner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pipeline.runtime.recompute import check_mode, recomputes
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.program import Free, Post, Wait
+from pipeline.schedules.schedule import Schedule
+
+__all__ = ["PARTS", "StageBytes", "coefficients", "rank_peaks", "walk"]
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """Bytes of one micro-batch on stage s, each storage once (``partitioner.memory.stage_bytes``
+    makes them from a profile; a plan carries them per stage, ``StagePlan.held``)."""
+
+    saved: float  # what its graph keeps beyond its input and output
+    input: float  # the stage input (a receive buffer; 0 on stage 0, whose input is the step's data)
+    output: float  # what it sends forward (0 on the last stage)
+    chain: float = 0.0  # split backward: layer outputs the chain keeps that no layer saves
+    grads: float = 0.0  # split backward: its layers' output gradients, kept from B to W
+    static: float = 0.0  # weights, gradients, optimizer state, buffers, autocast's weight copies
+    # split backward: the input gradient it sends is a layer's output gradient too (a view's
+    # backward; counted in ``input``, not ``grads``): held from B until sent and until W
+    input_grad_kept: bool = False
+    # held only while one compute runs: the most a layer's forward allocates and frees again; the
+    # most a layer's backward allocates at once, plus the gradient of its output it reads (the
+    # stage's last layer reads the received one, counted in ``output``; on the last stage the
+    # loss makes it, and the last layer's output goes with its graph: its closing figures)
+    transient_forward: float = 0.0
+    transient_backward: float = 0.0
+    # split backward's B: the input gradients only (``input_transient_bytes``); on stage 0 its first
+    # layer computes none (the step's data needs no gradient: StageRuntime's B stops there)
+    transient_input_grad: float = 0.0
+    # split backward's W: the weight gradients only (``weight_transient_bytes``): no input gradient,
+    # and the output gradients it reads are held anyway (``grads``, the received one)
+    transient_weight: float = 0.0
+    # a recomputing F (under no_grad: no graph keeps its layers' outputs): each layer's output
+    # beside its input and its forward's transient, the stage's input held apart
+    transient_recompute: float = 0.0
+    # per figure of PARTS, the share of its bytes that grows as rows x length² at fixed tokens (the
+    # attention scores a kernel materialises), the rest growing as the tokens; empty: all as tokens
+    squared: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "squared", tuple(float(q) for q in self.squared))  # JSON gives a list
+        shares = self.squared
+        if shares and (len(shares) != len(PARTS) or not all(0.0 <= q <= 1.0 for q in shares)):
+            raise ValueError(
+                f"StageBytes(squared={list(self.squared)}): give one share in [0, 1] per figure of PARTS "
+                f"({len(PARTS)}: {', '.join(PARTS)}), or none (every figure grows as the tokens)"
+            )
+
+
+def rank_peaks(
+    sched: Schedule,
+    stages: Sequence[StageBytes],
+    recompute: str | Sequence[str],
+    microbatches: Sequence[Mapping[str, Sequence[float]]] | None = None,
+) -> list[float]:
+    """Per rank: its predicted peak bytes in a step (static bytes + the most activation bytes held).
+
+    Walks each rank's program (``Schedule.program``, what the executor runs), holding per micro-batch::
+
+        F        input (all), graph + output (unless it recomputes)
+        B        replay (recomputing): graph + a new output; split: + layer output grads
+        end of B unsplit: everything of the micro-batch;  W: everything (split)
+        SEND_*   the sent tensor from its post to the program's free of it
+        RECV_*   the buffer from its posting (one comm block ahead) to its compute's end
+        F, B, W  while it runs: its layers' transients (``StageBytes.transient_*``): F's
+                 (a recomputing F's: its outputs too, no graph keeps them), B's (split: the
+                 input gradients'), W's (the weight gradients'); on the last stage its last
+                 layer's closing figures (its output and gradient freed inside, by the loss's)
+
+    ``recompute``: one mode for every stage, or one per stage. ``microbatches[s][f][i]``: figure f
+    (of ``PARTS``) of micro-batch i on stage s, where micro-batches differ (a variable-length
+    step's shapes); None: each weighs ``stages[s]``. Static bytes and ``input_grad_kept`` are
+    ``stages``'.
+    """
+    modes = [recompute] * sched.n_stages if isinstance(recompute, str) else list(recompute)
+    if len(modes) != sched.n_stages or len(stages) != sched.n_stages:
+        raise ValueError(
+            f"{len(stages)} stage figures and {len(modes)} recompute modes for {sched.n_stages} stages; "
+            "give one per stage"
+        )
+    for mode in modes:
+        check_mode(mode)
+    m = sched.n_microbatches
+    if microbatches is not None and (
+        len(microbatches) != sched.n_stages
+        or any(len(figures.get(f, ())) != m for figures in microbatches for f in PARTS)
+    ):
+        raise ValueError(
+            f"microbatches must give each figure of PARTS for {m} micro-batches on each of "
+            f"{sched.n_stages} stages; got {len(microbatches)} stages"
+        )
+
+    def weigh(key: tuple[str, int, int]) -> tuple[int, float]:
+        kind, s, _ = key
+        return 0, getattr(stages[s], _FIELD[kind])
+
+    def weigh_own(key: tuple[str, int, int]) -> tuple[int, float]:
+        kind, s, i = key
+        return 0, microbatches[s][_FIELD[kind]][i]  # type: ignore[index]
+
+    gin_kept = [st.input_grad_kept for st in stages]
+    return [
+        sum(stages[s].static for s in sched.stages_of(r))
+        + walk(sched, r, weigh if microbatches is None else weigh_own, 1, modes, gin_kept)[0]
+        for r in range(sched.n_ranks)
+    ]
+
+
+# what a message's buffer holds: the tensor it receives or sends
+_BUFFER = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND_B: "gin"}
+# what each holder of the walk weighs: a field of ``StageBytes``
+_FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
+          "set": "saved", "chain": "chain", "grads": "grads", "tf": "transient_forward",
+          "tb": "transient_backward", "tbi": "transient_input_grad", "tw": "transient_weight",
+          "tfr": "transient_recompute"}  # fmt: skip
+# the per-micro-batch figures of StageBytes
+PARTS = ("saved", "input", "output", "chain", "grads", "transient_forward", "transient_backward",
+         "transient_input_grad", "transient_weight", "transient_recompute")  # fmt: skip
+
+
+def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[str, float]]:
+    """Per stage s: for each figure of ``StageBytes`` (``PARTS``), the most micro-batches' worth of
+    it that s's rank holds at once in the walk, each figure on its own (the walk with unit bytes).
+
+    The walk is linear in the figures for a fixed order of actions, so a rank's activation peak is
+    max over moments t of sum over its stages s and figures f of count[t, s, f] * bytes[s, f]
+    <= sum over s, f of (max over t of count[t, s, f]) * bytes[s, f]: these coefficients times the
+    bytes bound the walk for every balance (equal when every figure peaks at the same moment)."""
+    modes = [recompute] * sched.n_stages if isinstance(recompute, str) else list(recompute)
+    if len(modes) != sched.n_stages:
+        raise ValueError(f"{len(modes)} recompute modes for {sched.n_stages} stages; give one per stage")
+    for mode in modes:
+        check_mode(mode)
+    p, width = sched.n_ranks, len(PARTS)
+    column = {kind: PARTS.index(f) for kind, f in _FIELD.items()}
+
+    def weigh(key: tuple[str, int, int]) -> tuple[int, float]:  # a slot per (stage of r, figure)
+        kind, s, _ = key
+        return (s // p) * width + column[kind], 1.0
+
+    out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
+    for r in range(p):
+        peak = walk(sched, r, weigh, width * (sched.n_stages // p), modes)
+        for s in sched.stages_of(r):
+            out[s] = {f: peak[(s // p) * width + j] for j, f in enumerate(PARTS)}
+    return out
+
+
+def walk(
+    sched: Schedule,
+    r: int,
+    weigh: Callable[[tuple[str, int, int]], tuple[int, float]],
+    width: int,
+    modes: list[str],
+    gin_kept: Sequence[bool] = (),
+) -> list[float]:
+    """Rank r's most bytes held at once (see ``rank_peaks``), per slot: ``weigh(key)`` is a held
+    tensor's (slot, bytes), and each of the ``width`` slots gets its own maximum over the step (one
+    slot: the peak itself). It walks ``sched.program(r)``, the order the executor runs: what a post
+    holds, a free releases, and a receive's buffer goes at the end of the compute that waited for
+    it. ``gin_kept[s]``: stage s's sent input gradient is held until its W too
+    (``StageBytes.input_grad_kept``). Slots are plain numbers, not arrays: planning walks thousands
+    of programs of thousands of instructions."""
+    gins = {s for s, kept in enumerate(gin_kept) if kept}
+    refs: dict[tuple[str, int, int], int] = {}
+    now, peak = [0.0] * width, [0.0] * width
+    m = sched.n_microbatches
+
+    # a neighbour stage on this rank (the V's turn) hands its tensor over locally: stage s's input
+    # is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient
+    mine = sched.stages_of(r)
+    local_in = {s for s in mine if s > 0 and sched.rank_of(s - 1) == r}
+    local_gout = {s for s in mine if s < sched.n_stages - 1 and sched.rank_of(s + 1) == r}
+
+    def same(key: tuple[str, int, int]) -> tuple[str, int, int]:
+        kind, s, i = key
+        if kind == "in" and s in local_in:
+            return ("out", s - 1, i)
+        if kind == "gout" and s in local_gout:
+            return ("gin", s + 1, i)
+        return key
+
+    handover = bool(local_in or local_gout)
+
+    def take(*keys: tuple[str, int, int]) -> None:
+        # only increments: each slot's maximum is reached at the end of a take
+        for key in map(same, keys) if handover else keys:
+            held = refs.get(key, 0)
+            refs[key] = held + 1
+            if held == 0:
+                slot, n = weigh(key)
+                now[slot] += n
+                if now[slot] > peak[slot]:
+                    peak[slot] = now[slot]
+
+    def drop(*keys: tuple[str, int, int]) -> None:
+        for key in map(same, keys) if handover else keys:
+            held = refs.get(key)
+            if held is None:
+                continue
+            if held == 1:
+                del refs[key]
+                slot, n = weigh(key)
+                now[slot] -= n
+            else:
+                refs[key] = held - 1
+
+    def momentary(key: tuple[str, int, int]) -> None:  # held while one compute runs
+        take(key)
+        drop(key)
+
+    def buffer(a: Action) -> tuple[str, int, int]:
+        return (_BUFFER[a.kind], a.stage, a.microbatch)
+
+    consumed: list[tuple[str, int, int]] = []
+    for x in sched.program(r):
+        if isinstance(x, Post):
+            take(*(buffer(a) for a in (*x.sends, *x.recvs)))
+        elif isinstance(x, Wait):
+            consumed.append(buffer(x.recv))
+        elif isinstance(x, Free):
+            drop(*(buffer(a) for a in x.sends))
+        elif isinstance(x, Action):
+            a, s, i = x, x.stage, x.microbatch
+            replays = recomputes(modes[s], i, m)
+            until_w = [("grads", s, i), ("gout", s, i), *([("gin", s, i)] if s in gins else [])]
+            if a.kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
+                kept = [] if replays else [("set", s, i), ("out", s, i)]
+                take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
+                momentary(("tfr" if replays else "tf", s, i))
+            elif a.kind is Kind.B:
+                if replays:
+                    take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
+                    momentary(("tf", s, i))
+                momentary(("tbi" if sched.split_backward else "tb", s, i))
+                if sched.split_backward:
+                    take(*until_w)
+                else:
+                    drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
+            else:
+                momentary(("tw", s, i))
+                drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
+                drop(*until_w)
+            drop(*consumed)
+            consumed = []
+    return peak
