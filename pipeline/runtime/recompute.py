@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.schedules.modes import RECOMPUTE_MODES, check_mode, recomputes
+
 __all__ = [
     "CHECKPOINT_MODES",
     "RECOMPUTE_MODES",
@@ -37,16 +39,8 @@ __all__ = [
     "recomputes",
 ]
 
-RECOMPUTE_MODES = ("never", "except_last", "always")
 Recompute = str | tuple[str, ...]  # one mode for every stage, or one per stage
 CHECKPOINT_MODES = RECOMPUTE_MODES  # the old name, kept for one release
-
-
-def check_mode(mode: str) -> str:
-    """``mode`` if it is one of RECOMPUTE_MODES, else a ValueError naming them."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"unknown recompute mode {mode!r}; use one of {', '.join(RECOMPUTE_MODES)}")
-    return mode
 
 
 def check_recompute(recompute: object, n_stages: int) -> Recompute:
@@ -75,15 +69,6 @@ def check_recompute(recompute: object, n_stages: int) -> Recompute:
 def mode_of(recompute: Recompute, stage: int) -> str:
     """Stage ``stage``'s mode under a checked ``recompute`` (one mode, or one per stage)."""
     return recompute if isinstance(recompute, str) else recompute[stage]
-
-
-def recomputes(mode: str, microbatch: int, n_microbatches: int) -> bool:
-    """True when micro-batch ``microbatch`` recomputes its forward under ``mode``."""
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return microbatch < n_microbatches - 1
-    return False
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeline.runtime.recompute import check_mode, recomputes
 from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.modes import check_mode, recomputes
 from pipeline.schedules.program import Free, Post, Wait
 from pipeline.schedules.schedule import Schedule
 
