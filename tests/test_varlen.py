@@ -24,7 +24,7 @@ from torch import nn
 from partitioner import plan_for, profile
 from partitioner.figures import Profile
 from partitioner.lengths import share
-from pipeline.reference.models import gpt, gpt_loss
+from pipeline.reference.models import gpt, gpt_loss, with_documents
 from pipeline.runtime.pipe import Pipeline
 from pipeline.runtime.varlen import (
     StepCosts,
@@ -36,7 +36,9 @@ from pipeline.runtime.varlen import (
     pack,
     pad,
     plan_step,
+    positions,
     step_costs,
+    widths_of,
 )
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.peaks import PARTS, StageBytes
@@ -49,6 +51,7 @@ from tests.pipe_common import assert_close, balance_of, grads_of
 VOCAB, MAX_LEN, M = 16, 24, 4
 LENGTHS = [3, 17, 9, 24, 5, 12, 1, 20, 7, 15, 2, 11]  # 12 sequences of every length up to MAX_LEN
 OPTS = VarLen(token_budget=64, max_len=MAX_LEN)
+DOCS = VarLen(token_budget=64, max_len=MAX_LEN, documents=True)  # rows of documents end to end
 CONFIGS = [(name, e.default_virtual) for name, e in REGISTRY.items()]
 
 
@@ -90,6 +93,72 @@ def test_pad_fills_each_micro_batch_past_each_sequence() -> None:
             assert row[: len(seqs[j])].tolist() == seqs[j].tolist()
             assert (row[len(seqs[j]) :] == -1).all()
     assert packed.tokens == 6 and packed.padded_tokens >= 6 and 0 <= packed.padding_share < 1
+
+
+def test_documents_fill_rows_longest_first_within_a_third_of_the_best() -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        m, multiple = rng.randint(1, min(n, 3)), rng.choice([1, 1, 4])
+        lengths = [rng.randint(1, 50) for _ in range(n)]
+        opts = VarLen(token_budget=10**6, pad_multiple=multiple, documents=True)
+        groups = pack(lengths, m, opts)
+        assert len(groups) == m and all(groups)  # every row holds a document
+        assert sorted(j for g in groups for j in g) == list(range(n))  # each sequence once
+        widest = max(widths_of(groups, lengths, opts))
+        best = min(  # every assignment of the sequences to m rows
+            max(
+                _width(sum(x for x, r in zip(lengths, rows, strict=True) if r == i), multiple)
+                for i in range(m)
+            )
+            for rows in itertools.product(range(m), repeat=n)
+            if len(set(rows)) == m
+        )
+        assert widest <= best * 4 / 3 + multiple, (lengths, m, multiple)  # LPT's bound, the rounding on top
+
+
+def test_documents_are_laid_end_to_end_with_positions_from_zero() -> None:
+    seqs = [torch.arange(1, n + 1) for n in (3, 1, 2, 4)]
+    sched = schedule("gpipe", 1, 2)
+    opts = VarLen(token_budget=8, pad_multiple=3, documents=True)
+    packed = plan_step([3, 1, 2, 4], sched, opts, step_costs(None, sched))
+    assert packed.documents and sorted(packed.groups) == [(0, 2), (3, 1)]  # 4 + 1 and 3 + 2 tokens
+    assert packed.shapes == [(1, 6)] * 2 and packed.padded_tokens == 12 and packed.tokens == 10
+    rows, pos = pad(seqs, packed, -1), positions(packed, torch.device("cpu"))
+    by_group = {g: (r[0].tolist(), p[0].tolist()) for g, r, p in zip(packed.groups, rows, pos, strict=True)}
+    assert by_group[(3, 1)] == ([1, 2, 3, 4, 1, -1], [0, 1, 2, 3, 0, 0])  # the pad: a document of its own
+    assert by_group[(0, 2)] == ([1, 2, 3, 1, 2, -1], [0, 1, 2, 0, 1, 0])
+
+
+def test_with_documents_keeps_the_weights_and_their_names() -> None:
+    built = gpt(vocab_size=VOCAB, width=16, n_layers=1, n_heads=2, max_seq_len=MAX_LEN, batch_size=3)
+    with torch.no_grad():
+        built[0][-2].weight.normal_()  # a trained final norm, not its initial ones
+    before = {k: v.clone() for k, v in built[0].state_dict().items()}
+    model, (tokens, pos) = with_documents(built)
+    torch.testing.assert_close(dict(model.state_dict()), before, rtol=0, atol=0)
+    assert tokens is built[1] and pos.tolist() == [list(range(MAX_LEN))] * 3  # one document a row
+
+
+def test_a_row_of_documents_attends_within_each_document_alone() -> None:
+    """gpt(documents=True) on one packed row equals gpt() on each sequence alone, token by token."""
+    model = _model(documents=True)
+    plain = _model()
+    seqs = [torch.randint(0, VOCAB, (n,)) for n in (5, 1, 9)]
+    row, pos = torch.cat(seqs)[None], torch.cat([torch.arange(len(x)) for x in seqs])[None]  # (1, 15)
+    packed = model((row, pos))[0]  # (15, V)
+    alone = torch.cat([plain(x[None])[0] for x in seqs])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_of_documents_is_priced_as_one_row() -> None:
+    sched = schedule("1f1b", 4, 4)
+    rows = [(0, 1), (2,), (3, 4, 5), (6,)]
+    widths = [40, 20, 30, 3]
+    costs = _costs(4, squared=0.5)
+    as_single_rows = order([(g,) for g in range(4)], widths, sched, costs)
+    assert order(rows, widths, sched, costs, documents=True) == as_single_rows
+    assert order(rows, widths, sched, costs)[1] != as_single_rows[1]  # as padded groups, other costs
 
 
 def test_the_order_is_the_fastest_the_simulator_finds() -> None:
@@ -303,6 +372,11 @@ def test_a_plan_bounds_each_step_by_its_memory(toy: tuple[nn.Sequential, Profile
     [
         ([5, 5, 5], VarLen(token_budget=64), r"3 sequences but the pipeline runs n_microbatches=4"),
         ([30, 30, 30, 30, 30], VarLen(token_budget=32), r"need 60 padded tokens .*token_budget=32"),
+        (
+            [30, 30, 30, 3, 30],
+            VarLen(token_budget=32, documents=True),
+            r"need a row of 33 tokens .*token_budget=32",
+        ),
     ],
 )
 def test_a_step_that_cannot_be_packed_is_refused(lengths: list[int], opts: VarLen, match: str) -> None:
@@ -333,6 +407,7 @@ def test_bad_sequences_are_refused(seqs: list[Any], opts: VarLen, match: str) ->
         ({"token_budget": 8, "max_len": 0}, r"max_len=0\)"),
         ({"token_budget": 8, "pad_multiple": 2.0}, r"pad_multiple=2.0\)"),
         ({"token_budget": 8, "ignore_index": None}, r"ignore_index=None\): must be an integer"),
+        ({"token_budget": 8, "documents": 1}, r"documents=1\): must be True or False"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
@@ -355,10 +430,11 @@ def _data(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return xs, ys
 
 
-def _model() -> nn.Sequential:
+def _model(documents: bool = False) -> nn.Sequential:
+    """The same weights either way; ``documents``: it also takes (tokens, position ids)."""
     torch.manual_seed(0)
-    model, _ = gpt(vocab_size=VOCAB, width=16, n_layers=6, n_heads=2, max_seq_len=MAX_LEN)
-    return model
+    built = gpt(vocab_size=VOCAB, width=16, n_layers=6, n_heads=2, max_seq_len=MAX_LEN)
+    return with_documents(built)[0] if documents else built[0]
 
 
 def _reference(seeds: tuple[int, ...] = (0,)) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -378,16 +454,17 @@ def _reference(seeds: tuple[int, ...] = (0,)) -> tuple[list[float], dict[str, to
 
 def _matrix() -> dict[str, Any]:
     p, out = dist.get_world_size(), {}
-    for (sched, v), mode in itertools.product(CONFIGS, ("never", "always")):
-        model = _model()
+    for (sched, v), mode, opts in itertools.product(CONFIGS, ("never", "always"), (OPTS, DOCS)):
+        model = _model(opts.documents)
         pipe = Pipeline(
             model, balance_of(len(model), p * v), schedule=sched, n_virtual=v, n_microbatches=M,
-            recompute=mode, loss_fn=gpt_loss, varlen=OPTS, timeout=30.0,
+            recompute=mode, loss_fn=gpt_loss, varlen=opts, timeout=30.0,
         )  # fmt: skip
         xs, ys = _data()
         loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
         packing = pipe.last_packing
-        out[f"{sched}/{mode}"] = (loss, grads_of(pipe.named_parameters()), packing)
+        key = f"{sched}/{mode}{'/documents' if opts.documents else ''}"
+        out[key] = (loss, grads_of(pipe.named_parameters()), packing)
     return out
 
 
@@ -408,17 +485,24 @@ def test_every_schedule_equals_one_process_over_the_same_tokens(
         assert_close(merged, grads_ref, f"p={p} {key}")
         first, last = results[0][key][2], next(r[key][2] for r in reversed(results) if r[key][2] is not None)
         assert first is not None and first.groups == last.groups  # packed alike at both ends
-        assert max(len(g) * w for g, w in zip(first.groups, first.widths, strict=True)) <= OPTS.token_budget
+        assert max(r * w for r, w in first.shapes) <= OPTS.token_budget
+        # documents: one row each, no padding at all (pad_multiple 1), every sequence whole once
+        assert first.documents == key.endswith("/documents")
+        if first.documents:
+            assert {r for r, _ in first.shapes} == {1} and first.padded_tokens == sum(LENGTHS)
+            assert sorted(j for g in first.groups for j in g) == list(range(len(LENGTHS)))
 
 
 SEEDS = (0, 1, 2)  # three steps: the first sets up the shape rules, the others' new shapes use them
 
 
-def _emulated() -> tuple[list[float], dict[str, torch.Tensor], list[list[tuple[int, int]]], int, int]:
-    model = _model()
+def _emulated(
+    opts: VarLen,
+) -> tuple[list[float], dict[str, torch.Tensor], list[list[tuple[int, int]]], int, int]:
+    model = _model(opts.documents)
     p = dist.get_world_size()
     pipe = Pipeline(model, balance_of(len(model), p), schedule="1f1b", n_microbatches=M, loss_fn=gpt_loss,
-                    varlen=OPTS, timeout=30.0)  # fmt: skip
+                    varlen=opts, timeout=30.0)  # fmt: skip
     losses, shapes = [], []
     for seed in SEEDS:
         xs, ys = _data(seed)
@@ -429,8 +513,9 @@ def _emulated() -> tuple[list[float], dict[str, torch.Tensor], list[list[tuple[i
     return losses, grads_of(pipe.named_parameters()), shapes, ex.fake_derivations, distinct  # type: ignore[return-value]
 
 
-def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Path) -> None:
-    results = run_ranks(tmp_path, _emulated, 2, timeout=60.0, backend="nccl-emulated")
+@pytest.mark.parametrize("opts", [OPTS, DOCS], ids=["padded", "documents"])
+def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Path, opts: VarLen) -> None:
+    results = run_ranks(tmp_path, _emulated, 2, opts, timeout=60.0, backend="nccl-emulated")
     losses_ref, grads_ref = _reference(SEEDS)
     for r in results:
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[0], losses_ref, strict=True)), (
@@ -439,12 +524,17 @@ def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Pa
         )
     assert_close({k: g for r in results for k, g in r[1].items()}, grads_ref, "emulated")
     shapes, fake, distinct = results[1][2], results[1][3], results[1][4]
-    assert all(len(set(step)) == M for step in shapes) and shapes == results[0][2]  # each its own shape
+    assert shapes == results[0][2]
+    per_step = [len(set(step)) for step in shapes]  # distinct shapes in each step
+    # padded: each micro-batch its own shape; rows of documents balance their tokens: near, not all equal
+    assert min(per_step) == M if not opts.documents else min(per_step) > 1, per_step
     # after the first step, new shapes come from the rules: fake tensors set up only the first
-    # step's and those a rule does not cover (a micro-batch of one row)
+    # step's and those a rule does not cover (padded: a micro-batch of one row; rows of documents
+    # have a rule of their own, for one row)
     first = len(set(shapes[0]))
     later = {sig for step in shapes[1:] for sig in step} - set(shapes[0])
-    assert fake == results[0][3] and fake < distinct and fake <= first + sum(rows == 1 for rows, _ in later)
+    uncovered = 0 if opts.documents else sum(rows == 1 for rows, _ in later)
+    assert fake == results[0][3] and fake < distinct and fake <= first + uncovered
 
 
 def _mismatch(kind: str) -> str:

@@ -20,18 +20,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "Embedding", "ResidualBlock", "gpt", "gpt_loss", "mlp", "resnet"]
+__all__ = [
+    "Block",
+    "Documents",
+    "Embedding",
+    "FinalNorm",
+    "ResidualBlock",
+    "document_mask",
+    "gpt",
+    "gpt_loss",
+    "mlp",
+    "resnet",
+    "with_documents",
+]
+
+
+Documents = tuple[torch.Tensor, torch.Tensor]  # (activations or tokens, position ids (B, T) int64)
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding: (B, T) int64 -> (B, T, C)."""
+    """Token plus learned position embedding: (B, T) int64 -> (B, T, C); given documents, rows of
+    sequences end to end with their position ids ``(tokens, pos)``, -> ``(x, pos)``."""
 
     def __init__(self, vocab_size: int, width: int, max_seq_len: int) -> None:
         super().__init__()
         self.token = nn.Embedding(vocab_size, width)
         self.position = nn.Embedding(max_seq_len, width)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor | Documents) -> torch.Tensor | Documents:
+        if isinstance(idx, tuple):  # each document's positions count from 0 (VarLen(documents=True))
+            tokens, positions = idx
+            return self.token(tokens) + self.position(positions), positions  # (B, T, C), (B, T)
         t = idx.shape[1]
         if t > self.position.num_embeddings:
             raise ValueError(
@@ -44,7 +63,8 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention then MLP, each with a residual."""
+    """Pre-norm transformer block: causal self-attention then MLP, each with a residual; given
+    documents ``(x, pos)``, each token attends only to its own document's earlier tokens."""
 
     def __init__(self, width: int, n_heads: int) -> None:
         super().__init__()
@@ -58,14 +78,37 @@ class Block(nn.Module):
         self.fc = nn.Linear(width, 4 * width)
         self.fc_out = nn.Linear(4 * width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Documents) -> torch.Tensor | Documents:
+        if isinstance(x, tuple):
+            h, positions = x
+            return self._run(h, document_mask(positions)), positions
+        return self._run(x, None)
+
+    def _run(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln_attn(x)).split(c, dim=2)  # 3 x (B, T, C)
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, C/H)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         out: torch.Tensor = x + self.fc_out(F.gelu(self.fc(self.ln_mlp(x))))  # (B, T, C)
         return out
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, T) position ids of documents end to end, each from 0 -> (B, 1, T, T) bool: token i may
+    attend to token j <= i of its own document."""
+    t = positions.shape[1]
+    document = (positions == 0).cumsum(1)  # (B, T): which document of its row each token is
+    same = document.unsqueeze(2) == document.unsqueeze(1)  # (B, T, T)
+    causal = torch.ones((t, t), dtype=torch.bool, device=positions.device).tril()  # (T, T)
+    return (same & causal).unsqueeze(1)  # (B, 1, T, T), broadcast over heads
+
+
+class FinalNorm(nn.LayerNorm):
+    """The last LayerNorm; given documents ``(x, pos)``, of ``x`` alone (the head needs no positions)."""
+
+    def forward(self, x: torch.Tensor | Documents) -> torch.Tensor:
+        return super().forward(x[0] if isinstance(x, tuple) else x)
 
 
 def gpt(
@@ -85,6 +128,21 @@ def gpt(
     layers += [nn.LayerNorm(width), nn.Linear(width, vocab_size, bias=False)]
     sample = torch.randint(0, vocab_size, (batch_size, max_seq_len))
     return nn.Sequential(*layers), sample
+
+
+def with_documents(built: tuple[nn.Sequential, torch.Tensor]) -> tuple[nn.Sequential, Documents]:
+    """``gpt(...)``'s model and sample, the model now also taking rows of documents end to end,
+    ``(tokens, position ids)`` (B, T) each (``VarLen(documents=True)``): the same weights under the
+    same names (its final norm takes either input); the sample such a pair, one document a row."""
+    model, tokens = built
+    norm = model[-2]
+    if not isinstance(norm, nn.LayerNorm):
+        raise TypeError(f"with_documents takes gpt(...)'s model, whose layer -2 is a LayerNorm, not {norm!r}")
+    final = FinalNorm(norm.normalized_shape, norm.eps)
+    final.load_state_dict(norm.state_dict())
+    model[-2] = final
+    b, t = tokens.shape
+    return model, (tokens, torch.arange(t).expand(b, -1).contiguous())
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,16 @@ from pipeline.runtime.replicas import Replicas
 from pipeline.runtime.stage import StageRuntime
 from pipeline.runtime.stream import from_host
 from pipeline.runtime.ties import TiedGrads
-from pipeline.runtime.varlen import Packed, StepCosts, VarLen, is_ragged, lengths_of, pad, plan_step
+from pipeline.runtime.varlen import (
+    Packed,
+    StepCosts,
+    VarLen,
+    is_ragged,
+    lengths_of,
+    pad,
+    plan_step,
+    positions,
+)
 from pipeline.schedules.program import Collective, Program, ReduceWait
 from pipeline.schedules.schedule import Schedule, forward_only
 
@@ -235,7 +244,17 @@ class StepRunner:
             _sequences(self._given(inputs, "inputs", method), "inputs", method)
             lengths = lengths_of(inputs, "inputs", opts)
             self.last_packing = plan_step(lengths, self.schedule, opts, costs)
-            out.xs = [self.executor.to_device(x) for x in pad(inputs, self.last_packing, opts.pad_id)]
+            padded = pad(inputs, self.last_packing, opts.pad_id)
+            # a model that takes documents declares that it takes (tokens, position ids)
+            xs: list[Batch] = (
+                [
+                    (x, pos)
+                    for x, pos in zip(padded, positions(self.last_packing, inputs[0].device), strict=True)
+                ]
+                if opts.documents
+                else [x for x in padded]
+            )
+            out.xs = [self.executor.to_device(x) for x in xs]
             out.extra = tuple(lengths)
         if self.needs_targets and want_targets:
             _sequences(self._given(targets, "targets", method), "targets", method)

@@ -18,6 +18,22 @@ bisected cap; exact for contiguous groups of sorted lengths); the longest group 
 ``token_budget``, the bound the plan's memory was made for. Grouping similar lengths keeps padding
 low; balancing the groups keeps the pipeline's stages evenly fed.
 
+Documents. A model that takes document boundaries declares it (``VarLen(documents=True)``): its
+first stage then takes ``(tokens, position_ids)``, each (1, W), and every micro-batch is one row
+of whole sequences laid end to end, each one's positions counting from 0, so that the model can
+keep every document's attention to itself (the convention of Hugging Face's packed rows; a varlen
+kernel reads its ``cu_seqlens`` off the zeros). Nothing is padded but the row's tail up to
+``pad_multiple`` (positions 0 there: each pad a document of its own, its target ignored):
+
+    lengths   j:  0   1   2   3   4   5   6   7          (n = 8, m = 3)
+                 90  12 300  40  41 250  16  88
+    rows          [300 12] [250 40 16] [90 88 41]        longest first, each to the lightest row
+    tokens         312       306        219             (the longest row is least, near enough)
+    positions     0..299 0..11 | 0..249 0..39 0..15 | ...
+
+Each row is (1, W), priced as such below: a dense masked attention costs W², so the order is
+exact for it; a varlen kernel costs less, and the order is then conservative.
+
 Order. The schedule's shape stays; which group runs as micro-batch i changes. A few orders
 (costliest first, cheapest first, alternating, and the most bytes spread p apart, each also
 reversed) are played on the schedule's programs (``pipeline.schedules.program.play``), and the
@@ -80,7 +96,9 @@ __all__ = [
     "pack",
     "pad",
     "plan_step",
+    "positions",
     "step_costs",
+    "widths_of",
 ]
 
 
@@ -92,13 +110,16 @@ class VarLen:
     memory was made for; ``max_len``: the longest sequence the model takes (None: no check);
     ``pad_id``: what pads the inputs; ``ignore_index``: what pads the targets (the loss must ignore
     it, as ``F.cross_entropy`` does -100); ``pad_multiple``: each micro-batch's length is rounded
-    up to a multiple of it (fewer distinct shapes to set up, for a little more padding)."""
+    up to a multiple of it (fewer distinct shapes to set up, for a little more padding);
+    ``documents``: the model takes ``(tokens, position_ids)`` and keeps each document's attention
+    to itself, so each micro-batch is one row of whole sequences end to end (see "Documents")."""
 
     token_budget: int
     max_len: int | None = None
     pad_id: int = 0
     ignore_index: int = -100
     pad_multiple: int = 1
+    documents: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "pad_multiple"):
@@ -113,13 +134,16 @@ class VarLen:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"VarLen({name}={value!r}): must be an integer token id")
+        if not isinstance(self.documents, bool):
+            raise ValueError(f"VarLen(documents={self.documents!r}): must be True or False")
 
 
 @dataclass(frozen=True)
 class Packed:
     """One step's packing: ``groups[i]``, the sequences micro-batch i holds (in run order), padded to
-    ``widths[i]``; ``lengths[j]``, sequence j's; ``seconds``, the time packing and ordering took;
-    ``candidates``, each order's simulated step; ``peaks``, the chosen order's predicted peak per rank."""
+    ``widths[i]`` (``documents``: laid end to end in one row of that width); ``lengths[j]``, sequence
+    j's; ``seconds``, the time packing and ordering took; ``candidates``, each order's simulated
+    step; ``peaks``, the chosen order's predicted peak per rank."""
 
     groups: tuple[tuple[int, ...], ...]
     widths: tuple[int, ...]
@@ -127,6 +151,12 @@ class Packed:
     seconds: float = 0.0
     candidates: dict[str, float] = field(default_factory=dict)  # order name -> simulated step
     peaks: tuple[float, ...] = ()  # per rank, the chosen order's predicted peak bytes (empty: unchecked)
+    documents: bool = False
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Each micro-batch's (rows, length): a row of documents is one row."""
+        return _shapes(self.groups, self.widths, self.documents)
 
     @property
     def tokens(self) -> int:
@@ -134,7 +164,7 @@ class Packed:
 
     @property
     def padded_tokens(self) -> int:
-        return sum(len(g) * w for g, w in zip(self.groups, self.widths, strict=True))
+        return sum(r * w for r, w in self.shapes)
 
     @property
     def padding_share(self) -> float:
@@ -183,16 +213,33 @@ def _width(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def _shapes(
+    groups: Sequence[tuple[int, ...]], widths: Sequence[int], documents: bool
+) -> list[tuple[int, int]]:
+    """Each micro-batch's (rows, length): a group's sequences as rows, or one row of documents."""
+    return [(1 if documents else len(g), w) for g, w in zip(groups, widths, strict=True)]
+
+
+def widths_of(groups: Sequence[tuple[int, ...]], lengths: Sequence[int], opts: VarLen) -> list[int]:
+    """Each group's padded length: its longest sequence's, or (documents) all of its sequences' end
+    to end, rounded up to ``opts.pad_multiple``."""
+    join = sum if opts.documents else max
+    return [_width(join(lengths[j] for j in g), opts.pad_multiple) for g in groups]
+
+
 def pack(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
-    """Sequences (by index) in m contiguous groups of the lengths sorted longest first, with the most
-    padded tokens of any group least (see the module docstring); ValueError when it exceeds the
-    token budget or there are fewer than m sequences."""
+    """Sequences (by index) in m groups, one per micro-batch, with the most padded tokens of any
+    group least (see the module docstring): contiguous groups of the lengths sorted longest first,
+    or (documents) rows filled longest first; ValueError when it exceeds the token budget or
+    there are fewer than m sequences."""
     n = len(lengths)
     if n < m:
         raise ValueError(
             f"the step has {n} sequences but the pipeline runs n_microbatches={m}, and every micro-batch "
             f"needs one; pass at least {m} sequences, or plan fewer micro-batches"
         )
+    if opts.documents:
+        return _pack_documents(lengths, m, opts)
     by_length = sorted(range(n), key=lambda j: (-lengths[j], j))
     widths = [_width(lengths[j], opts.pad_multiple) for j in by_length]
 
@@ -230,8 +277,32 @@ def pack(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
     return groups
 
 
+def _pack_documents(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
+    """m rows of whole sequences: each sequence, longest first, to the row holding the fewest tokens
+    so far (the longest row within 4/3 of the least it can be; every row gets one of the m longest)."""
+    rows: list[list[int]] = [[] for _ in range(m)]
+    tokens = [0] * m
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        i = min(range(m), key=lambda i: (tokens[i], i))
+        rows[i].append(j)
+        tokens[i] += lengths[j]
+    groups = [tuple(r) for r in rows]
+    worst = max(widths_of(groups, lengths, opts))
+    if worst > opts.token_budget:
+        raise ValueError(
+            f"the step's {len(lengths)} sequences ({sum(lengths)} tokens, the longest {max(lengths)}) "
+            f"need a row of {worst} tokens in some micro-batch, more than VarLen(token_budget="
+            f"{opts.token_budget}); pass fewer sequences per step, or raise token_budget or n_microbatches"
+        )
+    return groups
+
+
 def order(
-    groups: Sequence[tuple[int, ...]], widths: Sequence[int], sched: Schedule, costs: StepCosts
+    groups: Sequence[tuple[int, ...]],
+    widths: Sequence[int],
+    sched: Schedule,
+    costs: StepCosts,
+    documents: bool = False,
 ) -> tuple[list[int], dict[str, float], list[float]]:
     """The run order of ``groups`` (a permutation of their indices): of a few candidates, the one the
     schedule finishes first with each compute costing ``costs`` at its group's shape (rows, width),
@@ -239,7 +310,7 @@ def order(
     simulated step; the chosen order's predicted peak per rank (empty: no memory check). A
     ValueError naming the step's longest micro-batch when no candidate fits."""
     m = len(groups)
-    shapes = [(len(g), w) for g, w in zip(groups, widths, strict=True)]
+    shapes = _shapes(groups, widths, documents)
     grow = _growth(shapes, costs.shape)
     # table[kind][s][g]: a compute of group g on stage s, in seconds
     table = {kind: [[_grown(t, q, *grow[g]) for g in range(m)]
@@ -291,17 +362,17 @@ def order(
         tried[name] = rank_peaks(sched, memory.stages, memory.recompute, own)
         if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(tried[name], memory.limits, strict=True)):
             return perm, results, tried[name]
-    raise ValueError(_too_big(groups, widths, tried, memory))
+    raise ValueError(_too_big(groups, shapes, tried, memory))
 
 
 def _too_big(
     groups: Sequence[tuple[int, ...]],
-    widths: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
     tried: dict[str, list[float]],
     memory: StepMemory,
 ) -> str:
     """Why no order fits: the step's longest micro-batch, the least overshoot of any order, the fix."""
-    longest = max(range(len(groups)), key=lambda g: (widths[g], len(groups[g])))
+    longest = max(range(len(groups)), key=lambda g: (shapes[g][1], shapes[g][0]))
 
     def over(name: str) -> tuple[float, int]:
         return max(
@@ -310,10 +381,16 @@ def _too_big(
 
     best = min(tried, key=over)
     r = over(best)[1]
-    rows, width = len(groups[longest]), widths[longest]
+    rows, width = shapes[longest]
+    sequences = len(groups[longest])
+    holds = (
+        f"{rows} sequences padded to {width} tokens"
+        if rows == sequences
+        else f"one row of {sequences} documents, {width} tokens"
+    )
     return (
         f"no run order of this step's micro-batches fits the memory limit: with its longest micro-batch "
-        f"({rows} sequences padded to {width} tokens: {list(groups[longest])}), rank {r}'s "
+        f"({holds}: {list(groups[longest])}), rank {r}'s "
         f"predicted peak is {tried[best][r] / 1e6:.4g} MB at best (order {best!r}), over its limit "
         f"{memory.limits[r] / 1e6:.4g} MB ({memory.bound}); lower VarLen(token_budget=...) below its "
         f"{rows * width} padded tokens, so that long sequences go fewer to a "
@@ -325,8 +402,8 @@ def plan_step(lengths: Sequence[int], sched: Schedule, opts: VarLen, costs: Step
     """Pack and order one step (what rank 0 and the last stage's rank both compute, alike)."""
     start = time.perf_counter()
     groups = pack(lengths, sched.n_microbatches, opts)
-    widths = [_width(max(lengths[j] for j in g), opts.pad_multiple) for g in groups]
-    perm, results, peaks = order(groups, widths, sched, costs)
+    widths = widths_of(groups, lengths, opts)
+    perm, results, peaks = order(groups, widths, sched, costs, opts.documents)
     return Packed(
         tuple(groups[g] for g in perm),
         tuple(widths[g] for g in perm),
@@ -334,19 +411,43 @@ def plan_step(lengths: Sequence[int], sched: Schedule, opts: VarLen, costs: Step
         time.perf_counter() - start,
         results,
         tuple(peaks),
+        opts.documents,
     )
 
 
 def pad(seqs: Sequence[torch.Tensor], packed: Packed, value: int) -> list[torch.Tensor]:
     """The micro-batches of ``seqs`` as ``packed`` groups them, each (rows, width, ...) filled with
-    ``value`` past each sequence's end."""
+    ``value`` past each sequence's end; documents: (1, width, ...), the group's sequences end to end,
+    then ``value`` to the row's end."""
+    out = []
+    for (rows, width), group in zip(packed.shapes, packed.groups, strict=True):
+        first = seqs[group[0]]
+        batch = first.new_full((rows, width, *first.shape[1:]), value)
+        at = 0
+        for row, j in enumerate(group):
+            n = seqs[j].shape[0]
+            if packed.documents:
+                batch[0, at : at + n] = seqs[j]
+                at += n
+            else:
+                batch[row, :n] = seqs[j]
+        out.append(batch)
+    return out
+
+
+def positions(packed: Packed, device: torch.device) -> list[torch.Tensor]:
+    """A row of documents' position ids, (1, width) int64 per micro-batch on ``device`` (the
+    sequences'): each sequence's positions from 0, and 0 for each pad past the last (a document of
+    one token, its target ignored)."""
     out = []
     for group, width in zip(packed.groups, packed.widths, strict=True):
-        first = seqs[group[0]]
-        batch = first.new_full((len(group), width, *first.shape[1:]), value)
-        for row, j in enumerate(group):
-            batch[row, : seqs[j].shape[0]] = seqs[j]
-        out.append(batch)
+        row = torch.zeros((1, width), dtype=torch.int64, device=device)
+        at = 0
+        for j in group:
+            n = packed.lengths[j]
+            row[0, at : at + n] = torch.arange(n, device=device)
+            at += n
+        out.append(row)
     return out
 
 
