@@ -30,6 +30,7 @@ from pipeline.runtime.varlen import (
     StepCosts,
     StepMemory,
     VarLen,
+    _fill,
     _width,
     lengths_of,
     order,
@@ -51,7 +52,7 @@ from tests.pipe_common import assert_close, balance_of, grads_of
 VOCAB, MAX_LEN, M = 16, 24, 4
 LENGTHS = [3, 17, 9, 24, 5, 12, 1, 20, 7, 15, 2, 11]  # 12 sequences of every length up to MAX_LEN
 OPTS = VarLen(token_budget=64, max_len=MAX_LEN)
-DOCS = VarLen(token_budget=64, max_len=MAX_LEN, documents=True)  # rows of documents end to end
+DOCS = VarLen(token_budget=64, max_len=MAX_LEN, pad_multiple=3, documents=True)  # rows end to end, a pad tail
 CONFIGS = [(name, e.default_virtual) for name, e in REGISTRY.items()]
 
 
@@ -117,6 +118,14 @@ def test_documents_fill_rows_longest_first_within_a_third_of_the_best() -> None:
         assert widest <= best * 4 / 3 + multiple, (lengths, m, multiple)  # LPT's bound, the rounding on top
 
 
+def test_documents_fill_rows_to_the_budget_where_balancing_overflows_it() -> None:
+    # balanced longest first: 3 + 2 + 2 = 7 | 3 + 2, over 6; filled to 6: 3 + 3 | 2 + 2 + 2
+    opts = VarLen(token_budget=6, documents=True)
+    assert sorted(pack([3, 3, 2, 2, 2], 2, opts)) == [(0, 1), (2, 3, 4)]
+    # filled to the budget, a row left empty takes the last sequence of the row holding the most
+    assert _fill([1, 1, 1, 2], 3, opts) == [[3, 0], [2], [1]]
+
+
 def test_documents_are_laid_end_to_end_with_positions_from_zero() -> None:
     seqs = [torch.arange(1, n + 1) for n in (3, 1, 2, 4)]
     sched = schedule("gpipe", 1, 2)
@@ -135,13 +144,15 @@ def test_with_documents_keeps_the_weights_and_their_names() -> None:
     with torch.no_grad():
         built[0][-2].weight.normal_()  # a trained final norm, not its initial ones
     before = {k: v.clone() for k, v in built[0].state_dict().items()}
+    storage = built[0][-2].weight.data_ptr()
     model, (tokens, pos) = with_documents(built)
+    assert model[-2].weight.data_ptr() == storage  # the norm's own tensor: its device and dtype kept
     torch.testing.assert_close(dict(model.state_dict()), before, rtol=0, atol=0)
     assert tokens is built[1] and pos.tolist() == [list(range(MAX_LEN))] * 3  # one document a row
 
 
 def test_a_row_of_documents_attends_within_each_document_alone() -> None:
-    """gpt(documents=True) on one packed row equals gpt() on each sequence alone, token by token."""
+    """with_documents(gpt(...)) on one packed row equals gpt(...) on each sequence alone, token by token."""
     model = _model(documents=True)
     plain = _model()
     seqs = [torch.randint(0, VOCAB, (n,)) for n in (5, 1, 9)]
@@ -251,6 +262,12 @@ def test_the_fastest_order_that_fits_the_memory_limit_is_chosen() -> None:
         r"below its 384 padded tokens.*or raise the limit \(partition\(..., memory_limit=...\)\)"
     )):  # fmt: skip
         order(groups, widths, sched, limited(2500.0))
+    # rows of documents: a row is the step's tokens over m, which the token budget cannot shorten
+    with pytest.raises(ValueError, match=(
+        r"with its longest row of documents \(3 sequences end to end, 512 tokens: \[0, 1, 2\]\), rank "
+        r"\d's predicted peak .*; pass fewer tokens per step or plan more n_microbatches"
+    )):  # fmt: skip
+        order(groups, [512, 32, 64, 64], sched, limited(2500.0), documents=True)
 
 
 def test_memory_grows_with_the_tokens_and_the_length_squared_share() -> None:
@@ -361,7 +378,7 @@ def test_a_plan_bounds_each_step_by_its_memory(toy: tuple[nn.Sequential, Profile
     step([20, 12, 30, 10, 16, 16])  # 2 x 30 and 4 x 16: within 2 x 32's
     assert pipe.last_packing is not None and max(pipe.last_packing.peaks) <= max(plan.rank_peaks)
     # as many tokens as 2 x 32 in one sequence of 64: its scores (L²) are over the plan's peak
-    with pytest.raises(ValueError, match=r"longest micro-batch \(1 sequences padded to 64 tokens: \[0\]\)"):
+    with pytest.raises(ValueError, match=r"longest micro-batch \(1 sequence padded to 64 tokens: \[0\]\)"):
         step([64, 8, 8, 8, 8])
     roomy = plan.replace(memory_limit=[2 * plan.rank_peaks[0]])  # the limit partition was given, when it was
     assert order(*_groups([(1, 64), (4, 8)]), sched, step_costs(roomy, sched))[2]
@@ -486,10 +503,11 @@ def test_every_schedule_equals_one_process_over_the_same_tokens(
         first, last = results[0][key][2], next(r[key][2] for r in reversed(results) if r[key][2] is not None)
         assert first is not None and first.groups == last.groups  # packed alike at both ends
         assert max(r * w for r, w in first.shapes) <= OPTS.token_budget
-        # documents: one row each, no padding at all (pad_multiple 1), every sequence whole once
+        # documents: one row each, padded only to the next multiple of 3, every sequence whole once
         assert first.documents == key.endswith("/documents")
         if first.documents:
-            assert {r for r, _ in first.shapes} == {1} and first.padded_tokens == sum(LENGTHS)
+            assert {r for r, _ in first.shapes} == {1} and all(w % 3 == 0 for w in first.widths)
+            assert first.padded_tokens - sum(LENGTHS) < 3 * M and first.padded_tokens > sum(LENGTHS)
             assert sorted(j for g in first.groups for j in g) == list(range(len(LENGTHS)))
 
 
@@ -526,8 +544,9 @@ def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Pa
     shapes, fake, distinct = results[1][2], results[1][3], results[1][4]
     assert shapes == results[0][2]
     per_step = [len(set(step)) for step in shapes]  # distinct shapes in each step
-    # padded: each micro-batch its own shape; rows of documents balance their tokens: near, not all equal
-    assert min(per_step) == M if not opts.documents else min(per_step) > 1, per_step
+    # padded: each micro-batch its own shape; rows of documents balance their tokens, so their
+    # widths are near (a step may have one), but differ within some step and from step to step
+    assert min(per_step) == M if not opts.documents else max(per_step) > 1 and distinct > max(per_step)
     # after the first step, new shapes come from the rules: fake tensors set up only the first
     # step's and those a rule does not cover (padded: a micro-batch of one row; rows of documents
     # have a rule of their own, for one row)
@@ -535,6 +554,36 @@ def test_shapes_that_change_per_micro_batch_pass_the_nccl_emulation(tmp_path: Pa
     later = {sig for step in shapes[1:] for sig in step} - set(shapes[0])
     uncovered = 0 if opts.documents else sum(rows == 1 for rows, _ in later)
     assert fake == results[0][3] and fake < distinct and fake <= first + uncovered
+
+
+def _one_row_first() -> list[tuple[int, list[tuple[int, int]]]]:
+    """Padded steps whose first has one sequence per micro-batch (every shape one row): per step,
+    the fake-tensor derivations so far and the shapes new at that step."""
+    model = _model()
+    pipe = Pipeline(model, balance_of(len(model), 2), schedule="1f1b", n_microbatches=M, loss_fn=gpt_loss,
+                    varlen=OPTS, timeout=30.0)  # fmt: skip
+    xs, ys = _data()
+    out, seen = [], set()
+    for x, y in [(xs[:M], ys[:M]), *(_data(seed) for seed in SEEDS)]:
+        pipe.step(x if pipe.needs_inputs else None, y if pipe.needs_targets else None)
+        shapes = {tuple(sig[0][0]) for sig in pipe.executor.micro}
+        out.append((pipe.executor.fake_derivations, sorted(shapes - seen)))
+        seen |= shapes
+    return out  # type: ignore[return-value]
+
+
+_ONE_ROW_FIRST = job(2, _one_row_first, timeout=120.0)
+
+
+def test_a_first_step_of_single_rows_leaves_later_rows_of_many_to_the_rules(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A rule traced at one row fixes the rows at 1; a padded run waits for a step with rows of
+    many to trace its rules, and from then on only one-row shapes need fake tensors."""
+    steps = _ONE_ROW_FIRST.results(tmp_path_factory)[0]
+    assert all(rows == 1 for rows, _ in steps[0][1])  # the first step: every shape one row
+    for (before, _), (after, new) in itertools.pairwise(steps[1:]):  # rules from step 3 on
+        assert after - before == sum(rows == 1 for rows, _ in new), steps
 
 
 def _mismatch(kind: str) -> str:
@@ -573,15 +622,19 @@ def test_targets_that_do_not_match_the_inputs_fail_before_any_compute(
 REPLICA_SEEDS = (3, 4)  # replica d's sequences: _data(REPLICA_SEEDS[d])
 
 
-def _replicated() -> tuple[float, dict[str, torch.Tensor], int]:
+def _replicated() -> dict[bool, tuple[float, dict[str, torch.Tensor], int]]:
+    """Per packing (documents or not): the loss, this rank's gradients, its replica."""
     from pipeline.plan import Plan
 
-    model = _model()
-    plan = Plan(balance=balance_of(len(model), 2), schedule="1f1b", n_microbatches=M, dp=2)
-    pipe = Pipeline(model, plan, loss_fn=gpt_loss, varlen=OPTS, timeout=30.0)
-    xs, ys = _data(REPLICA_SEEDS[pipe.replica])
-    loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
-    return loss, grads_of(pipe.named_parameters()), pipe.replica
+    out = {}
+    for opts in (OPTS, DOCS):
+        model = _model(opts.documents)
+        plan = Plan(balance=balance_of(len(model), 2), schedule="1f1b", n_microbatches=M, dp=2)
+        pipe = Pipeline(model, plan, loss_fn=gpt_loss, varlen=opts, timeout=30.0)
+        xs, ys = _data(REPLICA_SEEDS[pipe.replica])
+        loss = pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None)
+        out[opts.documents] = (loss, grads_of(pipe.named_parameters()), pipe.replica)
+    return out
 
 
 def test_replicas_weigh_their_losses_by_target_tokens(tmp_path: Path) -> None:
@@ -599,7 +652,10 @@ def test_replicas_weigh_their_losses_by_target_tokens(tmp_path: Path) -> None:
     ref_loss = float(loss.detach())
     tokens = [sum(int((t != -100).sum()) for t in _data(seed)[1]) for seed in REPLICA_SEEDS]
     assert tokens[0] != tokens[1]  # the replicas weigh differently: a row-weighted mean would be off
-    assert all(abs(r[0] - ref_loss) <= 1e-5 * abs(ref_loss) for r in results), [r[0] for r in results]
     ref = grads_of(model.named_parameters())
-    for d in (0, 1):  # every replica ends with the global gradient
-        assert_close({k: g for r in results if r[2] == d for k, g in r[1].items()}, ref, f"replica {d}")
+    for documents in (False, True):  # sequences grouped and padded, or rows of documents
+        runs = [r[documents] for r in results]
+        assert all(abs(r[0] - ref_loss) <= 1e-5 * abs(ref_loss) for r in runs), [r[0] for r in runs]
+        for d in (0, 1):  # every replica ends with the global gradient
+            got = {k: g for r in runs if r[2] == d for k, g in r[1].items()}
+            assert_close(got, ref, f"replica {d}, documents={documents}")

@@ -132,14 +132,17 @@ def gpt(
 
 def with_documents(built: tuple[nn.Sequential, torch.Tensor]) -> tuple[nn.Sequential, Documents]:
     """``gpt(...)``'s model and sample, the model now also taking rows of documents end to end,
-    ``(tokens, position ids)`` (B, T) each (``VarLen(documents=True)``): the same weights under the
-    same names (its final norm takes either input); the sample such a pair, one document a row."""
+    ``(tokens, position ids)`` (B, T) each (``VarLen(documents=True)``); the sample such a pair, one
+    document a row. The model is changed in place: its final norm becomes a ``FinalNorm`` (which
+    takes either input) holding the same parameter tensors (device, dtype, values), under the same
+    names; every other layer takes either input already."""
     model, tokens = built
     norm = model[-2]
     if not isinstance(norm, nn.LayerNorm):
         raise TypeError(f"with_documents takes gpt(...)'s model, whose layer -2 is a LayerNorm, not {norm!r}")
-    final = FinalNorm(norm.normalized_shape, norm.eps)
-    final.load_state_dict(norm.state_dict())
+    final = FinalNorm(norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None,
+                      device="meta")  # fmt: skip
+    final.load_state_dict(norm.state_dict(), assign=True)  # the norm's own tensors
     model[-2] = final
     b, t = tokens.shape
     return model, (tokens, torch.arange(t).expand(b, -1).contiguous())

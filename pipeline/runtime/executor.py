@@ -158,6 +158,7 @@ class Executor:
         # a variable-length run meets new shapes every step: each stage's shape rule, per autocast
         # state, computes their signatures without fake tensors or messages (shape_rules.py)
         self.shape_rules = False
+        self.one_row = False  # every micro-batch is one row (rows of documents): rules for one row
         self._rules: dict[int, dict[int, ShapeRule]] = {}
         self.fake_derivations = 0  # micro-batch signatures set up with fake tensors (rules: none)
         compiled = compile_rank(sched, rank, stages, self, comm.name if comm else None)
@@ -288,7 +289,7 @@ class Executor:
         if self.shape_rules and rules is None and known and any(sig not in known for sig in micro):
             # new shapes after the first step's: from here on rules pay for their trace
             at = f"{self.key_prefix}/rules{self._version}"
-            made = exchange_rules(known, self.in_sig, stages, sched, comm, at)
+            made = exchange_rules(known, self.in_sig, stages, sched, comm, at, self.one_row)
             if made is not None:
                 self._rules[mode] = rules = made
         self.fake_derivations += derive_signatures(

@@ -333,18 +333,19 @@ def exchange_rules(
     sched: Schedule,
     comm: Comm | None,
     key: str,
+    one_row: bool = False,
 ) -> dict[int, ShapeRule] | None:
     """Every stage's shape rule but the last's (shape_rules.py), traced where the stage lives at the
     first micro-batch signature of ``micro`` (set up already, in the same order on every rank: they
     read the same headers) whose rows and length are at least 2, and shared through the store under
-    ``key``; where every micro-batch is one row (rows of documents, varlen.py), at the first whose
-    length is at least 2 (a rule for one row: tracing fixes the 1). None when none qualifies yet
+    ``key``; ``one_row`` (every micro-batch is one row for good: rows of documents, varlen.py), at
+    the first whose length is at least 2, a rule for one row (tracing fixes the 1; elsewhere such a
+    rule would leave later rows of many to fake tensors for good). None when none qualifies yet
     (ask again at a later step); empty when some stage has no rule (signatures are then derived
     per shape, for good).
     """
-    usable = [sig for sig in micro if all(n >= 2 for shape, _ in sig for n in shape[:2])]
-    if not usable and all(shape[0] == 1 for sig in micro for shape, _ in sig if shape):
-        usable = [sig for sig in micro if all(n >= 2 for shape, _ in sig for n in shape[1:2])]
+    small = 1 if one_row else 0  # the first dim a signature must have at least 2 of
+    usable = [sig for sig in micro if all(n >= 2 for shape, _ in sig for n in shape[small:2])]
     if not usable:
         return None
     sig0, last = usable[0], sched.n_stages - 1

@@ -324,6 +324,7 @@ class Pipeline:
         if varlen is not None:
             self.runner.varlen = (varlen, step_costs(self.plan, self.schedule))
             self.executor.shape_rules = True
+            self.executor.one_row = varlen.documents
         self.last_loss_rank = self.runner.last_loss_rank  # the last stage's rank
 
     # ---- construction

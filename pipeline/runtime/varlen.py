@@ -8,8 +8,8 @@ is a group of sequences padded only to the longest of its own group, with its ow
 
     lengths   j:  0   1   2   3   4   5   6   7          (n = 8, m = 3)
                  90  12 300  40  41 250  16  88
-    sorted       300 250 | 90 88 41 40 | 16 12          contiguous groups, longest first
-    padded       2 x 300    4 x 90       2 x 16         the most padded tokens of any group is least
+    sorted       300 | 250 90 | 88 41 40 16 12         contiguous groups, longest first
+    padded       1 x 300  2 x 250  5 x 88               the most padded tokens of any group (500) is least
     run order    the fastest the simulator finds that fits the memory limit (costs: tokens, length²)
 
 Packing. Sorted by length, the sequences are cut into m contiguous groups so that the largest
@@ -23,13 +23,16 @@ first stage then takes ``(tokens, position_ids)``, each (1, W), and every micro-
 of whole sequences laid end to end, each one's positions counting from 0, so that the model can
 keep every document's attention to itself (the convention of Hugging Face's packed rows; a varlen
 kernel reads its ``cu_seqlens`` off the zeros). Nothing is padded but the row's tail up to
-``pad_multiple`` (positions 0 there: each pad a document of its own, its target ignored):
+``pad_multiple`` (positions 0 there: each pad a document of its own, its target ignored); the
+model carries the position ids to its later stages itself (they cross the cuts with its
+activations), and ``max_len`` bounds each document, not the row. Where the balanced rows overflow
+the token budget, rows are filled to the budget instead:
 
     lengths   j:  0   1   2   3   4   5   6   7          (n = 8, m = 3)
                  90  12 300  40  41 250  16  88
-    rows          [300 12] [250 40 16] [90 88 41]        longest first, each to the lightest row
-    tokens         312       306        219             (the longest row is least, near enough)
-    positions     0..299 0..11 | 0..249 0..39 0..15 | ...
+    rows          [300] [250 16] [90 88 41 40 12]        longest first, each to the lightest row
+    tokens         300    266     271                    (the longest row is least, near enough)
+    positions     0..299 | 0..249 0..15 | 0..89 0..87 ...
 
 Each row is (1, W), priced as such below: a dense masked attention costs W², so the order is
 exact for it; a varlen kernel costs less, and the order is then conservative.
@@ -220,7 +223,7 @@ def _shapes(
     return [(1 if documents else len(g), w) for g, w in zip(groups, widths, strict=True)]
 
 
-def widths_of(groups: Sequence[tuple[int, ...]], lengths: Sequence[int], opts: VarLen) -> list[int]:
+def widths_of(groups: Sequence[Sequence[int]], lengths: Sequence[int], opts: VarLen) -> list[int]:
     """Each group's padded length: its longest sequence's, or (documents) all of its sequences' end
     to end, rounded up to ``opts.pad_multiple``."""
     join = sum if opts.documents else max
@@ -279,22 +282,43 @@ def pack(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
 
 def _pack_documents(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[int, ...]]:
     """m rows of whole sequences: each sequence, longest first, to the row holding the fewest tokens
-    so far (the longest row within 4/3 of the least it can be; every row gets one of the m longest)."""
+    so far (the longest row within 4/3 of the least it can be; every row gets one of the m longest);
+    where that overflows the token budget, rows filled to the budget instead (``_fill``)."""
     rows: list[list[int]] = [[] for _ in range(m)]
     tokens = [0] * m
     for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
         i = min(range(m), key=lambda i: (tokens[i], i))
         rows[i].append(j)
         tokens[i] += lengths[j]
+    if max(widths_of(rows, lengths, opts)) > opts.token_budget:
+        rows = _fill(lengths, m, opts)
     groups = [tuple(r) for r in rows]
     worst = max(widths_of(groups, lengths, opts))
     if worst > opts.token_budget:
         raise ValueError(
             f"the step's {len(lengths)} sequences ({sum(lengths)} tokens, the longest {max(lengths)}) "
-            f"need a row of {worst} tokens in some micro-batch, more than VarLen(token_budget="
-            f"{opts.token_budget}); pass fewer sequences per step, or raise token_budget or n_microbatches"
+            f"need a row of {worst} tokens in some micro-batch (rows filled longest first), more than "
+            f"VarLen(token_budget={opts.token_budget}); pass fewer sequences per step, or raise "
+            "token_budget or n_microbatches"
         )
     return groups
+
+
+def _fill(lengths: Sequence[int], m: int, opts: VarLen) -> list[list[int]]:
+    """m rows filled to the token budget: each sequence, longest first, to the first row it fits (to
+    the emptiest where none does: refused by the caller); then each row left empty takes the last
+    sequence of the row holding the most (there are at least m sequences)."""
+    rows: list[list[int]] = [[] for _ in range(m)]
+    tokens = [0] * m
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        fits = (i for i in range(m) if _width(tokens[i] + lengths[j], opts.pad_multiple) <= opts.token_budget)
+        i = next(fits, min(range(m), key=lambda i: (tokens[i], i)))
+        rows[i].append(j)
+        tokens[i] += lengths[j]
+    for empty in [i for i in range(m) if not rows[i]]:
+        donor = max(range(m), key=lambda i: (len(rows[i]), -i))
+        rows[empty].append(rows[donor].pop())
+    return rows
 
 
 def order(
@@ -362,7 +386,7 @@ def order(
         tried[name] = rank_peaks(sched, memory.stages, memory.recompute, own)
         if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(tried[name], memory.limits, strict=True)):
             return perm, results, tried[name]
-    raise ValueError(_too_big(groups, shapes, tried, memory))
+    raise ValueError(_too_big(groups, shapes, tried, memory, documents))
 
 
 def _too_big(
@@ -370,6 +394,7 @@ def _too_big(
     shapes: Sequence[tuple[int, int]],
     tried: dict[str, list[float]],
     memory: StepMemory,
+    documents: bool,
 ) -> str:
     """Why no order fits: the step's longest micro-batch, the least overshoot of any order, the fix."""
     longest = max(range(len(groups)), key=lambda g: (shapes[g][1], shapes[g][0]))
@@ -382,19 +407,23 @@ def _too_big(
     best = min(tried, key=over)
     r = over(best)[1]
     rows, width = shapes[longest]
-    sequences = len(groups[longest])
-    holds = (
-        f"{rows} sequences padded to {width} tokens"
-        if rows == sequences
-        else f"one row of {sequences} documents, {width} tokens"
+    n = len(groups[longest])
+    where = (
+        f"rank {r}'s predicted peak is {tried[best][r] / 1e6:.4g} MB at best (order {best!r}), over its "
+        f"limit {memory.limits[r] / 1e6:.4g} MB ({memory.bound})"
     )
+    if documents:  # a row's width is the step's tokens over m: the budget does not shorten it
+        return (
+            f"no run order of this step's micro-batches fits the memory limit: with its longest row of "
+            f"documents ({n} sequences end to end, {width} tokens: {list(groups[longest])}), {where}; "
+            "pass fewer tokens per step or plan more n_microbatches, so that each row is shorter, or "
+            "raise the limit (partition(..., memory_limit=...))"
+        )
     return (
         f"no run order of this step's micro-batches fits the memory limit: with its longest micro-batch "
-        f"({holds}: {list(groups[longest])}), rank {r}'s "
-        f"predicted peak is {tried[best][r] / 1e6:.4g} MB at best (order {best!r}), over its limit "
-        f"{memory.limits[r] / 1e6:.4g} MB ({memory.bound}); lower VarLen(token_budget=...) below its "
-        f"{rows * width} padded tokens, so that long sequences go fewer to a "
-        "micro-batch, or raise the limit (partition(..., memory_limit=...))"
+        f"({rows} sequence{'s' if rows > 1 else ''} padded to {width} tokens: {list(groups[longest])}), "
+        f"{where}; lower VarLen(token_budget=...) below its {rows * width} padded tokens, so that long "
+        "sequences go fewer to a micro-batch, or raise the limit (partition(..., memory_limit=...))"
     )
 
 
