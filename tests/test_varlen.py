@@ -39,6 +39,7 @@ from pipeline.runtime.varlen import (
     plan_step,
     positions,
     step_costs,
+    unpad,
     widths_of,
 )
 from pipeline.schedules.actions import Action, Kind
@@ -584,6 +585,53 @@ def test_a_first_step_of_single_rows_leaves_later_rows_of_many_to_the_rules(
     assert all(rows == 1 for rows, _ in steps[0][1])  # the first step: every shape one row
     for (before, _), (after, new) in itertools.pairwise(steps[1:]):  # rules from step 3 on
         assert after - before == sum(rows == 1 for rows, _ in new), steps
+
+
+def _both_forms() -> tuple[float, float, bool]:
+    """One step given as lists, and the same as (padded, lengths) (the lengths a CPU tensor for the
+    inputs, a list for the targets): both losses, and whether the gradients are equal."""
+    xs, ys = _data()
+    lengths = [len(x) for x in xs]
+    padded_x = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=7)  # not pad_id: unread
+    padded_y = torch.nn.utils.rnn.pad_sequence(ys, batch_first=True, padding_value=5)
+    out = []
+    for x, y in [(xs, ys), ((padded_x, torch.tensor(lengths)), (padded_y, lengths))]:
+        model = _model()
+        pipe = Pipeline(model, balance_of(len(model), 2), schedule="1f1b", n_microbatches=M,
+                        loss_fn=gpt_loss, varlen=OPTS, timeout=30.0)  # fmt: skip
+        loss = pipe.step(x if pipe.needs_inputs else None, y if pipe.needs_targets else None)
+        out.append((loss, grads_of(pipe.named_parameters())))
+    same = all(torch.equal(g, out[1][1][k]) for k, g in out[0][1].items())
+    return out[0][0], out[1][0], same
+
+
+_BOTH_FORMS = job(2, _both_forms, timeout=120.0)
+
+
+def test_a_padded_tensor_with_lengths_is_the_list_of_its_sequences(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    assert all(a == b and same for a, b, same in _BOTH_FORMS.results(tmp_path_factory))
+    xs = _data()[0]
+    padded = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+    seqs = unpad((padded, [len(x) for x in xs]), "inputs")
+    assert isinstance(seqs, list) and all(torch.equal(a, b) for a, b in zip(seqs, xs, strict=True))
+    assert unpad(xs, "inputs") is xs  # a list passes through
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ((torch.zeros(2, 4), [1, 2, 3]), r"got shape \[2, 4\] and 3 lengths"),
+        ((torch.zeros(2, 4), [1, 5]), r"lengths\[1\] is 5, outside the padded tensor's length 0..4"),
+        ((torch.zeros(2, 4), torch.tensor([1.0, 2.0])), r"lengths must be a list of ints or a 1-dim integer"),
+        ((torch.zeros(2, 4), "12"), r"lengths must be a list of ints or a CPU integer tensor, got '12'"),
+        ((torch.zeros(4), [1, 2, 3, 4]), r"at least 2 dims"),
+    ],
+)
+def test_bad_padded_forms_are_refused(value: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        unpad(value, "inputs")
 
 
 def _mismatch(kind: str) -> str:

@@ -43,6 +43,7 @@ from pipeline.runtime.varlen import (
     pad,
     plan_step,
     positions,
+    unpad,
 )
 from pipeline.schedules.program import Collective, Program, ReduceWait
 from pipeline.schedules.schedule import Schedule, forward_only
@@ -69,7 +70,7 @@ def _sequences(value: Any, what: str, method: str) -> None:
         raise ValueError(
             f"{method}() got a {type(value).__name__} for {what}, but this Pipeline packs variable-length "
             "steps (varlen=VarLen(...)): pass a list of sequences, one tensor each, its length first "
-            "(the targets: one per input sequence, of its length)"
+            "(the targets: one per input sequence, of its length), or (padded, lengths)"
         )
 
 
@@ -241,7 +242,8 @@ class StepRunner:
         lengths: list[int] | None = None
         self.last_packing = None
         if self.needs_inputs:
-            _sequences(self._given(inputs, "inputs", method), "inputs", method)
+            inputs = unpad(self._given(inputs, "inputs", method), "inputs")
+            _sequences(inputs, "inputs", method)
             lengths = lengths_of(inputs, "inputs", opts)
             self.last_packing = plan_step(lengths, self.schedule, opts, costs)
             padded = pad(inputs, self.last_packing, opts.pad_id)
@@ -257,7 +259,8 @@ class StepRunner:
             out.xs = [self.executor.to_device(x) for x in xs]
             out.extra = tuple(lengths)
         if self.needs_targets and want_targets:
-            _sequences(self._given(targets, "targets", method), "targets", method)
+            targets = unpad(self._given(targets, "targets", method), "targets")
+            _sequences(targets, "targets", method)
             mine = lengths_of(targets, "targets", opts)
             if lengths is None or mine != lengths:  # packed alike from the same lengths, else refused
                 self.last_packing = plan_step(mine, self.schedule, opts, costs)

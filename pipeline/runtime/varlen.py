@@ -101,6 +101,7 @@ __all__ = [
     "plan_step",
     "positions",
     "step_costs",
+    "unpad",
     "widths_of",
 ]
 
@@ -178,6 +179,42 @@ class Packed:
 def is_ragged(batch: object) -> bool:
     """True for a step's samples (or targets) given as a list of sequences."""
     return isinstance(batch, list)
+
+
+def unpad(value: object, what: str) -> object:
+    """A step's samples (or targets) given as ``(padded, lengths)``: a (n, L, ...) tensor whose row j
+    holds sequence j in its first ``lengths[j]`` positions, with ``lengths`` a list of n ints or a
+    CPU integer tensor (read on the host: no device sync), as the list of those n sequences (views).
+    Anything else is returned as it is (a list of sequences; other input is refused later)."""
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor)):
+        return value
+    padded, lengths = value
+    if isinstance(lengths, torch.Tensor):
+        if lengths.device.type != "cpu" or lengths.dim() != 1 or lengths.is_floating_point():
+            raise ValueError(
+                f"{what}'s lengths must be a list of ints or a 1-dim integer CPU tensor (read on the host), "
+                f"got a {lengths.dim()}-dim {lengths.dtype} tensor on {lengths.device}; pass the lengths "
+                "on the CPU, or as a list made before the step"
+            )
+        lengths = lengths.tolist()
+    if not isinstance(lengths, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) for n in lengths
+    ):
+        raise ValueError(
+            f"{what}'s lengths must be a list of ints or a CPU integer tensor, got {lengths!r:.80}"
+        )
+    if padded.dim() < 2 or len(lengths) != padded.shape[0]:
+        raise ValueError(
+            f"{what} given as (padded, lengths) needs a padded tensor of at least 2 dims (sequences, "
+            f"length, ...) with one length per row: got shape {list(padded.shape)} and {len(lengths)} lengths"
+        )
+    bad = next((j for j, n in enumerate(lengths) if not 0 <= n <= padded.shape[1]), None)
+    if bad is not None:
+        raise ValueError(
+            f"{what}'s lengths[{bad}] is {lengths[bad]}, outside the padded tensor's length "
+            f"0..{padded.shape[1]}; give each row's own length"
+        )
+    return [padded[j, :n] for j, n in enumerate(lengths)]
 
 
 def lengths_of(seqs: object, what: str, opts: VarLen) -> list[int]:
