@@ -204,7 +204,6 @@ def test_each_rank_loads_its_stages_and_steps_as_one_process(
 # ---- one rank, in this process: the errors
 
 
-@functools.cache
 def _small(root: Path) -> tuple[str, nn.Module, Plan]:
     """A small saved Llama (untied), its folder, and a one-rank plan for a meta copy."""
     config = tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -222,7 +221,7 @@ def _small(root: Path) -> tuple[str, nn.Module, Plan]:
     return str(root), meta, plan
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # one saved model and plan: the tests only read them
 def small(tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder, meta, plan = _small(tmp_path_factory.mktemp("small"))
 

@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
+sys.path.insert(0, str(SCRIPTS))  # the ranks find `train` through the sys.path they inherit
 
 import _train_flags  # noqa: E402
 import _train_support  # noqa: E402
 import train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # ranks forked, not spawned: conftest.py
 
 # a model that trains a step in milliseconds: 2 blocks + embedding, norm, head = 5 layers
 TINY = ["--layers", "2", "--width", "16", "--seq-len", "16", "--batch-size", "8", "--microbatches", "4"]
@@ -261,6 +263,7 @@ def test_four_stage_checkpoint_resumes_on_two_stages(tmp_path: Path, capfd: Any)
     assert two[0]["losses"] == pytest.approx(four[0]["losses"][2:], rel=1e-6)
 
 
+@pytest.mark.spawned  # reads what the ranks print
 def test_non_finite_updates_are_skipped_on_every_rank_and_a_streak_stops_the_run(
     tmp_path: Path, capfd: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
+sys.path.insert(0, str(SCRIPTS))  # the ranks find `train` through the sys.path they inherit
 
 import train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # ranks forked, not spawned: conftest.py
 from _train_flags import FlagError, parse_args, recorded_plan, run_config  # noqa: E402
 
 from pipeline.checkpoint import manifest  # noqa: E402
@@ -184,6 +186,7 @@ def _printed_choice(out: str) -> tuple[str, int, int]:
     return name, int(rest.split(",")[0]), int(rest.split(", v=")[1].split(",")[0])
 
 
+@pytest.mark.spawned  # reads what the ranks print
 def test_auto_run_prints_its_choice_and_trains_it_on_every_rank(capfd: Any) -> None:
     results = _main()
     ran = _printed_choice(capfd.readouterr().out)

@@ -12,10 +12,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # spawned ranks find `train` through the sys.path they inherit
+sys.path.insert(0, str(SCRIPTS))  # the ranks find `train` through the sys.path they inherit
 
 import train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # ranks forked, not spawned: conftest.py
 
 TINY = ["--model", "gpt-tied", "--layers", "2", "--width", "16", "--seq-len", "16", "--batch-size", "8",
         "--microbatches", "4", "--schedule", "interleaved-1f1b", "--recompute", "always", "--steps", "8",
