@@ -225,6 +225,7 @@ def test_without_tqdm_the_script_still_runs(tmp_path: Path) -> None:
     assert "2/2 steps | loss " in proc.stderr, proc.stderr
 
 
+@pytest.mark.spawned  # reads what rank 0 prints
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, capfd: Any) -> None:
     ckpt = ["--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "3"]
     straight = _run(tmp_path, "--steps", "6", *ckpt)

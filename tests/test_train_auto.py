@@ -196,6 +196,7 @@ def test_auto_run_prints_its_choice_and_trains_it_on_every_rank(capfd: Any) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.spawned  # reads what rank 0 prints
 def test_auto_run_resumes_on_its_recorded_plan_exactly(tmp_path: Path, capfd: Any) -> None:
     straight = _main("--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
     ran = _printed_choice(capfd.readouterr().out)

@@ -619,11 +619,22 @@ def test_a_padded_tensor_with_lengths_is_the_list_of_its_sequences(
     assert unpad(xs, "inputs") is xs  # a list passes through
 
 
+def test_predict_refuses_sequences_in_either_form() -> None:
+    model = _model()
+    pipe = Pipeline(model, [len(model)], schedule="1f1b", n_microbatches=M, loss_fn=gpt_loss, varlen=OPTS)
+    xs = _data()[0]
+    padded = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+    for inputs in (xs, (padded, [len(x) for x in xs])):
+        with pytest.raises(ValueError, match=r"predict\(\) takes a batch tensor .* per group of equal"):
+            pipe.predict(inputs)
+
+
 @pytest.mark.parametrize(
     ("value", "match"),
     [
         ((torch.zeros(2, 4), [1, 2, 3]), r"got shape \[2, 4\] and 3 lengths"),
-        ((torch.zeros(2, 4), [1, 5]), r"lengths\[1\] is 5, outside the padded tensor's length 0..4"),
+        ((torch.zeros(2, 4), [1, 5]), r"lengths\[1\] is 5, outside the padded tensor's length 1..4"),
+        ((torch.zeros(2, 4), [0, 2]), r"lengths\[0\] is 0, outside .*; drop row 0"),
         ((torch.zeros(2, 4), torch.tensor([1.0, 2.0])), r"lengths must be a list of ints or a 1-dim integer"),
         ((torch.zeros(2, 4), "12"), r"lengths must be a list of ints or a CPU integer tensor, got '12'"),
         ((torch.zeros(4), [1, 2, 3, 4]), r"at least 2 dims"),

@@ -179,7 +179,9 @@ class StepRunner:
         last = self.stages.get(self.last)
         modes = [(mod, mod.training) for stage in self.modules for mod in stage.modules()]
         try:
-            if method == "predict" and is_ragged(inputs):
+            if method == "predict" and (
+                is_ragged(inputs) or (self.varlen is not None and is_ragged(unpad(inputs, "inputs")))
+            ):
                 raise ValueError(
                     "predict() takes a batch tensor (or tuple); its outputs are concatenated along "
                     "dim 0, which sequences of different lengths are not: call evaluate(samples, "
@@ -265,7 +267,8 @@ class StepRunner:
             if lengths is None or mine != lengths:  # packed alike from the same lengths, else refused
                 self.last_packing = plan_step(mine, self.schedule, opts, costs)
             padded = pad(targets, self.last_packing, opts.ignore_index)  # type: ignore[arg-type]
-            out.units = [int((y != opts.ignore_index).sum()) for y in padded]  # host tensors: no sync
+            # target sequences on the host: no sync (on a device, one for the step)
+            out.units = torch.stack([(y != opts.ignore_index).sum() for y in padded]).tolist()
             empty = [i for i, n in enumerate(out.units) if n == 0]
             if empty:
                 groups = [list(self.last_packing.groups[i]) for i in empty]  # type: ignore[union-attr]

@@ -193,8 +193,8 @@ def unpad(value: object, what: str) -> object:
         if lengths.device.type != "cpu" or lengths.dim() != 1 or lengths.is_floating_point():
             raise ValueError(
                 f"{what}'s lengths must be a list of ints or a 1-dim integer CPU tensor (read on the host), "
-                f"got a {lengths.dim()}-dim {lengths.dtype} tensor on {lengths.device}; pass the lengths "
-                "on the CPU, or as a list made before the step"
+                f"got a {lengths.dim()}-dim {lengths.dtype} tensor on {lengths.device}; pass integer "
+                "lengths, one per row, on the CPU or as a list"
             )
         lengths = lengths.tolist()
     if not isinstance(lengths, list) or not all(
@@ -208,11 +208,12 @@ def unpad(value: object, what: str) -> object:
             f"{what} given as (padded, lengths) needs a padded tensor of at least 2 dims (sequences, "
             f"length, ...) with one length per row: got shape {list(padded.shape)} and {len(lengths)} lengths"
         )
-    bad = next((j for j, n in enumerate(lengths) if not 0 <= n <= padded.shape[1]), None)
+    bad = next((j for j, n in enumerate(lengths) if not 1 <= n <= padded.shape[1]), None)
     if bad is not None:
+        fix = f"drop row {bad}" if lengths[bad] == 0 else "give each row's own length"
         raise ValueError(
             f"{what}'s lengths[{bad}] is {lengths[bad]}, outside the padded tensor's length "
-            f"0..{padded.shape[1]}; give each row's own length"
+            f"1..{padded.shape[1]}; {fix}"
         )
     return [padded[j, :n] for j, n in enumerate(lengths)]
 
