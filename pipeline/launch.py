@@ -257,6 +257,7 @@ def _run_rank(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.environ.clear()
         os.environ.update(caller_env)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # spawned: blocked as the parent was
     _die_with_parent(parent, forked=caller_env is not None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
@@ -420,15 +421,19 @@ def _parent_signals() -> Iterator[None]:
 @contextlib.contextmanager
 def _ranks_ignore_sigint() -> Iterator[None]:
     """Ranks started here inherit SIGINT ignored (Python then installs no handler of its own):
-    Ctrl-C reaches the whole process group, and only the parent acts on it."""
+    Ctrl-C reaches the whole process group, and only the parent acts on it. A Ctrl-C meanwhile is
+    not lost: SIGINT is blocked too (Linux keeps a blocked signal pending even while ignored), so
+    it reaches the parent's own handler once that is back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one is handled here
 
 
 def _collect(processes: list[Any], results: Any) -> list[Any]:

@@ -164,7 +164,8 @@ import pipeline
 
 def work():
     ignores = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the parent decides for the ranks
-    os.write(1, f"RANK {os.getpid()} {ignores}\\n".encode())  # one write: the ranks share the pipe
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as the parent had it
+    os.write(1, f"RANK {os.getpid()} {ignores} {blocked}\\n".encode())  # one write: the ranks share the pipe
     time.sleep(300)
 
 if __name__ == "__main__":
@@ -188,6 +189,7 @@ def _ranks_of(proc: subprocess.Popen[bytes], n: int) -> list[int]:
         text += chunk
     lines = [line.split() for line in text.decode().splitlines() if line.startswith("RANK ")]
     assert all(words[2] == "True" for words in lines), f"a rank does not ignore SIGINT: {text!r}"
+    assert all(words[3] == "False" for words in lines), f"a rank keeps SIGINT blocked: {text!r}"
     return [int(words[1]) for words in lines]
 
 

@@ -279,3 +279,19 @@ def test_an_unreachable_store_is_a_bounded_named_error(monkeypatch: pytest.Monke
     with pytest.raises(startup.StartupError, match=expected):
         startup.join(1, 2, timeout=1.0)
     assert time.monotonic() - start < 10
+
+
+def test_a_ctrl_c_while_the_ranks_start_is_not_lost() -> None:
+    """While the ranks start, the parent ignores SIGINT (they inherit that); a Ctrl-C then stays
+    pending and stops the launch once the parent's handler is back, instead of vanishing."""
+    import signal
+
+    from pipeline.launch import _parent_signals, _ranks_ignore_sigint
+
+    with pytest.raises(SystemExit) as exc, _parent_signals():
+        with _ranks_ignore_sigint():
+            os.kill(os.getpid(), signal.SIGINT)  # as the ranks start
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # what they inherit
+        time.sleep(5)  # not reached: the pending SIGINT arrived as the handler came back
+    assert exc.value.code == 130
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # unblocked again
