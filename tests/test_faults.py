@@ -169,6 +169,9 @@ def work():
     time.sleep(300)
 
 if __name__ == "__main__":
+    # as run from a terminal: the test runner may have been started as a background job, whose
+    # children inherit SIGINT ignored (and launch then rightly leaves it so)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.argv[1] == "forkserver":  # a server this program started before, with SIGINT as it was
         import multiprocessing.forkserver
         multiprocessing.forkserver.ensure_running()

@@ -288,10 +288,15 @@ def test_a_ctrl_c_while_the_ranks_start_is_not_lost() -> None:
 
     from pipeline.launch import _parent_signals, _ranks_ignore_sigint
 
-    with pytest.raises(SystemExit) as exc, _parent_signals():
-        with _ranks_ignore_sigint():
-            os.kill(os.getpid(), signal.SIGINT)  # as the ranks start
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # what they inherit
-        time.sleep(5)  # not reached: the pending SIGINT arrived as the handler came back
+    # as run from a terminal: pytest started as a background job inherits SIGINT ignored
+    runner = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit) as exc, _parent_signals():
+            with _ranks_ignore_sigint():
+                os.kill(os.getpid(), signal.SIGINT)  # as the ranks start
+                assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # what they inherit
+            time.sleep(5)  # not reached: the pending SIGINT arrived as the handler came back
+    finally:
+        signal.signal(signal.SIGINT, runner)
     assert exc.value.code == 130
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # unblocked again
