@@ -74,7 +74,7 @@ them.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -322,12 +322,7 @@ def _pack_documents(lengths: Sequence[int], m: int, opts: VarLen) -> list[tuple[
     """m rows of whole sequences: each sequence, longest first, to the row holding the fewest tokens
     so far (the longest row within 4/3 of the least it can be; every row gets one of the m longest);
     where that overflows the token budget, rows filled to the budget instead (``_fill``)."""
-    rows: list[list[int]] = [[] for _ in range(m)]
-    tokens = [0] * m
-    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        i = min(range(m), key=lambda i: (tokens[i], i))
-        rows[i].append(j)
-        tokens[i] += lengths[j]
+    rows = _place(lengths, m, lambda tokens, n: min(range(m), key=lambda i: (tokens[i], i)))
     if max(widths_of(rows, lengths, opts)) > opts.token_budget:
         rows = _fill(lengths, m, opts)
     groups = [tuple(r) for r in rows]
@@ -346,16 +341,26 @@ def _fill(lengths: Sequence[int], m: int, opts: VarLen) -> list[list[int]]:
     """m rows filled to the token budget: each sequence, longest first, to the first row it fits (to
     the emptiest where none does: refused by the caller); then each row left empty takes the last
     sequence of the row holding the most (there are at least m sequences)."""
-    rows: list[list[int]] = [[] for _ in range(m)]
-    tokens = [0] * m
-    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        fits = (i for i in range(m) if _width(tokens[i] + lengths[j], opts.pad_multiple) <= opts.token_budget)
-        i = next(fits, min(range(m), key=lambda i: (tokens[i], i)))
-        rows[i].append(j)
-        tokens[i] += lengths[j]
+
+    def first_fit(tokens: list[int], n: int) -> int:
+        fits = (i for i in range(m) if _width(tokens[i] + n, opts.pad_multiple) <= opts.token_budget)
+        return next(fits, min(range(m), key=lambda i: (tokens[i], i)))
+
+    rows = _place(lengths, m, first_fit)
     for empty in [i for i in range(m) if not rows[i]]:
         donor = max(range(m), key=lambda i: (len(rows[i]), -i))
         rows[empty].append(rows[donor].pop())
+    return rows
+
+
+def _place(lengths: Sequence[int], m: int, choose: Callable[[list[int], int], int]) -> list[list[int]]:
+    """m rows of the sequences, longest first, each to the row ``choose(tokens per row, its length)``."""
+    rows: list[list[int]] = [[] for _ in range(m)]
+    tokens = [0] * m
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        i = choose(tokens, lengths[j])
+        rows[i].append(j)
+        tokens[i] += lengths[j]
     return rows
 
 
