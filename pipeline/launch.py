@@ -38,11 +38,13 @@ torch and the caller's main module again before running ``fn`` (seconds per
 launch). ``start_method="forkserver"`` forks them instead from a server
 process that imported torch and this package once (the first launch starts
 it): a launch then starts its ranks in milliseconds, for programs (a test
-suite, a notebook) that launch many times. Each rank still gets the caller's
-environment as it is at the launch, and SIGINT ignored, as under spawn, and
-ends with the caller (it watches the caller's pid itself: its parent is the
-server). Under both, each rank imports the caller's main module again before
-running ``fn``. A script whose
+suite, a notebook) that launch many times. Modules appended to
+``FORKSERVER_PRELOAD`` before that first launch are imported by the server too:
+a rank whose ``fn`` or arguments live in them then does not import them again.
+Each rank still gets the caller's environment as it is at the launch, and
+SIGINT ignored, as under spawn, and ends with the caller (it watches the
+caller's pid itself: its parent is the server). Under both, each rank imports
+the caller's main module again before running ``fn``. A script whose
 ``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
 again from every rank; the rank notices (its process is a launched rank that
 has not started ``fn`` yet), exits with a reserved code, and the parent raises
@@ -76,12 +78,14 @@ import torch.multiprocessing as mp
 
 from pipeline import startup
 from pipeline.runtime import emulation
+from pipeline.runtime.arrival import CREATION_EXIT
 from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV  # "1": the runtime emulates NCCL on gloo
 from pipeline.runtime.watchdog import process_alive
 
 __all__ = [
     "BACKENDS",
     "EMULATE_NCCL_ENV",
+    "FORKSERVER_PRELOAD",
     "DistInfo",
     "RankError",
     "default_backend",
@@ -95,7 +99,9 @@ _KILL_GRACE_S = 2.0
 _SETTLE_S = 0.3  # how long to let a failure's echoes on other ranks arrive
 _RANK_NAME = "stagewise-rank-"  # process-name prefix of the ranks launch starts
 _START_METHODS = ("spawn", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "pipeline.launch", "pipeline.runtime.pipe"]  # the fork server's
+# what the fork server imports when it starts (the first forkserver launch); a program may add its own
+# modules before that, so that its ranks find them imported instead of importing them each
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pipeline.launch", "pipeline.runtime.pipe"]
 _EXIT_UNGUARDED_MAIN = 87  # a rank's exit code when its import of the main module called launch
 _rank_started = False  # set in a rank once its fn may run: launch() from inside fn is deliberate
 _PARENT_POLL_S = 0.2  # how often a rank's fallback thread checks that its parent lives
@@ -355,7 +361,7 @@ def launch(
     caller_env = dict(os.environ) if start_method == "forkserver" else None
     ctx = mp.get_context("forkserver") if caller_env is not None else mp.get_context("spawn")
     if caller_env is not None:
-        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first launch
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts: the first launch
     results = ctx.Queue()
     own_dir = store_dir is None
     folder = tempfile.mkdtemp(prefix="stagewise-store-") if store_dir is None else os.fspath(store_dir)
@@ -463,6 +469,18 @@ def _unguarded_main_error(rank: int) -> RankError:
     )
 
 
+def _died(rank: int, status: int) -> str:
+    if status == CREATION_EXIT:
+        return (
+            f"rank {rank} ended itself (exit status {status}): a peer failed while NCCL made a "
+            "communicator, which cannot be aborted (its stderr names the peer)"
+        )
+    return (
+        f"rank {rank} exited with code {status} before returning a result "
+        "(killed, os._exit, or a crash in native code)"
+    )
+
+
 def _raise_first_failure(
     processes: list[Any], results: Any, values: dict[int, Any], failures: list[tuple[int, str]]
 ) -> None:
@@ -487,14 +505,11 @@ def _raise_first_failure(
         raise _unguarded_main_error(unguarded[0])
     reported = {rank for rank, _ in failures} | set(values)
     dead = [
-        (
-            rank,
-            f"rank {rank} exited with code {proc.exitcode} before returning a result "
-            "(killed, os._exit, or a crash in native code)",
-        )
+        (rank, _died(rank, proc.exitcode))
         for rank, proc in enumerate(processes)
         if rank not in reported and proc.exitcode is not None
     ]
+    dead.sort(key=lambda d: processes[d[0]].exitcode == CREATION_EXIT)  # ended by a peer's death: after it
     ordered = dead + failures
     rank, message = ordered[0]
     others = "".join(f"\n\nthen {m.splitlines()[0]}" for _, m in ordered[1:])

@@ -9,10 +9,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Batched rank jobs (tests/dist.py) run only for the modules whose tests were collected."""
+    """Batched rank jobs (tests/dist.py) run only for the modules whose tests were collected, and
+    the launches' fork server imports those modules once: its ranks, which unpickle their functions
+    from them, then import none of them (about a second of CPU per rank and per launch)."""
+    from pipeline.launch import FORKSERVER_PRELOAD
     from tests.dist import select_jobs
 
-    select_jobs({item.module.__name__ for item in items if getattr(item, "module", None) is not None})
+    modules = sorted({item.module.__name__ for item in items if getattr(item, "module", None) is not None})
+    select_jobs(set(modules))
+    FORKSERVER_PRELOAD.extend(["tests.dist", *(m for m in modules if m.startswith("tests."))])
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

@@ -43,9 +43,11 @@ import torch
 
 from pipeline.launch import launch
 from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV
+from pipeline.runtime.watchdog import CHECK_STORE_S
 
 __all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs"]
 
+_STILL_S = 2 * CHECK_STORE_S  # no thread stopped for this long: the rest never will
 _SETTLE_S = 0.5  # how long a rank waits for a finished job's watchdog threads to stop (a Pipeline never
 # closed keeps its watchdog thread, idle, until exit: waiting longer for those buys nothing)
 
@@ -231,11 +233,22 @@ def _run_jobs(
         dist.all_gather_object(verdicts, out[-1][0], group=control)
         healthy = all(v == "ok" for v in verdicts)
         gc.collect()  # a job's Pipelines (reference cycles) and their watchdog threads
-        deadline = time.monotonic() + _SETTLE_S
-        while threading.active_count() > threads and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _settle(threads)
     os.environ.pop(EMULATE_NCCL_ENV, None)
     return out
+
+
+def _settle(threads: int) -> None:
+    """Wait for the watchdog threads of a finished job's collected Pipelines to stop: until only
+    ``threads`` are left, or none has stopped for two of a watchdog's periods (the rest belong to
+    Pipelines never closed, idle until exit), at most ``_SETTLE_S``."""
+    deadline = time.monotonic() + _SETTLE_S
+    left, still_since = threading.active_count(), time.monotonic()
+    while left > threads and time.monotonic() < deadline and time.monotonic() - still_since < _STILL_S:
+        time.sleep(0.01)
+        now = threading.active_count()
+        if now < left:
+            left, still_since = now, time.monotonic()
 
 
 def job_times() -> list[str]:

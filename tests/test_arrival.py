@@ -9,7 +9,9 @@ the ranks waiting for it, within the pipeline's timeout, never left to those ren
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -20,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.launch import RankError
+from pipeline.launch import FORKSERVER_PRELOAD, RankError
 from pipeline.plan import Plan
 from pipeline.runtime import emulation
-from pipeline.runtime.arrival import arrive
+from pipeline.runtime.arrival import CREATION_EXIT, arrive
 from pipeline.runtime.board import FailureBoard
 from pipeline.runtime.pipe import Pipeline
 from pipeline.runtime.watchdog import PeerFailure, PipelineTimeout, _machine
@@ -83,6 +85,34 @@ def test_a_peer_that_never_comes_is_named_at_the_timeout(tmp_path: Path) -> None
     ):
         arrive(store, members, 42, 0.3, "x")
     assert 0.3 <= time.monotonic() - start < 2.0
+
+
+def test_the_creation_guard_lets_the_main_thread_raise_a_failure_itself(tmp_path: Path) -> None:
+    """Within the grace the guard only watches: a main thread that left the creation (raising its own
+    error) keeps its process; the peer's death is what ``failure`` reports."""
+    store, members = _store(tmp_path), (51, 52)
+    peer = subprocess.Popen(["sleep", "30"])
+    try:
+        store.set(f"{_key(members)}/1", f"{_machine()}|{peer.pid}|0")
+        arrived = arrive(store, members, 51, 5.0, "the test")
+        assert arrived.failure() is None
+        peer.kill()
+        peer.wait()
+        with arrived.creating("the test's communicator"):
+            time.sleep(1.0)  # inside the grace: the guard must not end this process
+        assert arrived.failure() == f"rank 52's process (pid {peer.pid}) is gone"
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_a_failure_on_the_board_is_what_the_creation_guard_reports(tmp_path: Path) -> None:
+    store, members = _store(tmp_path), (61, 62)
+    store.set(f"{_key(members)}/1", f"{_machine()}|{os.getpid()}|0")
+    board = FailureBoard(store, None, "test", 0, [61, 62])
+    arrived = arrive(store, members, 61, 5.0, "the test", board)
+    board.publish_as(62, "rank 62 raised in its init_fn")
+    assert arrived.failure() == "rank 62 failed: rank 62 raised in its init_fn"
 
 
 # ---- in a Pipeline, under the emulation
@@ -210,3 +240,54 @@ def test_the_emulation_makes_a_communicator_as_a_rendezvous_nothing_watches(tmp_
             "the group's 2 ranks that waited 1 s for the others"
         )
     )
+
+
+# ---- a peer that dies inside the creation, after every rank arrived
+
+
+def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str) -> None:
+    """One rank of two, a plain process (not one of ``launch``'s, which would end rank 0 as soon as
+    rank 1 died): rank 1 dies as its channels' communicators are made. stderr goes to a file."""
+    from pipeline.runtime.collectives import Collectives
+
+    os.dup2(os.open(Path(folder, f"stderr{rank}"), os.O_WRONLY | os.O_CREAT), 2)
+    os.environ[emulation.ENV] = "1"
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(folder, "store")), 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    if rank == 1:
+        die = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        Collectives.make_communicators = die  # type: ignore[method-assign]
+    _pipeline(_model(), timeout=60.0)
+    Path(folder, f"constructed{rank}").write_text("")
+
+
+def test_a_peer_dying_while_nccl_makes_communicators_ends_the_ranks_waiting_in_it(tmp_path: Path) -> None:
+    """Rank 0 waits in the emulated creation (NCCL's rendezvous, which nothing of ours can enter); its
+    guard names rank 1 and ends the process within seconds, where the rendezvous would wait 60 s."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # as launch does, in case this starts the server
+    ranks = [
+        ctx.Process(target=_rank_of_a_creation_that_loses_rank_1, args=(r, str(tmp_path))) for r in (0, 1)
+    ]
+    try:
+        start = time.monotonic()
+        for proc in ranks:
+            proc.start()
+        ranks[0].join(30.0)
+        seconds = time.monotonic() - start
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.join()
+    err = (tmp_path / "stderr0").read_text()
+    assert ranks[1].exitcode == -signal.SIGKILL
+    assert ranks[0].exitcode == CREATION_EXIT, err
+    assert seconds < 10.0  # the group's own timeout is 60 s
+    assert (
+        f"rank 0 is ending its process (exit status {CREATION_EXIT}): rank 1's process (pid {ranks[1].pid}) "
+        "is gone while NCCL made the pipeline's channels and communicators" in err
+    )
+    assert not (tmp_path / "constructed0").exists()

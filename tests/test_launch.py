@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from pipeline import startup
 from pipeline.launch import EMULATE_NCCL_ENV, RankError, default_backend, init_distributed, launch
+from pipeline.runtime.arrival import CREATION_EXIT
 from tests.dist import run_ranks
 
 
@@ -83,6 +85,23 @@ def test_dead_rank_is_reported(tmp_path: Path) -> None:
         run_ranks(tmp_path, _die_on_rank_zero, 2, timeout=120.0)
     assert info.value.rank == 0
     assert time.monotonic() - start < 30
+
+
+def _rank_1_dies_and_rank_0_ends_itself_in_a_creation() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.1)  # rank 0's creation guard (arrival.py) saw rank 1 gone
+    os._exit(CREATION_EXIT)
+
+
+def test_a_rank_its_creation_guard_ended_is_named_after_the_peer_that_died(tmp_path: Path) -> None:
+    with pytest.raises(RankError, match=r"^rank 1 exited with code -9 ") as info:
+        run_ranks(tmp_path, _rank_1_dies_and_rank_0_ends_itself_in_a_creation, 2, timeout=120.0)
+    assert info.value.rank == 1
+    assert (
+        f"then rank 0 ended itself (exit status {CREATION_EXIT}): a peer failed while NCCL made a "
+        "communicator, which cannot be aborted (its stderr names the peer)"
+    ) in str(info.value)
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])

@@ -16,23 +16,41 @@ and their first messages made (collectives.py)::
     (a rank that never arrives: PipelineTimeout naming it once the timeout has passed)
 
 A peer on another host is named by the timeout; one on this host as soon as its process is gone
-(``Liveness``, watchdog.py). Not covered: a peer that dies after every rank arrived and inside
-NCCL's own rendezvous (well under a second); the launcher (``pipeline.launch``, torchrun) ends the
-job then.
+(``Liveness``, watchdog.py).
+
+A peer can still die after every rank arrived, while NCCL makes a communicator. Its peers are then
+inside ``ncclCommInitRank`` (or a split), a blocking C call that nothing can abort: NCCL offers no
+abort for a communicator still being made, and torch's NCCL watchdog watches only work already
+queued. So while the communicators are made (``Arrived.creating``) a guard thread watches the peers
+that arrived. A peer whose process is gone, or a failure on the board, that the main thread has not
+raised on itself within ``_GRACE_S`` ends this process: one line on stderr naming the peer and the
+communicator, then exit status ``CREATION_EXIT``. That is torch's own policy for a communicator it
+cannot recover (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and ``launch`` or torchrun then ends the job::
+
+    rank 0   arrived ... ncclCommInitRank(channel 1 -> 0) ......... guard: rank 1 is gone -> exit 75
+    rank 1   arrived ... SIGKILL
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from pipeline.runtime.board import FailureBoard
 from pipeline.runtime.watchdog import Liveness, PeerFailure, PipelineTimeout, quiet_store
 
-__all__ = ["arrive"]
+__all__ = ["CREATION_EXIT", "Arrived", "arrive", "creating"]
 
+CREATION_EXIT = 75  # the exit status of a rank its creation guard ended
 _POLL_S = 0.005
+_GUARD_POLL_S = 0.05  # how often the creation guard looks at the peers
+_GRACE_S = 2.0  # how long a failure may stay unraised by the main thread before the guard ends it
 _counts: dict[tuple[int, ...], itertools.count[int]] = {}  # per group of ranks: constructions so far
 
 
@@ -43,10 +61,11 @@ def arrive(
     timeout: float,
     what: str,
     board: FailureBoard | None = None,
-) -> None:
+) -> Arrived:
     """Record global rank ``rank`` as arrived at the n-th such point on ``members`` (global ranks, the
     same order on every rank) and wait until all have; ``what`` names the point. With ``board``, a
-    failure published there (a rank whose construction raised) ends the wait naming that rank."""
+    failure published there (a rank whose construction raised) ends the wait naming that rank.
+    Returns the ranks that arrived, whose ``creating`` guards the communicators made next."""
     n = next(_counts.setdefault(members, itertools.count()))
     key = f"stagewise/arrive{n}/{'_'.join(map(str, members))}"
     me = members.index(rank)
@@ -58,7 +77,8 @@ def arrive(
         with quiet_store():
             missing = [q for q in missing if not store.check([f"{key}/{q}"])]
         if not missing:
-            return
+            liveness.learn()
+            return Arrived(liveness, members, rank, board)
         waited = f"ranks {[members[q] for q in missing]} at {what}"
         failed = board.first() if board is not None else None
         if failed is not None:
@@ -78,3 +98,60 @@ def arrive(
                 "those ranks are alive and construct the same Pipelines in the same order"
             )
         time.sleep(_POLL_S)
+
+
+class Arrived:
+    """The ranks of ``members`` that arrived (their processes in ``liveness``); ``board``: the failures
+    their pipeline publishes, once it has one (the construction's first arrival comes before it)."""
+
+    def __init__(
+        self, liveness: Liveness, members: tuple[int, ...], rank: int, board: FailureBoard | None
+    ) -> None:
+        self.liveness, self.members, self.rank, self.board = liveness, members, rank, board
+
+    @contextlib.contextmanager
+    def creating(self, what: str) -> Iterator[None]:
+        """Guard the making of ``what`` (communicators, groups): see the module's docstring."""
+        done = threading.Event()
+        guard = threading.Thread(
+            target=self._guard, args=(what, done), name="stagewise-creation-guard", daemon=True
+        )
+        guard.start()
+        try:
+            yield
+        finally:
+            done.set()
+            guard.join()
+
+    def failure(self) -> str | None:
+        """What ended a peer, if anything has: its process gone, or a failure on the board."""
+        dead = self.liveness.dead()
+        if dead:
+            q = dead[0]
+            return f"rank {self.members[q]}'s process (pid {self.liveness.pids[q]}) is gone"
+        failed = self.board.first() if self.board is not None else None
+        if failed is not None:
+            return f"rank {failed[0]} failed: {failed[1]}"
+        return None
+
+    def _guard(self, what: str, done: threading.Event) -> None:
+        seen: float | None = None
+        while not done.wait(_GUARD_POLL_S):
+            if seen is None:
+                seen = time.monotonic() if self.failure() is not None else None
+                continue
+            if time.monotonic() - seen < _GRACE_S:
+                continue
+            why = self.failure() or "a peer failed"
+            sys.stderr.write(
+                f"stagewise: rank {self.rank} is ending its process (exit status {CREATION_EXIT}): {why} "
+                f"while NCCL made {what}, a blocking rendezvous that cannot be aborted and would wait "
+                "for that rank forever\n"
+            )
+            sys.stderr.flush()
+            os._exit(CREATION_EXIT)
+
+
+def creating(arrived: Arrived | None, what: str) -> contextlib.AbstractContextManager[None]:
+    """``arrived.creating(what)``; nothing to guard off the NCCL path (``arrived`` None)."""
+    return arrived.creating(what) if arrived is not None else contextlib.nullcontext()

@@ -148,7 +148,7 @@ from torch import nn
 from pipeline.plan import Plan
 from pipeline.runtime import emulation, grads, memory, pretrained, replicas
 from pipeline.runtime.agree import agree, summary
-from pipeline.runtime.arrival import arrive
+from pipeline.runtime.arrival import arrive, creating
 from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.gather import gather_state_dict
@@ -233,10 +233,12 @@ class Pipeline:
         nccl = distributed and transport_class(dist.get_backend(group)).nccl
         pg = group if group is not None else dist.group.WORLD
         members = tuple(dist.get_process_group_ranks(pg)) if nccl else ()
+        arrived = None  # the ranks that arrived, whose creation guard watches the communicators made next
         if nccl:
-            arrive(world_store(), members, dist.get_rank(), timeout, "the Pipeline's construction")
+            arrived = arrive(world_store(), members, dist.get_rank(), timeout, "the Pipeline's construction")
         dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
-        groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed, timeout)
+        with creating(arrived, "the pipeline's mesh and groups"):
+            groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed, timeout)
         check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
@@ -252,8 +254,11 @@ class Pipeline:
         self.comm: Comm | None = None
         if distributed:
             named = self.mesh is not None  # errors name global ranks
-            self.comm = Comm(groups.pp, self._prefix, timeout, failure=failure, pipelines=pipelines,
-                             global_names=named)  # fmt: skip
+            with creating(arrived, "the pipeline's channels and communicators"):
+                self.comm = Comm(groups.pp, self._prefix, timeout, failure=failure, pipelines=pipelines,
+                                 global_names=named)  # fmt: skip
+            if arrived is not None:
+                arrived.board = self.comm.board
         if device is None:  # where the backend communicates: CUDA on NCCL, else the CPU
             device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.device = torch.device(device)
@@ -298,22 +303,23 @@ class Pipeline:
             assert failure is not None
             modules = dict(zip(self._stage_ids, self._modules, strict=True))
             config = f"{self.schedule.to_text()}|m={self.n_microbatches}|balance={self.balance}"
-            with self._publish_failure():  # a replica that differs: its peers must not wait for it
+            with self._publish_failure(), creating(arrived, "the replicas' groups"):
                 self._replicas = replicas.Replicas(
                     groups, self._prefix, failure, timeout, modules, self.schedule, self.rank,
                     self.executor, bucket_mb, config,
                 )  # fmt: skip
         params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
         shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
+        at = "the tied weights' groups"
         if nccl and self.comm is not None and tie_groups(self.schedule.rank_of, tie_stages):
-            at = "the tied weights' groups"
-            arrive(world_store(), members, dist.get_rank(), timeout, at, self.comm.board)
-        self.tied = TiedGrads(
-            ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
-            key_prefix=f"{self._prefix}/ties", failure=shared, pipelines=pipelines,
-        )  # fmt: skip
-        with self._publish_failure():
-            self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
+            arrived = arrive(world_store(), members, dist.get_rank(), timeout, at, self.comm.board)
+        with creating(arrived, at):
+            self.tied = TiedGrads(
+                ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
+                key_prefix=f"{self._prefix}/ties", failure=shared, pipelines=pipelines,
+            )  # fmt: skip
+            with self._publish_failure():
+                self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
         self._agreed = False
         self.measured_peak: int | None = None  # the last step's true peak, when it measured it
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
