@@ -101,7 +101,17 @@ _RANK_NAME = "stagewise-rank-"  # process-name prefix of the ranks launch starts
 _START_METHODS = ("spawn", "forkserver")
 # what the fork server imports when it starts (the first forkserver launch); a program may add its own
 # modules before that, so that its ranks find them imported instead of importing them each
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pipeline.launch", "pipeline.runtime.pipe"]
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "pipeline.launch",
+    "pipeline.runtime.pipe",
+    # what a first step imports to infer its stages' shapes on fake tensors (stage.infer): about 900
+    # modules (dynamo, sympy), a second of CPU per rank otherwise
+    "torch._subclasses.fake_tensor",
+    "torch.fx.experimental.symbolic_shapes",
+    "torch._dynamo",
+]
 _EXIT_UNGUARDED_MAIN = 87  # a rank's exit code when its import of the main module called launch
 _rank_started = False  # set in a rank once its fn may run: launch() from inside fn is deliberate
 _PARENT_POLL_S = 0.2  # how often a rank's fallback thread checks that its parent lives
