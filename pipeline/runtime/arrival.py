@@ -25,7 +25,10 @@ queued. So while the communicators are made (``Arrived.creating``) a guard threa
 that arrived. A peer whose process is gone, or a failure on the board, that the main thread has not
 raised on itself within ``_GRACE_S`` ends this process: one line on stderr naming the peer and the
 communicator, then exit status ``CREATION_EXIT``. That is torch's own policy for a communicator it
-cannot recover (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and ``launch`` or torchrun then ends the job::
+cannot recover (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and ``launch`` or torchrun then ends the job.
+The guard runs while the main thread is inside that C call because c10d's bindings release the GIL
+around collectives and group creation (as they must for NCCL's own watchdog); the emulation's
+creation waits in Python, which the test of this guard uses::
 
     rank 0   arrived ... ncclCommInitRank(channel 1 -> 0) ......... guard: rank 1 is gone -> exit 75
     rank 1   arrived ... SIGKILL
