@@ -498,7 +498,8 @@ def _raise_first_failure(
 
     A launch call outside ``if __name__ == "__main__":`` comes first (every rank
     stops for it), then a rank that died without a word (its peers only report
-    a lost connection), then exceptions in the order they arrived.
+    a lost connection), then exceptions in the order they arrived, then ranks
+    that ended themselves because a peer failed while NCCL made a communicator.
     """
     time.sleep(_SETTLE_S)
     while True:
@@ -519,8 +520,9 @@ def _raise_first_failure(
         for rank, proc in enumerate(processes)
         if rank not in reported and proc.exitcode is not None
     ]
-    dead.sort(key=lambda d: processes[d[0]].exitcode == CREATION_EXIT)  # ended by a peer's death: after it
-    ordered = dead + failures
+    # a rank its creation guard ended (arrival.py) only reacted to another's death or failure: after all
+    ended = [d for d in dead if processes[d[0]].exitcode == CREATION_EXIT]
+    ordered = [d for d in dead if d not in ended] + failures + ended
     rank, message = ordered[0]
     others = "".join(f"\n\nthen {m.splitlines()[0]}" for _, m in ordered[1:])
     raise RankError(rank, message + others)

@@ -8,6 +8,7 @@ the ranks waiting for it, within the pipeline's timeout, never left to those ren
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing
 import os
@@ -104,6 +105,33 @@ def test_the_creation_guard_lets_the_main_thread_raise_a_failure_itself(tmp_path
     finally:
         peer.kill()
         peer.wait()
+
+
+def _leaves_the_creation_in_time(folder: str) -> None:
+    """A peer dies; the creation is left within the grace; the process outlives every grace after."""
+    from pipeline.runtime import arrival
+
+    arrival._GRACE_S, arrival._WATCH_AFTER_S = 0.2, 0.2
+    store, members = _store(Path(folder)), (71, 72)
+    peer = subprocess.Popen(["sleep", "30"])
+    store.set(f"{_key(members)}/1", f"{_machine()}|{peer.pid}|0")
+    arrived = arrive(store, members, 71, 5.0, "the test")
+    peer.kill()
+    peer.wait()
+    with arrived.creating("the test's communicator"):
+        time.sleep(0.05)
+    time.sleep(1.0)  # past both graces: a guard or a watch still armed would end this process now
+    arrived.close()
+
+
+def test_neither_guard_ends_a_process_that_left_the_creation(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    proc = ctx.Process(target=_leaves_the_creation_in_time, args=(str(tmp_path),))
+    proc.start()
+    proc.join(30.0)
+    proc.kill()
+    assert proc.exitcode == 0
 
 
 def test_a_failure_on_the_board_is_what_the_creation_guard_reports(tmp_path: Path) -> None:
@@ -245,9 +273,11 @@ def test_the_emulation_makes_a_communicator_as_a_rendezvous_nothing_watches(tmp_
 # ---- a peer that dies inside the creation, after every rank arrived
 
 
-def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str) -> None:
+def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str, gil: str) -> None:
     """One rank of two, a plain process (not one of ``launch``'s, which would end rank 0 as soon as
-    rank 1 died): rank 1 dies as its channels' communicators are made. stderr goes to a file."""
+    rank 1 died): rank 1 dies as its channels' communicators are made. With ``gil`` "held", rank 0
+    is then inside a C call that holds the interpreter (as torch's binding of NCCL's split does), where
+    no thread of its own can run. stderr goes to a file."""
     from pipeline.runtime.collectives import Collectives
 
     os.dup2(os.open(Path(folder, f"stderr{rank}"), os.O_WRONLY | os.O_CREAT), 2)
@@ -260,17 +290,25 @@ def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str) -> None:
     if rank == 1:
         die = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         Collectives.make_communicators = die  # type: ignore[method-assign]
+    elif gil == "held":
+        stuck = lambda self: ctypes.PyDLL(None).sleep(60)  # noqa: E731  (PyDLL: the GIL stays held)
+        Collectives.make_communicators = stuck  # type: ignore[method-assign]
     _pipeline(_model(), timeout=60.0)
     Path(folder, f"constructed{rank}").write_text("")
 
 
-def test_a_peer_dying_while_nccl_makes_communicators_ends_the_ranks_waiting_in_it(tmp_path: Path) -> None:
-    """Rank 0 waits in the emulated creation (NCCL's rendezvous, which nothing of ours can enter); its
-    guard names rank 1 and ends the process within seconds, where the rendezvous would wait 60 s."""
+@pytest.mark.parametrize("gil", ["released", "held"])
+def test_a_peer_dying_while_nccl_makes_communicators_ends_the_ranks_waiting_in_it(
+    tmp_path: Path, gil: str
+) -> None:
+    """Rank 0 waits in the emulated creation (NCCL's rendezvous, which nothing of ours can enter): its
+    guard thread names rank 1 and ends the process (status 75) after its 2 s of grace, where the
+    rendezvous would wait 60 s; inside a call that holds the GIL, its watch process does, 3 s later."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # as launch does, in case this starts the server
     ranks = [
-        ctx.Process(target=_rank_of_a_creation_that_loses_rank_1, args=(r, str(tmp_path))) for r in (0, 1)
+        ctx.Process(target=_rank_of_a_creation_that_loses_rank_1, args=(r, str(tmp_path), gil))
+        for r in (0, 1)
     ]
     try:
         start = time.monotonic()
@@ -284,10 +322,19 @@ def test_a_peer_dying_while_nccl_makes_communicators_ends_the_ranks_waiting_in_i
             proc.join()
     err = (tmp_path / "stderr0").read_text()
     assert ranks[1].exitcode == -signal.SIGKILL
-    assert ranks[0].exitcode == CREATION_EXIT, err
-    assert seconds < 10.0  # the group's own timeout is 60 s
-    assert (
-        f"rank 0 is ending its process (exit status {CREATION_EXIT}): rank 1's process (pid {ranks[1].pid}) "
-        "is gone while NCCL made the pipeline's channels and communicators" in err
-    )
     assert not (tmp_path / "constructed0").exists()
+    made = "the pipeline's channels and communicators"
+    if gil == "released":
+        assert ranks[0].exitcode == CREATION_EXIT, err
+        assert 2.0 <= seconds < 10.0, seconds
+        assert (
+            f"rank 0 is ending its process (exit status {CREATION_EXIT}): rank 1's process "
+            f"(pid {ranks[1].pid}) is gone while NCCL made {made}" in err
+        )
+    else:
+        assert ranks[0].exitcode == -signal.SIGKILL, err
+        assert 5.0 <= seconds < 15.0, seconds
+        assert (
+            f"rank 0's creation watch is ending it (SIGKILL): rank 1's process (pid {ranks[1].pid}) is "
+            f"gone while NCCL made {made}, a call that holds the interpreter" in err
+        )

@@ -87,21 +87,27 @@ def test_dead_rank_is_reported(tmp_path: Path) -> None:
     assert time.monotonic() - start < 30
 
 
-def _rank_1_dies_and_rank_0_ends_itself_in_a_creation() -> None:
+def _rank_1_dies_rank_2_raises_and_rank_0_ends_itself_in_a_creation() -> None:
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    if dist.get_rank() == 2:
+        raise ValueError("rank 2 saw rank 1 go")
     time.sleep(0.1)  # rank 0's creation guard (arrival.py) saw rank 1 gone
     os._exit(CREATION_EXIT)
 
 
-def test_a_rank_its_creation_guard_ended_is_named_after_the_peer_that_died(tmp_path: Path) -> None:
+def test_a_rank_its_creation_guard_ended_is_named_after_the_peers_that_failed(tmp_path: Path) -> None:
+    fn = _rank_1_dies_rank_2_raises_and_rank_0_ends_itself_in_a_creation
     with pytest.raises(RankError, match=r"^rank 1 exited with code -9 ") as info:
-        run_ranks(tmp_path, _rank_1_dies_and_rank_0_ends_itself_in_a_creation, 2, timeout=120.0)
+        run_ranks(tmp_path, fn, 3, timeout=120.0)
     assert info.value.rank == 1
-    assert (
+    text = str(info.value)
+    ended = (
         f"then rank 0 ended itself (exit status {CREATION_EXIT}): a peer failed while NCCL made a "
         "communicator, which cannot be aborted (its stderr names the peer)"
-    ) in str(info.value)
+    )
+    assert "then rank 2 failed: ValueError: rank 2 saw rank 1 go" in text and ended in text
+    assert text.index("then rank 2 failed") < text.index(ended)
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])

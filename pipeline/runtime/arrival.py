@@ -25,13 +25,18 @@ queued. So while the communicators are made (``Arrived.creating``) a guard threa
 that arrived. A peer whose process is gone, or a failure on the board, that the main thread has not
 raised on itself within ``_GRACE_S`` ends this process: one line on stderr naming the peer and the
 communicator, then exit status ``CREATION_EXIT``. That is torch's own policy for a communicator it
-cannot recover (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and ``launch`` or torchrun then ends the job.
-The guard runs while the main thread is inside that C call because c10d's bindings release the GIL
-around collectives and group creation (as they must for NCCL's own watchdog); the emulation's
-creation waits in Python, which the test of this guard uses::
+cannot recover (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and ``launch`` or torchrun then ends the job::
 
     rank 0   arrived ... ncclCommInitRank(channel 1 -> 0) ......... guard: rank 1 is gone -> exit 75
     rank 1   arrived ... SIGKILL
+
+The thread runs only where the C call released the GIL. c10d's bindings of collectives do, but
+``perform_nocolor_split`` (every rank outside a new group runs it once the device is bound) holds it.
+So the creation also arms a watch process (proc.py, started at the first creation, ended by
+``close``) that checks the same peers' pids without the GIL. ``_WATCH_AFTER_S`` after the guard's
+grace, while still armed, it writes its own line and SIGKILLs the rank. Only the thread reads the
+board, so a failure on another host is seen only where the GIL was released. Under the emulation
+the creation waits in Python. The tests hold the GIL in a C call to prove the watch.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from pipeline.runtime import proc
 from pipeline.runtime.board import FailureBoard
 from pipeline.runtime.watchdog import Liveness, PeerFailure, PipelineTimeout, quiet_store
 
@@ -54,6 +62,7 @@ CREATION_EXIT = 75  # the exit status of a rank its creation guard ended
 _POLL_S = 0.005
 _GUARD_POLL_S = 0.05  # how often the creation guard looks at the peers
 _GRACE_S = 2.0  # how long a failure may stay unraised by the main thread before the guard ends it
+_WATCH_AFTER_S = 3.0  # then how long the watch process waits for the guard thread before it ends the rank
 _counts: dict[tuple[int, ...], itertools.count[int]] = {}  # per group of ranks: constructions so far
 
 
@@ -105,12 +114,14 @@ def arrive(
 
 class Arrived:
     """The ranks of ``members`` that arrived (their processes in ``liveness``); ``board``: the failures
-    their pipeline publishes, once it has one (the construction's first arrival comes before it)."""
+    their pipeline publishes, once it has one (the construction's first arrival comes before it).
+    ``close`` once the communicators are made (it ends the creation watch)."""
 
     def __init__(
         self, liveness: Liveness, members: tuple[int, ...], rank: int, board: FailureBoard | None
     ) -> None:
         self.liveness, self.members, self.rank, self.board = liveness, members, rank, board
+        self._watch: subprocess.Popen[bytes] | None = None
 
     @contextlib.contextmanager
     def creating(self, what: str) -> Iterator[None]:
@@ -120,32 +131,63 @@ class Arrived:
             target=self._guard, args=(what, done), name="stagewise-creation-guard", daemon=True
         )
         guard.start()
+        self._tell(f"arm {what}")
         try:
             yield
         finally:
+            self._tell("disarm")
             done.set()
             guard.join()
 
+    def close(self) -> None:
+        """End the creation watch (its process exits when its pipe closes)."""
+        if self._watch is not None:
+            with contextlib.suppress(OSError):
+                assert self._watch.stdin is not None
+                self._watch.stdin.close()
+            self._watch.wait()
+            self._watch = None
+
     def failure(self) -> str | None:
-        """What ended a peer, if anything has: its process gone, or a failure on the board."""
+        """What ended a peer, if anything has: its process gone, or a failure on the board (its
+        message's first line)."""
         dead = self.liveness.dead()
         if dead:
             q = dead[0]
             return f"rank {self.members[q]}'s process (pid {self.liveness.pids[q]}) is gone"
         failed = self.board.first() if self.board is not None else None
         if failed is not None:
-            return f"rank {failed[0]} failed: {failed[1]}"
+            return f"rank {failed[0]} failed: {failed[1].splitlines()[0] if failed[1] else ''}"
         return None
 
+    def _tell(self, line: str) -> None:
+        """Arm or disarm the watch process, started at the first creation."""
+        if self._watch is None:
+            peers = [f"{self.members[q]}:{pid}" for q, pid in sorted(self.liveness.pids.items())]
+            args = [str(os.getpid()), str(self.rank), str(_GRACE_S + _WATCH_AFTER_S), str(_GUARD_POLL_S)]
+            self._watch = subprocess.Popen(
+                [sys.executable, "-S", "-E", proc.__file__, *args, *peers], stdin=subprocess.PIPE
+            )
+            weakref.finalize(self, _close_pipe, self._watch)
+        assert self._watch.stdin is not None
+        with contextlib.suppress(OSError):  # a watch that is gone: the guard thread still runs
+            self._watch.stdin.write(f"{line}\n".encode())
+            self._watch.stdin.flush()
+
     def _guard(self, what: str, done: threading.Event) -> None:
-        seen: float | None = None
+        seen: tuple[float, str] | None = None  # when a failure was first seen, and what it was
         while not done.wait(_GUARD_POLL_S):
+            try:
+                why = self.failure() if seen is None else seen[1]
+            except Exception:  # a store read that failed: look again at the next poll
+                continue
+            if why is None:
+                continue
             if seen is None:
-                seen = time.monotonic() if self.failure() is not None else None
+                seen = (time.monotonic(), why)
+            if time.monotonic() - seen[0] < _GRACE_S or done.is_set():
                 continue
-            if time.monotonic() - seen < _GRACE_S:
-                continue
-            why = self.failure() or "a peer failed"
+            sys.stdout.flush()
             sys.stderr.write(
                 f"stagewise: rank {self.rank} is ending its process (exit status {CREATION_EXIT}): {why} "
                 f"while NCCL made {what}, a blocking rendezvous that cannot be aborted and would wait "
@@ -153,6 +195,12 @@ class Arrived:
             )
             sys.stderr.flush()
             os._exit(CREATION_EXIT)
+
+
+def _close_pipe(watch: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        assert watch.stdin is not None
+        watch.stdin.close()
 
 
 def creating(arrived: Arrived | None, what: str) -> contextlib.AbstractContextManager[None]:

@@ -31,8 +31,9 @@ communicators  NCCL makes a group's communicator at the group's first operation,
             collective on the group, which every rank takes part in, makes the
             communicator, as does each channel's first message at construction
             (``Comm``). The creation itself is that rendezvous here too: each
-            rank waits for all, watched by nothing of the pipeline's, so a peer
-            dead before it is never named (arrival.py keeps that from happening).
+            rank waits for all, watched by none of the pipeline's waits (arrival.py
+            keeps a dead peer from being waited for there, and its creation guard
+            ends a rank whose peer dies inside it).
 
 Host-to-device copies of the inputs (``copy``) are emulated the same way: the
 copy reads as poison until compute is ordered after the copy stream it was
@@ -127,7 +128,8 @@ def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
 def _rendezvous(group: Any, size: int, what: str) -> None:
     """NCCL's communicator creation: each of the group's ``size`` ranks waits here for all of them,
     and nothing of the pipeline's watches that wait (no failure key, no liveness, no timeout of ours:
-    only the group's own). A peer dead before it is never named; arrival.py keeps one from coming here."""
+    only the group's own). Only arrival.py's creation guard, a thread and a process apart from the
+    wait, ends a rank whose peer died before or inside it."""
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._world.pg_map[group][1]  # the group's own prefix of the job's store

@@ -311,15 +311,18 @@ class Pipeline:
         params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
         shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
         at = "the tied weights' groups"
+        tied_arrived = arrived
         if nccl and self.comm is not None and tie_groups(self.schedule.rank_of, tie_stages):
-            arrived = arrive(world_store(), members, dist.get_rank(), timeout, at, self.comm.board)
-        with creating(arrived, at):
+            tied_arrived = arrive(world_store(), members, dist.get_rank(), timeout, at, self.comm.board)
+        with creating(tied_arrived, at):
             self.tied = TiedGrads(
                 ties, params, self.schedule.rank_of, self.rank, group=groups.pp, timeout=timeout,
                 key_prefix=f"{self._prefix}/ties", failure=shared, pipelines=pipelines,
             )  # fmt: skip
             with self._publish_failure():
                 self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
+        for made in {id(a): a for a in (arrived, tied_arrived) if a is not None}.values():
+            made.close()  # every communicator is made: the creation watch ends
         self._agreed = False
         self.measured_peak: int | None = None  # the last step's true peak, when it measured it
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each

@@ -66,6 +66,8 @@ from typing import Any
 
 import torch
 
+from pipeline.runtime.proc import process_alive
+
 __all__ = [
     "CHECK_STORE_S",
     "Liveness",
@@ -161,24 +163,6 @@ def _machine() -> str:
     except OSError:
         namespace = ""
     return f"{socket.gethostname()}/{namespace}"
-
-
-def process_alive(pid: int) -> bool:
-    """False once ``pid`` has exited (a zombie that its parent has not reaped yet counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True
-        return True
 
 
 def hosts_world_store() -> bool:
