@@ -186,6 +186,12 @@ class _Tied(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _reset(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+
 def _init_fails_on_rank_1(module: nn.Module) -> None:
     if dist.get_rank() == 1:
         raise RuntimeError("rank 1's init_fn failed")
@@ -275,7 +281,8 @@ def test_the_emulation_makes_a_communicator_as_a_rendezvous_nothing_watches(tmp_
 
 def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str, gil: str) -> None:
     """One rank of two, a plain process (not one of ``launch``'s, which would end rank 0 as soon as
-    rank 1 died): rank 1 dies as its channels' communicators are made. With ``gil`` "held", rank 0
+    rank 1 died): rank 1 dies as its channels' communicators are made, or with ``gil`` "ties" as its
+    tied weights' group is first used (a weight tied across the cut). With ``gil`` "held", rank 0
     is then inside a C call that holds the interpreter (as torch's binding of NCCL's split does), where
     no thread of its own can run. stderr goes to a file."""
     from pipeline.runtime.collectives import Collectives
@@ -287,17 +294,28 @@ def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str, gil: str) -> N
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
-    if rank == 1:
-        die = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    from pipeline.runtime.ties import TiedGrads
+
+    die = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if rank == 1 and gil == "ties":  # dies as the tied weights' group is first used (made, on NCCL)
+        TiedGrads.sync = die  # type: ignore[method-assign]
+    elif rank == 1:
         Collectives.make_communicators = die  # type: ignore[method-assign]
     elif gil == "held":
         stuck = lambda self: ctypes.PyDLL(None).sleep(60)  # noqa: E731  (PyDLL: the GIL stays held)
         Collectives.make_communicators = stuck  # type: ignore[method-assign]
-    _pipeline(_model(), timeout=60.0)
+    if gil == "ties":
+        with torch.device("meta"):
+            model = nn.Sequential(_Tied(), nn.ReLU(), _Tied())
+        model[2].a.weight = model[0].a.weight  # tied across the cut
+        Pipeline(model, Plan(balance=[2, 1], n_microbatches=2), loss_fn=nn.functional.mse_loss,
+                 timeout=60.0, init_fn=_reset)  # fmt: skip
+    else:
+        _pipeline(_model(), timeout=60.0)
     Path(folder, f"constructed{rank}").write_text("")
 
 
-@pytest.mark.parametrize("gil", ["released", "held"])
+@pytest.mark.parametrize("gil", ["released", "held", "ties"])
 def test_a_peer_dying_while_nccl_makes_communicators_ends_the_ranks_waiting_in_it(
     tmp_path: Path, gil: str
 ) -> None:
@@ -323,8 +341,8 @@ def test_a_peer_dying_while_nccl_makes_communicators_ends_the_ranks_waiting_in_i
     err = (tmp_path / "stderr0").read_text()
     assert ranks[1].exitcode == -signal.SIGKILL
     assert not (tmp_path / "constructed0").exists()
-    made = "the pipeline's channels and communicators"
-    if gil == "released":
+    made = "the pipeline's channels and communicators" if gil != "ties" else "the tied weights' groups"
+    if gil != "held":
         assert ranks[0].exitcode == CREATION_EXIT, err
         assert 2.0 <= seconds < 10.0, seconds
         assert (
