@@ -296,14 +296,29 @@ def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str, gil: str) -> N
     )
     from pipeline.runtime.ties import TiedGrads
 
-    die = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    if rank == 1 and gil == "ties":  # dies as the tied weights' group is first used (made, on NCCL)
-        TiedGrads.sync = die  # type: ignore[method-assign]
-    elif rank == 1:
-        Collectives.make_communicators = die  # type: ignore[method-assign]
-    elif gil == "held":
-        stuck = lambda self: ctypes.PyDLL(None).sleep(60)  # noqa: E731  (PyDLL: the GIL stays held)
-        Collectives.make_communicators = stuck  # type: ignore[method-assign]
+    # the creation: the tied weights' group's first use (made there, on NCCL), else the channels'
+    owner: Any = TiedGrads if gil == "ties" else Collectives
+    name = "sync" if gil == "ties" else "make_communicators"
+    inside = Path(folder, "rank0-inside")  # rank 1 dies only once rank 0 is past gloo's own connects
+    if rank == 1:
+
+        def die(self: Any) -> None:
+            deadline = time.monotonic() + 20.0
+            while not inside.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(owner, name, die)
+    else:
+        made = getattr(owner, name)
+
+        def enter(self: Any) -> None:
+            inside.write_text("")
+            if gil == "held":
+                ctypes.PyDLL(None).sleep(60)  # PyDLL: the GIL stays held
+            made(self)
+
+        setattr(owner, name, enter)
     if gil == "ties":
         with torch.device("meta"):
             model = nn.Sequential(_Tied(), nn.ReLU(), _Tied())
