@@ -309,8 +309,6 @@ def test_an_unreachable_store_is_a_bounded_named_error(monkeypatch: pytest.Monke
 def test_a_ctrl_c_while_the_ranks_start_is_not_lost() -> None:
     """While the ranks start, the parent ignores SIGINT (they inherit that); a Ctrl-C then stays
     pending and stops the launch once the parent's handler is back, instead of vanishing."""
-    import signal
-
     from pipeline.launch import _parent_signals, _ranks_ignore_sigint
 
     # as run from a terminal: pytest started as a background job inherits SIGINT ignored

@@ -142,9 +142,7 @@ class Arrived:
     def close(self) -> None:
         """End the creation watch (its process exits when its pipe closes)."""
         if self._watch is not None:
-            with contextlib.suppress(OSError):
-                assert self._watch.stdin is not None
-                self._watch.stdin.close()
+            _close_pipe(self._watch)
             self._watch.wait()
             self._watch = None
 

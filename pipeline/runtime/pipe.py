@@ -321,8 +321,9 @@ class Pipeline:
             )  # fmt: skip
             with self._publish_failure():
                 self.tied.sync()  # every copy of a tied weight starts as its lowest rank's
-        for made in {id(a): a for a in (arrived, tied_arrived) if a is not None}.values():
-            made.close()  # every communicator is made: the creation watch ends
+        for made in (arrived, tied_arrived):  # every communicator is made: the creation watches end
+            if made is not None:
+                made.close()  # a second close of the same one does nothing
         self._agreed = False
         self.measured_peak: int | None = None  # the last step's true peak, when it measured it
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
