@@ -160,7 +160,7 @@ class Executor:
         self.shape_rules = False
         self.one_row = False  # every micro-batch is one row (rows of documents): rules for one row
         self._rules: dict[int, dict[int, ShapeRule]] = {}
-        self.fake_derivations = 0  # micro-batch signatures set up with fake tensors (rules: none)
+        self.fake_derivations = 0  # micro-batch signatures set up stage by stage (fake tensors or their memo)
         compiled = compile_rank(sched, rank, stages, self, comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
         self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}

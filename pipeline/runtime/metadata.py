@@ -27,7 +27,8 @@ other call never sets:
 
 For each micro-batch signature it has not seen before (under this autocast state), every
 rank derives its stages' input and output signatures in stage order, with fake tensors (no
-compute, under the step's autocast), passing them on through the store; each message then
+compute, under the step's autocast; once per process for a stage of the same structure, as a
+sweep's Pipelines have: shape_memo.py), passing them on through the store; each message then
 takes its micro-batch's. A batch split evenly (microbatch.py) has at most two micro-batch
 signatures (B = 30, m = 4: 8, 8, 7 and 7 rows), set up at the first step; a varlen step
 (varlen.py) one per distinct (rows, length), each set up once for the run:
@@ -261,7 +262,7 @@ def derive_signatures(
     Per such signature, in stage order: an output that a stage on another rank takes is set in
     the store under ``key``; an input from another rank is waited for there. With ``rules`` (every
     stage's but the last, shape_rules.py) a signature they cover is computed here, with no message.
-    Returns how many signatures were derived with fake tensors.
+    Returns how many signatures were derived stage by stage (fake tensors, or their memo), not by rules.
     """
     for s in stages:
         in_sig.setdefault(s, {})
@@ -394,7 +395,9 @@ def send_tensors(m: Msg) -> list[torch.Tensor]:
             raise ValueError(
                 f"stage {a.stage} produced {_fmt(got)} for micro-batch {a.microbatch}, but stage "
                 f"{a.stage + 1} was set up for {_fmt(m.spec)}; a stage's output shape and dtype "
-                "must depend only on its input's"
+                "must depend only on its input's (and on what shape_memo.py keys: if they depend on "
+                "a global that changed since another Pipeline of these stages was built in this "
+                "process, call pipeline.runtime.shape_memo.clear() before building this one)"
             )
         return [t.detach().contiguous() for t in as_tuple(out)]
     grads = [g.contiguous() for g in out if g is not None]

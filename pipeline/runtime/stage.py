@@ -49,6 +49,7 @@ from torch import nn
 from pipeline.runtime.memory import ActivationMeter
 from pipeline.runtime.microbatch import Batch, Signature, as_tuple, from_tuple, weights
 from pipeline.runtime.recompute import RNGState, recomputes
+from pipeline.runtime.shape_memo import memoised
 
 __all__ = ["Grads", "StageRuntime"]
 
@@ -281,6 +282,11 @@ class StageRuntime:
     # ---- shapes
 
     def infer(self, sig: Signature) -> Signature:
+        """The output signature for an input signature, without computing (fake tensors); once per
+        process for the same stage structure, signature and autocast state (shape_memo.py)."""
+        return memoised(self.module, sig, torch.device(self.device), lambda: self._fake_forward(sig))
+
+    def _fake_forward(self, sig: Signature) -> Signature:
         """The output signature for an input signature, without computing (fake tensors).
 
         Runs under the caller's autocast, so the signature has autocast's dtypes,
