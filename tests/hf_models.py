@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.launch import FORKSERVER_PRELOAD
 from pipeline.reference.hf import CausalLM
 
 __all__ = ["CASES", "Case", "CausalLM", "ImageClassifier", "MaskedLM", "build", "loss_of"]
@@ -186,3 +187,10 @@ def loss_of(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
 def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B * T, V) against (B * T,)
+
+
+# The ranks of the tests that build these models fork from launch's server (tests/dist.py). With
+# transformers and each architecture imported there once, a rank skips some 3 s of imports. The
+# server reads the list when it starts (the first launch: after collection, which imports this).
+_KINDS = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt_neox", "opt", "gpt2", "bert", "vit", "resnet")
+FORKSERVER_PRELOAD += [f"transformers.models.{kind}.modeling_{kind}" for kind in _KINDS]

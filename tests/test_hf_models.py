@@ -12,9 +12,10 @@ OPT, GPT-2, BERT, ViT, a BatchNorm ResNet) is partitioned by tracing, then train
 The loss, every gradient and every floating-point buffer (BatchNorm's running statistics) must equal
 one process running the same m micro-batches (fp32, relative error < 1e-5), the reference at the
 ranks' thread count (one). Models that take an attention mask get one with padded rows. One launch
-per rank count runs the whole matrix (each rank imports transformers once). At 4 ranks, one model
-of each kind (rotary decoder with grouped-query attention, tied weights, an encoder with a mask,
-BatchNorm buffers): every rank traces every model it runs, the suite's largest single cost.
+per rank count runs the whole matrix; its ranks fork from a server that imported transformers and
+these architectures (tests/hf_models.py). At 4 ranks, one model of each kind (rotary decoder with
+grouped-query attention, tied weights, an encoder with a mask, BatchNorm buffers): every rank traces
+every model it runs, the suite's largest single cost.
 """
 
 from __future__ import annotations
