@@ -38,7 +38,9 @@ from torch import nn
 
 from partitioner import COSTS, Links, Plan, Profile, layer_costs, measure_links, partition, plan_for, profile
 from partitioner.baselines import equal_balance, torchgpipe_balance
+from partitioner.partition import check_stage_count
 from pipeline.reference import models
+from pipeline.schedules.modes import check_mode
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
 
 # The library's arguments behind this script's flags, to say which flag an error is about.
@@ -327,10 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = None if measure_bandwidth else _numbers(args.bandwidth, "--bandwidth", parser)
     try:  # the schedule's options are the library's to check, before the slow profile
         v, _ = schedule_options(args.schedule, args.stages, args.microbatches, args.virtual)
+        check_mode(args.recompute)
     except ValueError as err:
         _library_error(parser, err)
     torch.set_num_threads(args.threads)  # profile each layer as a rank will run it
     model, sample = load_model(args.model, parser)
+    try:  # the stage count too: a Sequential's layers are known before it is profiled
+        check_stage_count(len(model), args.stages, v)
+    except ValueError as err:
+        _library_error(parser, err)
     opts: dict[str, Any] = {
         "schedule": args.schedule,
         "n_microbatches": args.microbatches,

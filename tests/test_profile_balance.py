@@ -108,6 +108,28 @@ def test_bad_flags_exit_2_with_one_line(
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--model", "mlp", "--stages", "2", "--recompute", "sometimes"],
+            "unknown recompute mode 'sometimes'",
+        ),
+        (["--model", "mlp", "--stages", "9"], "n_ranks (9) x n_virtual (1) is 9 stages but the model has 8"),
+    ],
+)
+def test_a_bad_recompute_mode_or_stage_count_fails_before_the_profile(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def slow(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled before the flags were checked")
+
+    monkeypatch.setattr(profile_balance, "profile", slow)
+    with pytest.raises(SystemExit) as info:
+        profile_balance.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_precision_links_and_limits_reach_the_plan(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
