@@ -439,7 +439,9 @@ def _ranks_ignore_sigint() -> Iterator[None]:
     """Ranks started here inherit SIGINT ignored (Python then installs no handler of its own):
     Ctrl-C reaches the whole process group, and only the parent acts on it. A Ctrl-C meanwhile is
     not lost: SIGINT is blocked too (Linux keeps a blocked signal pending even while ignored), so
-    it reaches the parent's own handler once that is back."""
+    it reaches the parent's own handler once that is back. Only this thread blocks it: a Ctrl-C
+    that Linux gives another thread of the parent (one that does not block SIGINT: torch's
+    intra-op threads, once a parallel op ran) is dropped, and a second Ctrl-C stops the launch."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
