@@ -232,6 +232,22 @@ def test_nothing_is_memoised_under_a_torch_function_mode() -> None:
             assert _infer(module)[1]
 
 
+def test_a_default_device_is_keyed_not_refused() -> None:
+    """``torch.set_default_device`` runs a torch function mode of its own: that one only places
+    factories, and the key holds the device it gives."""
+    previous = torch.get_default_device()
+    torch.set_default_device("cpu")  # a DeviceContext mode, even for the CPU
+    try:
+        assert _infer(Widen()) == ((((4, 6), torch.float32),), True)
+        assert _infer(Widen()) == ((((4, 6), torch.float32),), False)
+        module = Widen()
+        on_cpu = shape_memo._key(module, SIG, CPU)
+        torch.set_default_device("meta")
+        assert on_cpu is not None and shape_memo._key(module, SIG, CPU) not in (on_cpu, None)
+    finally:
+        torch.set_default_device(previous)
+
+
 def test_common_modules_are_memoised() -> None:
     for module in (
         nn.LSTM(3, 4), nn.TransformerEncoderLayer(16, 2), nn.MultiheadAttention(16, 2), nn.BatchNorm1d(4),

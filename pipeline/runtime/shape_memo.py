@@ -8,7 +8,7 @@ that builds many Pipelines of the same stages (a sweep over schedules, a plan's 
 a restart in process) would derive the same signatures again each time. The memo keeps them under
 a key that holds what the fake forward's result can depend on:
 
-    key = (structure of the stage,  sig,  device,  default dtype,  autocast on the device's type)
+    key = (structure of the stage,  sig,  device,  default device and dtype,  autocast on the device)
 
     structure:  per submodule (in order): its path, its class and the classes' own attributes (a
                 patched method is another function), its instance attributes' values (numbers,
@@ -24,7 +24,8 @@ key is None), and every call derives again:
     - an attribute of any other type (a config object, a bound method, an open file);
     - a forward hook or pre-hook, on the module or global (it may replace the output);
     - an integer parameter or buffer of more than ``_READ_NUMEL`` values, or off the CPU;
-    - a torch function or dispatch mode active around the derivation.
+    - a torch function or dispatch mode active around the derivation (but a default device's,
+      ``torch.set_default_device``: the key holds the default device).
 
 What the key cannot see: a module-level global or a function's closure that a forward reads and
 that changes between two Pipelines, a float tensor's values read on the host. A stale entry is
@@ -45,6 +46,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 from pipeline.runtime.microbatch import Signature
 
@@ -101,14 +104,16 @@ def clear() -> None:
 
 
 def _key(module: nn.Module, sig: Signature, device: torch.device) -> Hashable | None:
-    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
-        return None  # a mode may change any result
+    modes = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    if any(not isinstance(m, DeviceContext) for m in modes) or torch._C._len_torch_dispatch_stack() > 0:
+        return None  # a mode may change any result; a default device only places factories: keyed
     structure = structure_key(module)
     if structure is None:
         return None
     autocast = torch.is_autocast_enabled(device.type)
     amp = torch.get_autocast_dtype(device.type) if autocast else None
-    return structure, sig, str(device), torch.get_default_dtype(), amp
+    defaults = str(torch.get_default_device()), torch.get_default_dtype()
+    return structure, sig, str(device), defaults, amp
 
 
 def structure_key(module: nn.Module) -> Hashable | None:
