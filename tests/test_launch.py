@@ -332,7 +332,11 @@ def test_a_ctrl_c_while_the_ranks_start_is_not_lost() -> None:
     any thread that does not block it, where an ignored one is dropped. pytest's process holds
     torch's intra-op threads, so this runs in a forked child: one thread."""
     pid = os.fork()
-    if pid == 0:  # the child: this thread alone
-        os._exit(_ctrl_c_while_the_ranks_start())
+    if pid == 0:  # the child: this thread alone, which never returns into pytest's session
+        status = 1
+        try:
+            status = _ctrl_c_while_the_ranks_start()
+        finally:
+            os._exit(status)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 130

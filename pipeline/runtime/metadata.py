@@ -395,9 +395,9 @@ def send_tensors(m: Msg) -> list[torch.Tensor]:
             raise ValueError(
                 f"stage {a.stage} produced {_fmt(got)} for micro-batch {a.microbatch}, but stage "
                 f"{a.stage + 1} was set up for {_fmt(m.spec)}; a stage's output shape and dtype "
-                "must depend only on its input's (and on what shape_memo.py keys: if they depend on "
-                "a global that changed since another Pipeline of these stages was built in this "
-                "process, call pipeline.runtime.shape_memo.clear() before building this one)"
+                "must depend only on its input's (Pipelines of the same stages built in one process "
+                "share their derived shapes: if the shapes depend on a global that changed since, call "
+                "pipeline.runtime.shape_memo.clear() before building this Pipeline)"
             )
         return [t.detach().contiguous() for t in as_tuple(out)]
     grads = [g.contiguous() for g in out if g is not None]

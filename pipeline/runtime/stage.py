@@ -284,7 +284,7 @@ class StageRuntime:
     def infer(self, sig: Signature) -> Signature:
         """The output signature for an input signature, without computing (fake tensors); once per
         process for the same stage structure, signature and autocast state (shape_memo.py)."""
-        return memoised(self.module, sig, torch.device(self.device), lambda: self._fake_forward(sig))
+        return memoised(self.module, sig, self.device, lambda: self._fake_forward(sig))
 
     def _fake_forward(self, sig: Signature) -> Signature:
         """The output signature for an input signature, without computing (fake tensors).
