@@ -4,11 +4,15 @@ test_p2p's, test_comm_device's and test_nccl_emulation's)."""
 
 from __future__ import annotations
 
+import traceback
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pipeline.runtime import emulation
 from pipeline.runtime.transport import EmulatedNccl, GlooTransport, NcclTransport, Transport, transport_class
+from pipeline.runtime.watchdog import PeerFailure, PipelineTimeout
 
 
 def test_the_path_follows_the_backend_and_the_emulation_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,3 +47,45 @@ def test_the_nccl_path_refuses_what_nccl_cannot_take_and_gloo_takes_it() -> None
     for t in (gloo, nccl):  # every path: the device guard
         with pytest.raises(ValueError, match=r"handed a tensor on meta .* runs on cpu; it was made without"):
             t.check(torch.empty(2, device="meta"), "x")
+
+
+class _Board:
+    """A failure board's answers, without a store: ``failed`` is (rank, message) or None."""
+
+    def __init__(self, failed: tuple[int, str] | None) -> None:
+        self.failed = failed
+
+    def first(self) -> tuple[int, str] | None:
+        return self.failed
+
+    def blame_dead(self) -> tuple[int, str] | None:
+        return self.failed
+
+
+def _failing(board: _Board, backend_error: Exception) -> BaseException:
+    """What ``fail`` raises for ``backend_error``, raised as the backend would, inside its handler."""
+    t = _bare(GlooTransport)
+    t.board, t.liveness = board, SimpleNamespace(store_gone=False)  # type: ignore[assignment]
+    t.timeout = t.requested_timeout = 5.0
+    t.abort = lambda: None  # type: ignore[method-assign]
+    try:
+        try:
+            raise backend_error
+        except RuntimeError as exc:
+            t.fail("1RECV_F0 from rank 2", exc)
+    except Exception as raised:
+        return raised
+    raise AssertionError("fail() returned")
+
+
+def test_a_named_peer_failure_stands_alone_and_any_other_error_keeps_the_backends_as_cause() -> None:
+    echo = RuntimeError("Connection reset by peer")  # what gloo says once the failed peer's socket closed
+    err = _failing(_Board((2, "ValueError: bad")), echo)
+    assert isinstance(err, PeerFailure)
+    assert str(err) == "rank 2 failed while rank 3 waited for 1RECV_F0 from rank 2: ValueError: bad"
+    printed = "".join(traceback.format_exception(err))
+    assert "Connection reset" not in printed and "direct cause" not in printed
+    assert "During handling" not in printed
+    timeout = RuntimeError("Timed out waiting 5000ms for recv operation")  # no peer failed: the cause stays
+    err = _failing(_Board(None), timeout)
+    assert isinstance(err, PipelineTimeout) and err.__cause__ is timeout

@@ -110,7 +110,7 @@ class Collectives:
         try:
             work = start_op()
         except Exception as exc:  # a peer that is gone already
-            raise t.error(what, exc) from exc
+            t.fail(what, exc)
         if work is None:
             raise RuntimeError(f"rank {t.me}: {what} returned no work to wait for")
         return work

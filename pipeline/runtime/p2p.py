@@ -168,7 +168,7 @@ class Comm:
             raise
         except Exception as exc:  # the store is gone
             self.liveness.store_gone = True
-            raise self.transport.error(what, exc) from exc
+            self.transport.fail(what, exc)
 
     def add_key(self, key: str, amount: int) -> int:
         """The store's counter ``key`` after adding ``amount`` (atomic across ranks)."""
@@ -177,7 +177,7 @@ class Comm:
                 return int(self.store.add(key, amount))
         except Exception as exc:
             self.liveness.store_gone = True
-            raise self.transport.error(f"the store to count {key}", exc) from exc
+            self.transport.fail(f"the store to count {key}", exc)
 
     def delete_keys(self, keys: Sequence[str]) -> None:
         try:
@@ -186,7 +186,7 @@ class Comm:
                     self.store.delete_key(key)
         except Exception as exc:
             self.liveness.store_gone = True
-            raise self.transport.error(f"the store to delete {', '.join(keys)}", exc) from exc
+            self.transport.fail(f"the store to delete {', '.join(keys)}", exc)
 
     def set_key(self, key: str, value: bytes) -> None:
         try:
@@ -196,7 +196,7 @@ class Comm:
                 self.store.set(key, value)
         except Exception as exc:
             self.liveness.store_gone = True
-            raise self.transport.error(f"the store to set {key}", exc) from exc
+            self.transport.fail(f"the store to set {key}", exc)
 
     # ---- failure signalling (the board's)
 

@@ -66,7 +66,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -243,7 +243,7 @@ class Transport(ABC):
         try:
             return self._post(sends, recvs, what)
         except Exception as exc:  # a peer that is gone already
-            raise self.error(what, exc) from exc
+            self.fail(what, exc)
 
     @abstractmethod
     def _post(self, sends: Entries, recvs: Entries, what: str) -> list[list[Any]]: ...
@@ -285,7 +285,7 @@ class Transport(ABC):
         except (PeerFailure, PipelineTimeout):
             raise
         except Exception as exc:
-            raise self.error(what, exc) from exc
+            self.fail(what, exc)
         finally:
             dog.blocked -= 1
 
@@ -306,10 +306,19 @@ class Transport(ABC):
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 
+    def fail(self, what: str, exc: BaseException) -> NoReturn:
+        """Raise ``error(what, exc)`` for the backend's error ``exc``: a named peer's failure alone
+        (``exc`` is then only its echo, a closed connection: a dozen lines of noise in every
+        surviving rank's output), any other error with ``exc`` as its cause."""
+        err = self.error(what, exc)
+        if isinstance(err, PeerFailure):
+            raise err from None
+        raise err from exc
+
     def error(self, what: str, exc: BaseException | None) -> Exception:
-        """The error to raise (``raise self.error(what, exc) from exc``, so that a traceback ends
-        where the wait was): the failed peer named, else the lost store, the backend's error or our
-        timeout."""
+        """The error to raise (``raise self.error(what, None) from None`` where no backend error was
+        raised, else ``fail``): the failed peer named, else the lost store, the backend's error or
+        our timeout."""
         timed_out = exc is None or "Timed out" in str(exc)
         failed = self.board.first()
         deadline = time.monotonic() + _LOST_GRACE_S
