@@ -415,11 +415,11 @@ def test_infeasible_limit_raises_fast_on_1000_layers_64_ranks() -> None:
     free = partition(model, p, None, profile=prof, bandwidth=1e9)
     peak = max(st.memory_bytes for st in free.stages)
     best = math.inf
-    for _ in range(3):  # the best of three: the machine is shared, the bound is the algorithm's
-        start = time.perf_counter()
+    for _ in range(3):  # the best of three, in CPU time: other processes' load is not the algorithm's
+        start = time.process_time()
         with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
             partition(model, p, None, profile=prof, bandwidth=1e9, memory_limit=peak / 8)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     assert best < 0.1, f"{best * 1e3:.1f} ms"
     smallest = float(str(info.value).split("the smallest limit that fits is ")[1].split(";")[0])
     fits = partition(model, p, None, profile=prof, bandwidth=1e9, memory_limit=smallest)

@@ -383,11 +383,11 @@ def test_infeasible_limit_on_1000_layers_and_64_stages_is_fast() -> None:
     smallest = fit_mod.smallest(prefix_rows, k, lambda x: [x] * k, [1.0] * k, [0.0] * k)
     below = math.nextafter(smallest, 0.0)
     best = math.inf
-    for _ in range(3):  # the best of three: the machine is shared, the bound is the algorithm's
-        start = time.perf_counter()
+    for _ in range(3):  # the best of three, in CPU time: other processes' load is not the algorithm's
+        start = time.process_time()
         with pytest.raises(ValueError, match=f"smallest limit that fits is {smallest!r}"):
             solve(costs, k, cut_costs=cuts, memory=rows, memory_limit=below)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     assert best < 0.1, f"{best * 1e3:.1f} ms"
     balance = solve(costs, k, cut_costs=cuts, memory=rows, memory_limit=smallest)
     assert max(m - lim for m, lim in zip(stage_memory(rows, balance), [smallest] * k, strict=True)) <= 0
