@@ -1,5 +1,7 @@
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -7,24 +9,54 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m deselection
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Batched rank jobs (tests/dist.py) run only for the modules whose tests were collected, and
-    the launches' fork server imports those modules once: its ranks, which unpickle their functions
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    """Before every other plugin: each test's pytest-xdist group (tests/dist.py worker_groups), so
+    that modules whose rank jobs share a launch run on one worker. After them (and after -k / -m
+    deselection): batched rank jobs run only for the modules whose tests were collected, and the
+    launches' fork server imports those modules once: its ranks, which unpickle their functions
     from them, then import none of them (about a second of CPU per rank and per launch)."""
     from pipeline.launch import FORKSERVER_PRELOAD
-    from tests.dist import select_jobs
+    from tests.dist import select_jobs, worker_groups
 
-    modules = sorted({item.module.__name__ for item in items if getattr(item, "module", None) is not None})
+    groups = worker_groups({_module(item) for item in items} - {""})
+    for item in items:
+        if _module(item):
+            item.add_marker(pytest.mark.xdist_group(groups[_module(item)]))
+    yield
+    modules = sorted({_module(item) for item in items} - {""})
     select_jobs(set(modules))
     FORKSERVER_PRELOAD.extend(["tests.dist", *(m for m in modules if m.startswith("tests."))])
+
+
+def _module(item: pytest.Item) -> str:
+    module = getattr(item, "module", None)
+    return module.__name__ if module is not None else ""
+
+
+_worker_job_times: list[str] = []  # under pytest-xdist: the job times each worker sent at its end
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: hand this worker's job times to the controller."""
+    from tests.dist import job_times
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["job_times"] = job_times()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """In pytest-xdist's controller: a worker finished; keep the job times it sent."""
+    _worker_job_times.extend(getattr(node, "workeroutput", {}).get("job_times", []))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """With --durations: the time of each rank job in its shared launch (tests/dist.py)."""
     from tests.dist import job_times
 
-    lines = job_times()
+    lines = job_times() + _worker_job_times
     if config.getoption("durations", None) is not None and lines:
         terminalreporter.write_sep("=", "rank jobs in shared launches (slowest rank)")
         for line in lines:

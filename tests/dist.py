@@ -19,6 +19,10 @@ A job whose pipeline fails on purpose (its watchdog then closes the group's conn
 batch's ``last``; one that makes groups of some of the ranks only (tied weights over a subset:
 dist.new_group with local synchronization) gets a batch of its own.
 
+Under pytest-xdist (the suite's two workers) a batch runs on the worker of the test that first asks
+for it, with the jobs of every module selected there: the modules of a batch are one xdist group
+(``worker_groups``), so that one worker runs all of their tests and each batch runs once.
+
 The test that first asks for a batch runs all of it inside its own pytest-timeout, so batches are
 kept small: about 25 s each on 2 quiet cores (``--durations`` prints every job's time), the same as
 the slowest single tests, far inside the 240 s hang guard even on a loaded machine.
@@ -45,7 +49,7 @@ from pipeline.launch import launch
 from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV
 from pipeline.runtime.watchdog import CHECK_STORE_S
 
-__all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs"]
+__all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs", "worker_groups"]
 
 _STILL_S = 2 * CHECK_STORE_S  # no thread stopped for this long: the rest never will
 _SETTLE_S = 0.5  # how long a rank waits for a finished job's watchdog threads to stop (a Pipeline never
@@ -146,6 +150,28 @@ def select_jobs(modules: set[str]) -> None:
     """Batches run only the jobs of these modules (conftest: the modules of the collected tests)."""
     global _selected
     _selected = set(modules)
+
+
+def worker_groups(modules: set[str]) -> dict[str, str]:
+    """Each module's group for pytest-xdist (``--dist loadgroup``): modules with jobs in one batch
+    share a group, so that the batch runs once, on the worker that runs all of their tests (a batch
+    runs where its first test asks for it, with the jobs of every selected module)."""
+    parent = {m: m for m in sorted(modules)}
+
+    def root(m: str) -> str:
+        while parent[m] != m:
+            m = parent[m]
+        return m
+
+    batches: dict[tuple[int, str], list[str]] = {}
+    for j in _jobs:
+        if j.module in parent:
+            batches.setdefault((j.world_size, j.batch), []).append(j.module)
+    for members in batches.values():
+        for m in members[1:]:
+            a, b = sorted((root(members[0]), root(m)))
+            parent[b] = a  # the smaller name is the root: the same groups in every worker
+    return {m: root(m) for m in parent}
 
 
 def _run_batch(wanted: Job, tmp_path_factory: pytest.TempPathFactory) -> None:
