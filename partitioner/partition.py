@@ -53,7 +53,7 @@ from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import schedule_options, unchecked
 
 # COSTS, layer_costs: costs.py's
-__all__ = ["COSTS", "check_stage_count", "layer_costs", "partition", "plan_for"]
+__all__ = ["COSTS", "check_balance_layers", "check_stage_count", "layer_costs", "partition", "plan_for"]
 
 
 @shared_across_ranks
@@ -215,12 +215,19 @@ def plan_for(
         runtime,
         entry(shape.schedule).placement,
     )
-    if shape.n_layers != len(profile):
+    check_balance_layers(shape.balance, len(profile))
+    return predicted(profile, shape, shape.build_schedule(), net)
+
+
+def check_balance_layers(balance: Sequence[int], n_layers: int, source: str = "the profile") -> None:
+    """ValueError unless ``balance`` covers ``n_layers`` layers (those of ``source``). For an
+    ``nn.Sequential`` (its children are the layers) it needs no profile: callers can make it first."""
+    covered = sum(balance)
+    if covered != n_layers:
         raise ValueError(
-            f"balance {shape.balance} covers {shape.n_layers} layers but the profile has {len(profile)}; "
+            f"balance {list(balance)} covers {covered} layers but {source} has {n_layers}; "
             "the layer counts must add up to the model's layers"
         )
-    return predicted(profile, shape, shape.build_schedule(), net)
 
 
 def check_stage_count(n_layers: int, n_ranks: int, n_virtual: int = 1, what: str = "layers") -> None:

@@ -43,7 +43,7 @@ import _train_support as support
 from _train_flags import Config, FlagError, blame
 
 from partitioner import partition, plan_for, profile
-from partitioner.partition import check_stage_count
+from partitioner.partition import check_balance_layers, check_stage_count
 from pipeline import checkpointing
 from pipeline.launch import init_distributed, launch
 from pipeline.plan import Plan
@@ -102,6 +102,9 @@ def _profiled(cfg: Config, m: int, device: torch.device) -> tuple[nn.Module, tor
     if isinstance(model, nn.Sequential):  # before profiling: a wrong count fails at once
         with blame(cfg, "stages", "virtual", "layers"):
             check_stage_count(len(model), cfg.stages, cfg.virtual or 1)
+        if cfg.balance is not None:  # (auto refuses --balance as it parses the flags)
+            with blame(cfg, "balance", "layers"):
+                check_balance_layers(cfg.balance, len(model), "the model")
     amp = _AMP[cfg.dtype]
     return model, sample, profile(model, sample, device=device, autocast=amp, loss_fn=gpt_loss, target=target)
 

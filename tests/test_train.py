@@ -58,7 +58,7 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
         (["--batch-size", "3", "--microbatches", "4"], "batch has 3 rows but n_microbatches is 4"),
         (
             ["--balance", "4,4"],
-            "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the profile has 7",
+            "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the model has 7",
         ),
         (["--balance", "3,1,1,1,1"], "--balance gives 5 stages, 5 ranks x 1, but --stages is 2"),
         (["--balance", "a,b"], "must be comma-separated layer counts"),
@@ -90,6 +90,19 @@ def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, capsys: A
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+
+
+def test_a_balance_that_misses_the_models_layers_fails_before_the_profile(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("profiled before checking --balance against the model")
+
+    monkeypatch.setattr(train, "profile", never)
+    with pytest.raises(SystemExit):
+        train.main(["--balance", "4,4"])
+    message = "--balance 4,4 --layers 4: balance [4, 4] covers 8 layers but the model has 7"
+    assert message in capsys.readouterr().err
 
 
 def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys: Any) -> None:
