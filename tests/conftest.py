@@ -11,11 +11,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
-    """Before every other plugin: each test's pytest-xdist group (tests/dist.py worker_groups), so
-    that modules whose rank jobs share a launch run on one worker. After them (and after -k / -m
-    deselection): batched rank jobs run only for the modules whose tests were collected, and the
-    launches' fork server imports those modules once: its ranks, which unpickle their functions
-    from them, then import none of them (about a second of CPU per rank and per launch)."""
+    """Before the plain hooks (xdist's reads the marks): each test's pytest-xdist group (tests/dist.py
+    worker_groups), so that modules whose rank jobs share a launch run on one worker. After them
+    (after -k / -m deselection): batched rank jobs run only for the modules whose tests were
+    collected, and the launches' fork server imports those modules once: its ranks, which unpickle
+    their functions from them, then import none of them (about a second of CPU per rank and per
+    launch)."""
     from pipeline.launch import FORKSERVER_PRELOAD
     from tests.dist import select_jobs, worker_groups
 
@@ -39,10 +40,10 @@ _worker_job_times: list[str] = []  # under pytest-xdist: the job times each work
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """In a pytest-xdist worker: hand this worker's job times to the controller."""
-    from tests.dist import job_times
-
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
+        from tests.dist import job_times
+
         workeroutput["job_times"] = job_times()
 
 
@@ -54,10 +55,14 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """With --durations: the time of each rank job in its shared launch (tests/dist.py)."""
-    from tests.dist import job_times
+    if config.getoption("durations", None) is None:
+        return
+    lines = list(_worker_job_times)
+    if "tests.dist" in sys.modules:  # this process ran tests (not pytest-xdist's controller, which
+        from tests.dist import job_times  # never imports torch)
 
-    lines = job_times() + _worker_job_times
-    if config.getoption("durations", None) is not None and lines:
+        lines = job_times() + lines
+    if lines:
         terminalreporter.write_sep("=", "rank jobs in shared launches (slowest rank)")
         for line in lines:
             terminalreporter.write_line(line)

@@ -20,8 +20,8 @@ batch's ``last``; one that makes groups of some of the ranks only (tied weights 
 dist.new_group with local synchronization) gets a batch of its own.
 
 Under pytest-xdist (the suite's two workers) a batch runs on the worker of the test that first asks
-for it, with the jobs of every module selected there: the modules of a batch are one xdist group
-(``worker_groups``), so that one worker runs all of their tests and each batch runs once.
+for it, with the jobs of every collected module of the batch: those modules are one xdist group
+(``worker_groups``), so that this worker runs all of their tests and each batch runs once.
 
 The test that first asks for a batch runs all of it inside its own pytest-timeout, so batches are
 kept small: about 25 s each on 2 quiet cores (``--durations`` prints every job's time), the same as

@@ -36,10 +36,19 @@ def test_modules_sharing_any_batch_are_one_group_and_the_others_their_own(
     }  # fmt: skip
 
 
-def test_every_collected_test_carries_its_modules_group(request: pytest.FixtureRequest) -> None:
-    """conftest.py marks each test with its module's group, for ``--dist loadgroup``."""
+def test_every_collected_test_has_one_group_shared_with_its_batch_mates(
+    request: pytest.FixtureRequest,
+) -> None:
+    """conftest.py marks each test for ``--dist loadgroup``: one group per test, and the same group
+    for every selected module with jobs in one batch (whatever -k or -m left selected)."""
     items = [item for item in request.session.items if getattr(item, "module", None) is not None]
-    groups = dist.worker_groups({item.module.__name__ for item in items})  # type: ignore[attr-defined]
+    group_of: dict[str, set[Any]] = {}
     for item in items:
         marks = [mark.args for mark in item.iter_markers("xdist_group")]
-        assert marks == [(groups[item.module.__name__],)], item.nodeid  # type: ignore[attr-defined]
+        assert len(marks) == 1, (item.nodeid, marks)
+        group_of.setdefault(item.module.__name__, set()).add(marks[0])  # type: ignore[attr-defined]
+    assert all(len(groups) == 1 for groups in group_of.values()), group_of  # a module is one unit
+    for job in dist._jobs:
+        mates = {m.module for m in dist._jobs if (m.world_size, m.batch) == (job.world_size, job.batch)}
+        marks = set().union(*(group_of[m] for m in mates if m in group_of))
+        assert len(marks) <= 1, (job.world_size, job.batch, marks)

@@ -86,6 +86,8 @@ def test_a_named_peer_failure_stands_alone_and_any_other_error_keeps_the_backend
     printed = "".join(traceback.format_exception(err))
     assert "Connection reset" not in printed and "direct cause" not in printed
     assert "During handling" not in printed
+    own = _failing(_Board((3, "ValueError: mine")), echo)  # this rank's own failure: not an echo of it
+    assert isinstance(own, PeerFailure) and own.__cause__ is echo
     timeout = RuntimeError("Timed out waiting 5000ms for recv operation")  # no peer failed: the cause stays
     err = _failing(_Board(None), timeout)
     assert isinstance(err, PipelineTimeout) and err.__cause__ is timeout

@@ -307,11 +307,11 @@ class Transport(ABC):
             nap = min(2 * nap, 1e-3)
 
     def fail(self, what: str, exc: BaseException) -> NoReturn:
-        """Raise ``error(what, exc)`` for the backend's error ``exc``: a named peer's failure alone
+        """Raise ``error(what, exc)`` for the backend's error ``exc``: another rank's failure alone
         (``exc`` is then only its echo, a closed connection: a dozen lines of noise in every
         surviving rank's output), any other error with ``exc`` as its cause."""
-        err = self.error(what, exc)
-        if isinstance(err, PeerFailure):
+        err, echo = self._judge(what, exc)
+        if echo:
             raise err from None
         raise err from exc
 
@@ -319,6 +319,10 @@ class Transport(ABC):
         """The error to raise (``raise self.error(what, None) from None`` where no backend error was
         raised, else ``fail``): the failed peer named, else the lost store, the backend's error or
         our timeout."""
+        return self._judge(what, exc)[0]
+
+    def _judge(self, what: str, exc: BaseException | None) -> tuple[Exception, bool]:
+        """``error``'s exception, and whether ``exc`` is only the echo of another rank's failure."""
         timed_out = exc is None or "Timed out" in str(exc)
         failed = self.board.first()
         deadline = time.monotonic() + _LOST_GRACE_S
@@ -334,14 +338,15 @@ class Transport(ABC):
             q, message = failed
             if q != self.me:
                 self.abort()
-            return PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}")
+            named = PeerFailure(f"rank {q} failed while rank {self.me} waited for {what}: {message}")
+            return named, q != self.me
         if self.liveness.store_gone:
             return RuntimeError(
                 f"rank {self.me}: lost the store while waiting for {what} (the process that served it "
                 f"died, or the launcher is tearing the job down): {exc}"
-            )
+            ), False
         if not timed_out:
-            return RuntimeError(f"rank {self.me}: error while waiting for {what}: {exc}")
+            return RuntimeError(f"rank {self.me}: error while waiting for {what}: {exc}"), False
         note = ""
         if self.timeout != self.requested_timeout:
             note = (
@@ -350,7 +355,7 @@ class Transport(ABC):
             )
         return PipelineTimeout(
             f"rank {self.me} timed out after {self.timeout:.1f} s{note} waiting for {what}"
-        )
+        ), False
 
 
 class GlooTransport(Transport):
