@@ -68,14 +68,12 @@ def _failing(board: _Board, backend_error: Exception) -> BaseException:
     t.board, t.liveness = board, SimpleNamespace(store_gone=False)  # type: ignore[assignment]
     t.timeout = t.requested_timeout = 5.0
     t.abort = lambda: None  # type: ignore[method-assign]
-    try:
+    with pytest.raises(Exception) as info:
         try:
             raise backend_error
         except RuntimeError as exc:
             t.fail("1RECV_F0 from rank 2", exc)
-    except Exception as raised:
-        return raised
-    raise AssertionError("fail() returned")
+    return info.value
 
 
 def test_a_named_peer_failure_stands_alone_and_any_other_error_keeps_the_backends_as_cause() -> None:
