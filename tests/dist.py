@@ -258,7 +258,7 @@ def _run_jobs(
         verdicts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, out[-1][0], group=control)
         healthy = all(v == "ok" for v in verdicts)
-        gc.collect()  # a job's Pipelines (reference cycles) and their watchdog threads
+        gc.collect()  # what a job's own reference cycles hold (its Pipelines, their watchdog threads)
         _settle(threads)
     os.environ.pop(EMULATE_NCCL_ENV, None)
     return out

@@ -43,6 +43,7 @@ until its reap; a training step resets its peak at the start and keeps it at the
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -161,7 +162,10 @@ class Executor:
         self.one_row = False  # every micro-batch is one row (rows of documents): rules for one row
         self._rules: dict[int, dict[int, ShapeRule]] = {}
         self.fake_derivations = 0  # micro-batch signatures set up stage by stage (fake tensors or their memo)
-        compiled = compile_rank(sched, rank, stages, self, comm.name if comm else None)
+        # the bound instructions call back through a weak proxy: holding this executor itself would
+        # make a cycle, and a Pipeline in a cycle lives until a garbage collection, with its process
+        # groups (a gloo worker still finishing a collective when the interpreter finalizes aborts it)
+        compiled = compile_rank(sched, rank, stages, weakref.proxy(self), comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
         self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
         # data parallelism: told the step's rows, gives the replica's share of the global batch (B_d / B)

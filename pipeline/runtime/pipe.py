@@ -135,6 +135,7 @@ would on NCCL.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -329,7 +330,8 @@ class Pipeline:
         self._gathers = itertools.count()  # gather_state_dict calls: a store key each
         self.runner = StepRunner(
             self.schedule, self.program, self.rank, self.stages, self._modules, self.executor, self.comm,
-            self.device, self._prefix, self.tied, self._replicas, self.dp, self.check_values,
+            self.device, self._prefix, self.tied, self._replicas, self.dp,
+            functools.partial(_check_set, self._unset),  # not self.check_values: no cycle through self
         )  # fmt: skip
         if varlen is not None:
             self.runner.varlen = (varlen, step_costs(self.plan, self.schedule))
@@ -340,7 +342,9 @@ class Pipeline:
     # ---- construction
 
     def close(self) -> None:
-        """Stop this rank's communication thread (also done when the Pipeline is garbage-collected).
+        """Stop this rank's communication thread (also done when the Pipeline's last reference goes:
+        no part of it is in a reference cycle, so it keeps no process group alive past
+        ``dist.destroy_process_group``).
 
         Sends still in flight complete first; ``step`` and ``evaluate`` then raise.
         """
@@ -416,8 +420,7 @@ class Pipeline:
         """Raise a ValueError naming this rank's tensors that a meta-device model's materialisation
         left without values and no load has filled since (step, evaluate, predict, gather_state_dict
         and checkpointing.save call it: they would read uninitialised memory)."""
-        if self._unset:
-            raise ValueError(unset_message(list(self._unset.values())))
+        _check_set(self._unset)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict (parameters and buffers, the model's names, CPU copies) on rank
@@ -709,6 +712,12 @@ class Pipeline:
             write_chrome_trace(path, measured, names=["measured"])
         else:
             write_chrome_trace(path, simulated, measured, names=["simulated", "measured"])
+
+
+def _check_set(unset: dict[int, str]) -> None:
+    """``Pipeline.check_values`` on its record of unset tensors."""
+    if unset:
+        raise ValueError(unset_message(list(unset.values())))
 
 
 def _check_prefetch(prefetch: object) -> None:
