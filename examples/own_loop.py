@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -290,9 +291,12 @@ def main(argv: list[str] | None = None) -> None:
     if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
         info = pipeline.init_distributed(args.backend)
         args.ranks = info.world_size
-        # the plan from <checkpoints>/plan.json (make it first: --plan-only); without one, every
-        # rank partitions, which gives every rank the same plan only where partition shares it
-        train(args, plan_for(args))
+        try:
+            # the plan from <checkpoints>/plan.json (make it first: --plan-only); without one, every
+            # rank partitions, which gives every rank the same plan only where partition shares it
+            train(args, plan_for(args))
+        finally:  # while Python still runs: the group's threads end before the interpreter finalizes
+            dist.destroy_process_group()
         return
     plan = plan_for(args)  # once, in this process
     if args.plan_only:
