@@ -183,7 +183,7 @@ def check_memory_one_gpu(rows: list[Row], group: Any) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     for width, name, v in ((64, "interleaved-1f1b", 2), (1024, "1f1b", 1), (1024, "interleaved-1f1b", 2)):
         pipe = model = None  # the last row's
-        gc.collect()  # a dropped Pipeline holds reference cycles: its tensors go only with a collection
+        gc.collect()  # anything of the last row that a cycle holds (a Pipeline holds none)
         torch.cuda.empty_cache()
         model, x, y = _model(8, width=width, batch=64)
         prof = profile(_model(8, width=width, batch=64)[0].to(dev), x.chunk(8)[0].to(dev), device=dev)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeline.runtime.mesh import build_mesh, check_mesh, check_world, layout_of, layout_table
+from pipeline.runtime.mesh import DIMS, build_mesh, check_mesh, check_world, layout_of, layout_table
 from tests.dist import job
 
 
@@ -20,12 +24,16 @@ def _error(fn: Any, *args: Any) -> str:
     return "ok"
 
 
+def _same_groups(a: DeviceMesh, b: DeviceMesh) -> bool:
+    return all(a.get_group(name) is b.get_group(name) for name in DIMS) and a.mesh.tolist() == b.mesh.tolist()
+
+
 def _on_four_ranks() -> dict[str, Any]:
     mesh = build_mesh(2, 2, "cpu")
     layout = layout_of(mesh)
     out: dict[str, Any] = {
         "layout": (layout.replica, layout.pp_rank, layout.pipeline, layout.replicas, layout.pipelines),
-        "cached": build_mesh(2, 2, "cpu") is mesh,
+        "cached": _same_groups(build_mesh(2, 2, "cpu"), mesh),
         "ok": _error(check_mesh, mesh, 2, 2),
         "not a mesh": _error(check_mesh, "mesh", 2, 2),
         "wrong size": _error(check_mesh, mesh, 1, 2),
@@ -89,3 +97,29 @@ def test_a_world_that_is_not_dp_pipelines() -> None:
                                          r"the plan with dp=3 \(plan.replace\(dp=3\)\)"):  # fmt: skip
         check_world(6, 2, 2)
     check_world(4, 2, 2)
+
+
+def test_a_mesh_ends_with_the_world_it_was_made_for(tmp_path: Path) -> None:
+    """The cache holds a world's meshes only while that world lives: destroying it frees them (and
+    with them their groups' gloo threads, not kept until the interpreter finalizes), and a world made
+    again gets meshes of its own, whose groups work."""
+    gc.disable()  # freed with the world's last reference, not by a collection
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "one"), 1), rank=0, world_size=1)
+        try:
+            mesh = build_mesh(1, 1, "cpu")
+            assert _same_groups(build_mesh(1, 1, "cpu"), mesh)  # made once while the world lives
+            groups = [weakref.ref(mesh.get_group(name)) for name in DIMS]
+            del mesh
+        finally:
+            dist.destroy_process_group()
+        assert [ref() for ref in groups] == [None, None]
+    finally:
+        gc.enable()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "two"), 1), rank=0, world_size=1)
+    try:
+        ones = torch.ones(2)
+        dist.all_reduce(ones, group=build_mesh(1, 1, "cpu").get_group("dp"))
+        assert ones.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

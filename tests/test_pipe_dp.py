@@ -163,6 +163,8 @@ def _matrix() -> dict[str, Any]:
         pipe.step(x[_rows()], y[_rows()], record=True)
         compute = [(e.action, e.start, e.end) for e in pipe.timeline().events if e.action.kind.is_compute]
         out[f"overlap/{sched}"] = (compute, pipe.reductions())
+        gathered = pipe.gather_timeline()  # on each replica's pipeline rank 0
+        out[f"gathered/{sched}"] = None if gathered is None else sorted({e.rank for e in gathered.events})
     return out
 
 
@@ -319,6 +321,14 @@ def test_a_stage_s_all_reduce_starts_before_the_rank_s_compute_ends(
             later = [e for e in reductions if e.stage == g % P + P]
             last_b = max(end for a, _, end in compute if a.stage == g % P and a.kind is Kind.B)
             assert later and all(e.launched < last_b for e in later), (g, later, last_b)
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "interleaved-1f1b"])
+def test_each_replica_gathers_its_pipelines_timeline_on_its_first_rank(
+    results: list[dict[str, Any]], sched: str
+) -> None:
+    for g, res in enumerate(results):
+        assert res[f"gathered/{sched}"] == (list(range(P)) if g % P == 0 else None), (g, sched)
 
 
 def _emulated() -> dict[str, Any]:

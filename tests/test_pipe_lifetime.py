@@ -109,6 +109,21 @@ def _varlen() -> Ran:
     return _parts(pipe), model
 
 
+def _failed(group: Any) -> Ran:
+    """A step that failed: the last rank's loss raises, the other rank gets a PeerFailure; each catches
+    its error (a group of their own: the failure closes its connections)."""
+    model, x, y, _ = build("mlp")
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a failure planted in the loss")
+
+    plan = Plan(balance=balance_of(len(model), dist.get_world_size()), n_microbatches=M)
+    pipe = Pipeline(model, plan, loss_fn=loss_fn, group=group, timeout=60.0)
+    with pytest.raises(RuntimeError):  # PeerFailure on the first rank
+        pipe.step(x, y)
+    return _parts(pipe), model
+
+
 def _gpt_tied() -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
     torch.manual_seed(0)
     model, x = gpt_tied(vocab_size=16, width=16, n_layers=4, n_heads=2, max_seq_len=8, batch_size=BATCH)
@@ -138,11 +153,22 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _settled_threads() -> int:
+    """The thread count once it held still for 0.2 s (at most ``_THREADS_S``)."""
+    deadline = time.monotonic() + _THREADS_S
+    count, since = _threads(), time.monotonic()
+    while time.monotonic() - since < 0.2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        if _threads() != count:
+            count, since = _threads(), time.monotonic()
+    return count
+
+
 def _threads_end_with_the_group() -> tuple[int, int]:
     """(threads before a group of its own was made, threads once a Pipeline on it was dropped and the
     group destroyed)."""
     gc.collect()
-    before = _threads()
+    before = _settled_threads()  # the last case's watchdog thread may still be stopping
     group = dist.new_group(backend="gloo")
     model, x, y, loss_fn = build("mlp")
     plan = Plan(balance=balance_of(len(model), dist.get_world_size()), n_microbatches=M)
@@ -170,7 +196,11 @@ def _two_ranks(folder: str, traced_plan: str) -> dict[str, Any]:
         ("traced, tied weight", _traced, (traced_plan,)),
         ("variable lengths", _varlen, ()),
     ]
-    return {"freed": _freed(cases), "threads": _threads_end_with_the_group()}
+    group = dist.new_group(backend="gloo")
+    cases.append(("a step that failed", _failed, (group,)))
+    freed = _freed(cases)
+    dist.destroy_process_group(group)
+    return {"freed": freed, "threads": _threads_end_with_the_group()}
 
 
 def _emulated() -> dict[str, Any]:

@@ -213,8 +213,8 @@ class Executor:
         self.compute_stream = self.clock.compute = current
 
     def take_prefetched(self, pre: Prefetched) -> Any:
-        self.follow_current_stream()
         """The prefetched copy, with the compute stream ordered after it (an event wait, no host sync)."""
+        self.follow_current_stream()
         stream.wait_event(self.compute_stream, pre.event)
         for t in _tensors(pre.copy):  # made on the copy stream, used on compute: not reused before
             stream.record_stream(t, self.compute_stream)

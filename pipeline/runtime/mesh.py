@@ -35,9 +35,11 @@ world: the runtime's per-pair channels (channels.py) are made with
 from __future__ import annotations
 
 import datetime
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -48,9 +50,15 @@ __all__ = [
 
 DIMS = ("dp", "pp")
 
-# meshes already made, by (device type, dp, p): every rank makes its Pipelines in the same order, so
-# the cache hits (and the collective group creations it saves) are the same on every rank
-_made: dict[tuple[str, int, int], DeviceMesh] = {}
+# the "dp" and "pp" groups made, by world (the default group), then by (device type, dp, p): every
+# rank makes its Pipelines in the same order, so the cache hits (and the collective group creations
+# they save) are the same on every rank. Nothing here holds a group: torch's registry keeps them until
+# dist.destroy_process_group(), which ends them with the world (a mesh kept here would keep their gloo
+# threads until the interpreter finalizes; a mesh whose dim spans the world holds the world itself).
+# A world made again gets groups of its own.
+_made: weakref.WeakKeyDictionary[Any, dict[tuple[str, int, int], list[weakref.ref[Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -81,12 +89,18 @@ def check_world(world: int, dp: int, p: int) -> None:
 
 
 def build_mesh(dp: int, p: int, device_type: str) -> DeviceMesh:
-    """The ("dp", "pp") mesh of dp x p ranks over the world (pp innermost); made once per shape."""
+    """The ("dp", "pp") mesh of dp x p ranks over the world (pp innermost); its groups made once per
+    shape and world."""
     check_world(dist.get_world_size(), dp, p)
+    made = _made.setdefault(dist.distributed_c10d._get_default_group(), {})
     key = (device_type, dp, p)
-    if key not in _made:
-        _made[key] = init_device_mesh(device_type, (dp, p), mesh_dim_names=DIMS)
-    return _made[key]
+    groups = [g for g in (ref() for ref in made.get(key, [])) if g is not None]
+    if len(groups) == len(DIMS):
+        layout = torch.arange(dp * p, dtype=torch.int).view(dp, p)  # pp innermost, as made below
+        return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=DIMS)
+    mesh = init_device_mesh(device_type, (dp, p), mesh_dim_names=DIMS)
+    made[key] = [weakref.ref(mesh.get_group(name)) for name in DIMS]
+    return mesh
 
 
 def bound_timeouts(mesh: DeviceMesh, seconds: float) -> None:

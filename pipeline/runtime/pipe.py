@@ -691,12 +691,14 @@ class Pipeline:
         return Timeline(list(self.executor.events), self.schedule.n_ranks)
 
     def gather_timeline(self) -> Timeline | None:
-        """Every rank's events in one Timeline on rank 0 (None elsewhere); call on every rank."""
-        events = self.executor.events
+        """Every rank's events in one Timeline on the pipeline's rank 0 (each replica's, in a mesh; None
+        elsewhere); call on every rank."""
+        events, group = self.executor.events, self.comm.group if self.comm is not None else None
         if self.comm is None or self.comm.world_size == 1:
             return self.timeline()
         gathered: list[Any] = [None] * self.comm.world_size if self.rank == 0 else []
-        dist.gather_object(events, gathered if self.rank == 0 else None, dst=0, group=self.comm.group)
+        first = dist.get_global_rank(group, 0) if group is not None else 0  # gather_object's dst is global
+        dist.gather_object(events, gathered if self.rank == 0 else None, dst=first, group=group)
         if self.rank != 0:
             return None
         return Timeline([e for part in gathered for e in part], self.schedule.n_ranks)

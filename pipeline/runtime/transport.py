@@ -311,9 +311,12 @@ class Transport(ABC):
         (``exc`` is then only its echo, a closed connection: a dozen lines of noise in every
         surviving rank's output), any other error with ``exc`` as its cause."""
         err, echo = self._judge(what, exc)
-        if echo:
-            raise err from None
-        raise err from exc
+        try:
+            if echo:
+                raise err from None
+            raise err from exc
+        finally:
+            del err  # its traceback holds this frame: a cycle that would keep the Pipeline alive
 
     def error(self, what: str, exc: BaseException | None) -> Exception:
         """The error to raise (``raise self.error(what, None) from None`` where no backend error was
