@@ -10,9 +10,10 @@ collection may then be the interpreter's own, as it finalizes. A gloo worker sti
 last collective's work then (it holds tensors whose Python objects need the GIL) is ended by
 CPython, and the process aborts after a run that succeeded ("terminate called without an active
 exception", exit status -6; seen under torchrun, 1 run in 5 on a loaded host). So every Pipeline
-here, whatever it ran, is checked to be freed with the garbage collector off; and after a
-Pipeline on a group of its own is dropped and that group destroyed, the process has no more
-threads than before the group was made.
+here, whatever it ran (a step that failed too), is checked to be freed with the garbage collector
+off; and after a Pipeline on a group of its own is dropped and that group destroyed, the process has
+no more threads than before the group was made. (The mesh of replicated pipelines outlives them by
+design, until its world is destroyed: test_mesh.py.)
 """
 
 from __future__ import annotations
