@@ -161,7 +161,7 @@ class Comm:
                         return bytes(self.store.get(key))
                     failed = self.board.store.check([self.board.key])
                 if failed or time.monotonic() - start > self.timeout:
-                    raise self.transport.error(what, None) from None
+                    raise self.transport.error(what) from None
                 time.sleep(pause)
                 pause = min(2 * pause, 0.002)
         except (PeerFailure, PipelineTimeout):

@@ -281,7 +281,7 @@ class Transport(ABC):
             for w in works:
                 left = deadline - time.monotonic()
                 if left <= 0 or not w.wait(datetime.timedelta(seconds=left)):
-                    raise self.error(what, None) from None
+                    raise self.error(what) from None
         except (PeerFailure, PipelineTimeout):
             raise
         except Exception as exc:
@@ -298,16 +298,16 @@ class Transport(ABC):
         while not done():
             now = time.monotonic()
             if now - start > self.timeout:
-                raise self.error(what(), None) from None
+                raise self.error(what()) from None
             if now >= check_at:
                 check_at = now + CHECK_STORE_S
                 if self.board.first() is not None:
-                    raise self.error(what(), None) from None
+                    raise self.error(what()) from None
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 
     def fail(self, what: str, exc: BaseException) -> NoReturn:
-        """Raise ``error(what, exc)`` for the backend's error ``exc``: another rank's failure alone
+        """Raise the error for ``what`` where the backend raised ``exc``: another rank's failure alone
         (``exc`` is then only its echo, a closed connection: a dozen lines of noise in every
         surviving rank's output), any other error with ``exc`` as its cause."""
         err, echo = self._judge(what, exc)
@@ -318,14 +318,15 @@ class Transport(ABC):
         finally:
             del err  # its traceback holds this frame: a cycle that would keep the Pipeline alive
 
-    def error(self, what: str, exc: BaseException | None) -> Exception:
-        """The error to raise (``raise self.error(what, None) from None`` where no backend error was
-        raised, else ``fail``): the failed peer named, else the lost store, the backend's error or
-        our timeout."""
-        return self._judge(what, exc)[0]
+    def error(self, what: str) -> Exception:
+        """The error to raise (``raise self.error(what) from None``) where a wait ended with no backend
+        error (``fail`` where it raised one): the failed peer named, else the lost store or our
+        timeout."""
+        return self._judge(what, None)[0]
 
     def _judge(self, what: str, exc: BaseException | None) -> tuple[Exception, bool]:
-        """``error``'s exception, and whether ``exc`` is only the echo of another rank's failure."""
+        """The error for ``what`` (the backend's ``exc``, None if none), and whether ``exc`` is only
+        the echo of another rank's failure."""
         timed_out = exc is None or "Timed out" in str(exc)
         failed = self.board.first()
         deadline = time.monotonic() + _LOST_GRACE_S
