@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from torch import nn
 
 from pipeline.plan import Plan
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.watchdog import quiet_store
+from pipeline.runtime.watchdog import Watchdog, _stop_all, quiet_store
 from tests.dist import job
 
 _WATCHDOG = "stagewise-p2p-watchdog"
@@ -101,3 +102,26 @@ def test_a_pipeline_dropped_without_close_lets_its_watchdog_thread_end(
         assert n >= 1, f"rank {rank}: the step started no watchdog thread"
         assert not any(running), f"rank {rank}: {running.count(True)} of {n} watchdog threads still run"
         assert collected, f"rank {rank}: the dropped Pipeline's Comm was not collected"
+
+
+def test_a_watchdog_thread_never_owns_the_backends_it_watches(tmp_path: Path) -> None:
+    """The backend goes with its last reference outside the thread, while the thread runs: were the
+    thread its last owner, the backend's destructor (which releases the GIL to join gloo's workers and
+    takes it back) could run in the thread as the interpreter finalizes, and abort the process. And the
+    exit hook stops and joins the thread of a Watchdog that was dropped."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = dist.new_group(backend="gloo")
+        backend = group._get_backend(torch.device("cpu"))
+        dog = Watchdog(dist.HashStore(), "failed", [(backend, 0)])
+        dog.start()
+        thread, owned = dog.thread, weakref.ref(backend)
+        del backend, dog
+        dist.destroy_process_group(group)
+        del group
+        assert thread is not None and thread.is_alive()
+        assert owned() is None  # freed here, with the thread still running
+    finally:
+        dist.destroy_process_group()
+    _stop_all()
+    assert not thread.is_alive()

@@ -16,8 +16,9 @@ raises ``PeerFailure`` naming the failed rank::
             -> the wait raises -> PeerFailure("rank 1 failed while rank 0 waited for 0RECV_B2 ...")
 
 The thread holds no reference to its ``Comm`` (so that the ``Comm`` can be
-collected) and stops when closed, and at the latest when the interpreter
-exits: an ``atexit`` hook stops every watchdog and waits for its thread. A
+collected) and only weak ones to the backends it closes (so that it never
+destroys one: see ``Watchdog``), and stops when closed, and at the latest when
+the interpreter exits: an ``atexit`` hook stops every watchdog thread and waits for it. A
 daemon thread still inside a torch call when the interpreter finalizes (a
 pair's closing ``Work.wait``, a store read) is ended by CPython with
 ``pthread_exit`` as it retakes the GIL; the unwinding meets pybind11's
@@ -245,7 +246,11 @@ class Watchdog:
 
     def __init__(self, store: Any, key: str, pairs: Pairs, liveness: Liveness | None = None) -> None:
         self.blocked = 0
-        self._args = (store, key, list(pairs), liveness)
+        # the backends weakly: the thread must never be a process group's last owner. Its destructor
+        # releases the GIL to join gloo's workers and takes it back: a thread doing so while the
+        # interpreter finalizes is ended mid-destructor, and std::terminate aborts the process
+        weak = [(weakref.ref(backend), peer) for backend, peer in pairs]
+        self._args = (store, key, weak, liveness)
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -254,27 +259,30 @@ class Watchdog:
             target=_watch, args=(self, *self._args), name="stagewise-p2p-watchdog", daemon=True
         )
         self.thread.start()
-        _running.add(self)
+        _running[self.thread] = self._stop
 
     def close(self) -> None:
         self._stop.set()
 
 
-_running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+# every watchdog thread still running, and the event that stops it (the threads, not their
+# Watchdogs: a thread holds its Watchdog until its last step, so the Watchdog may be gone before it)
+_running: weakref.WeakKeyDictionary[threading.Thread, threading.Event] = weakref.WeakKeyDictionary()
 
 
 @atexit.register
 def _stop_all() -> None:
-    """Before the interpreter finalizes: stop every watchdog and let it leave its torch call."""
-    dogs = list(_running)
-    for dog in dogs:
-        dog.close()
-    for dog in dogs:
-        if dog.thread is not None:
-            dog.thread.join(_EXIT_JOIN_S)
+    """Before the interpreter finalizes: stop every watchdog thread and let it leave its torch call."""
+    running = list(_running.items())
+    for _, stop in running:
+        stop.set()
+    for thread, _ in running:
+        thread.join(_EXIT_JOIN_S)
 
 
-def _watch(dog: Watchdog, store: Any, key: str, pairs: Pairs, liveness: Liveness | None) -> None:
+def _watch(
+    dog: Watchdog, store: Any, key: str, pairs: list[tuple[weakref.ref[Any], int]], liveness: Liveness | None
+) -> None:
     """The watchdog's loop, until closed: on a published failure, or once the store is gone (its
     host died, or the launcher is tearing the job down), close the pairs once."""
     while not dog._stop.wait(CHECK_STORE_S):
@@ -291,5 +299,5 @@ def _watch(dog: Watchdog, store: Any, key: str, pairs: Pairs, liveness: Liveness
             if liveness is not None:
                 liveness.store_gone = True
         if failed:
-            close_pairs(pairs)
+            close_pairs([(backend, peer) for ref, peer in pairs if (backend := ref()) is not None])
             return
