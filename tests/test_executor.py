@@ -14,6 +14,7 @@ from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.actions import parse_action
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
+from tests.dist import job
 
 
 def test_one_rank_interleaved_runs_in_schedule_order_without_comm() -> None:
@@ -95,3 +96,76 @@ def test_memory_stats_on_cpu() -> None:
     assert stats["counted_peak"] == 2 * params + stats["buffers"] + stats["activations"]
     assert stats["peak"] >= stats["counted_peak"]  # every storage: transients too
     assert pipe.executor.meter.now == 0  # everything released at the step's end
+
+
+# ---- receive buffers alive, counted against the plan, on the NCCL code path (the emulation)
+
+
+def _receive_buffers_alive() -> dict[str, tuple[int, float]]:
+    """Per schedule: the most receive buffers alive at once in a step (weak references to every
+    buffer posted, read after each post and each compute) and the plan's walk of them."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from pipeline.plan import Plan
+    from pipeline.schedules.peaks import walk
+
+    out: dict[str, tuple[int, float]] = {}
+    for name, v, m, recompute in (("1f1b", 1, 4, "never"), ("gpipe", 1, 4, "always"),
+                                  ("zb-h1", 1, 4, "never"), ("interleaved-1f1b", 2, 4, "never"),
+                                  ("zb-v", 2, 4, "never"), ("dualpipe-v", 2, 4, "always")):  # fmt: skip
+        torch.manual_seed(0)
+        model, x = mlp(width=8, depth=8, batch_size=8)
+        k = dist.get_world_size() * v
+        plan = Plan(balance=[8 // k] * k, schedule=name, n_microbatches=m, n_virtual=v, recompute=recompute)
+        pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss, timeout=30.0)
+        ex, live, most = pipe.executor, [], [0]
+
+        def count(live: list[Any] = live, most: list[int] = most) -> None:
+            most[0] = max(most[0], sum(ref() is not None for ref in live))
+
+        def post(sends: Any, recvs: Any, what: str, _post: Any = ex.post, live: list[Any] = live) -> None:
+            _post(sends, recvs, what)
+            live.extend(weakref.ref(t) for msg in recvs for t in msg.tensors)
+            count()
+
+        def end(a: Any, _end: Any = ex.clock.end) -> Any:
+            count()
+            return _end(a)
+
+        ex.post, ex.clock.end = post, end  # type: ignore[method-assign]
+        pipe.step(x, torch.randn(8, 8))
+        sched = pipe.schedule
+        planned = walk(
+            sched, dist.get_rank(), _receives_only(sched, dist.get_rank()), 1, [recompute] * sched.n_stages
+        )[0]
+        out[name] = (most[0], planned)
+    return out
+
+
+def _receives_only(sched: Any, r: int) -> Any:
+    """The walk's weights that count rank r's receive buffers, one each: a remote stage's activation
+    in, or gradient back."""
+    ranks = [sched.rank_of(s) for s in range(sched.n_stages)]
+
+    def weigh(key: tuple[str, int, int]) -> tuple[int, float]:
+        kind, s, _ = key
+        if kind == "in":
+            return 0, float(s > 0 and ranks[s - 1] != r)
+        return 0, float(kind == "gout" and s + 1 < len(ranks) and ranks[s + 1] != r)
+
+    return weigh
+
+
+_BUFFERS = job(2, _receive_buffers_alive, backend="nccl-emulated", timeout=120.0)
+
+
+def test_receive_buffers_alive_never_exceed_the_plan_on_the_nccl_path(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # a buffer kept past its compute (a transfer held for the stuck report with its tensors, say)
+    # is a tensor the plan does not count
+    for rank, res in enumerate(_BUFFERS.results(tmp_path_factory)):
+        for name, (alive, planned) in res.items():
+            assert 0 < alive <= planned, (name, rank, alive, planned)

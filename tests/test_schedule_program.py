@@ -59,11 +59,13 @@ LISTINGS = {
         """,
     ],
     ("gpipe", 2, 2, 1): [
+        # 0RECV_B0 is not posted ahead of 0F1: rank 1's 1B0 comes after 1F1, which needs 0SEND_F1
+        # (a device-wide sync while 0F1 is queued would wait on it for ever)
         """
         0F0
-        post 0SEND_F0 0RECV_B0
+        post 0SEND_F0
         0F1
-        post 0SEND_F1 0RECV_B1
+        post 0SEND_F1 0RECV_B0 0RECV_B1
         wait 0RECV_B0
         free 0SEND_F0 0SEND_F1
         0B0

@@ -73,10 +73,15 @@ class NcclTransfer:
         return all(w.is_completed() for w in self.works)
 
     def order(self, stream: torch.cuda.Stream) -> None:
-        """``stream`` runs on only after the transfer (an event wait on the device; the host goes on)."""
+        """``stream`` runs on only after the transfer (an event wait on the device; the host goes on).
+
+        Its tensors are dropped here: whatever the stream (and the caching allocator, which hands a
+        freed block only to work on the stream it was made on) runs next comes after the transfer,
+        and a transfer kept for a stuck report (the executor's recent receives) must not keep them."""
         with torch.cuda.stream(stream):
             for w in self.works:
                 w.wait()
+        self.tensors = []
 
 
 Transfer = NcclTransfer | EmuTransfer

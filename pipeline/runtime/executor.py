@@ -29,6 +29,11 @@ compute k it waits (polling, with the timeout and failure watch) until the
 device has finished compute k - 2: in-flight buffers stay within the plan, and
 a dead peer is noticed within the timeout, naming the receive that never came.
 
+A device-wide synchronisation while the host queues a compute (the allocator's
+retry, a kernel's first launch) must not hang the step: the program never posts a
+receive ahead of what its sender needs from this rank (program.py), and
+``STAGEWISE_DRAIN_AT`` (drain.py) forces such a sync to prove it.
+
 A compute's busy time starts once its input is there (clock.py: host times on
 CPU, CUDA events on a GPU). A receive also reaps the sends it proves done (see
 program.py); the rest are ordered at the step's end. A failed step drops its
@@ -52,6 +57,8 @@ import torch
 
 from pipeline.runtime import emulation, stream
 from pipeline.runtime.clock import StepClock
+from pipeline.runtime.drain import ENV as _DRAIN_ENV
+from pipeline.runtime.drain import drain_at
 from pipeline.runtime.memory import ActivationMeter
 from pipeline.runtime.metadata import (
     Signatures,
@@ -145,7 +152,8 @@ class Executor:
         self._sent: list[Msg] = []  # sends posted this step, ordered by the step's end
         self._abandoned: list[list[Any]] = []  # works of a failed step
         self._ends: deque[tuple[Action, stream.Event]] = deque(maxlen=RUN_AHEAD)
-        self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)  # recent receives
+        # recent receives, for the stuck report: their transfers only (ordered ones hold no tensors)
+        self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)
         # signatures: per autocast state, per local stage, per micro-batch signature (set up once each)
         self._input_key: tuple[tuple[Signature, ...], int] | None = None
         self._version = 0
@@ -173,6 +181,9 @@ class Executor:
         self._program = compiled.program
         self._msgs = compiled.msgs
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
+        # a device-wide sync forced after chosen computes (drain.py; none unless the environment asks)
+        self._drain_at = drain_at(rank, [len(actions) for actions in sched.compute]) if self.p > 1 else None
+        self._steps = 0  # steps run: what a drawn drain point depends on
 
     # ---- measurements of the last step
 
@@ -357,7 +368,7 @@ class Executor:
                 share = self.on_rows(self.units) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
                     st.set_rows(self.units, share)
-                bound = self.nccl
+                bound, drain, k = self.nccl, self._drain_at, 0
                 for a, fn in self._program:
                     if a is None:
                         fn()
@@ -370,10 +381,14 @@ class Executor:
                     clock.begin()
                     fn()  # may wait for its input first (clock.input_ready)
                     self._ends.append((a, clock.end(a)))
+                    if drain is not None and drain(self._steps, k):
+                        self._device_sync(a)
+                    k += 1
                     self._consumed.clear()
                     if hooks is not None:
                         hooks[1]()
                 self._drain()
+            self._steps += 1
             if self.training:
                 self.meter.end_step()
         except BaseException:
@@ -390,6 +405,19 @@ class Executor:
             return
         assert self.comm is not None
         self.comm.poll(lambda: stream.event_done(event), lambda: self._stuck_on(a))
+
+    def _device_sync(self, a: Action) -> None:
+        """What a device-wide synchronisation does while the host queues ``a`` (drain.py): the host
+        waits until ``a`` and every transfer this rank has posted are done, posting nothing."""
+        assert self.comm is not None
+        transport, held = self.comm.transport, f"the device-wide sync forced at {a} ({_DRAIN_ENV})"
+        event = self._ends[-1][1]
+        if not stream.event_done(event):
+            self.comm.poll(lambda: stream.event_done(event), lambda: f"{a} to finish, in {held}")
+        posted = {id(m): m for m in (*self._msgs.values(), *self._sent) if m.works}
+        for m in posted.values():
+            assert m.works is not None
+            transport.drain(m.works, f"{m.what}, posted before {held}")
 
     def _stuck_on(self, a: Action) -> str:
         """What the device is most likely waiting for when ``a`` does not finish: the oldest open receive."""

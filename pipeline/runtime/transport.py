@@ -264,6 +264,11 @@ class Transport(ABC):
         """Called as a collective on the group (``size`` ranks, all taking part) is started."""
         return None
 
+    def drain(self, works: Sequence[Any], what: str) -> None:
+        """Block the host until ``works`` are done, ordering no stream after them: what a device-wide
+        synchronisation waits for (drain.py). On gloo, a host wait."""
+        self.wait(works, what)
+
     @abstractmethod
     def abort(self) -> None:
         """Stop every transfer in flight. Idempotent."""
@@ -437,6 +442,9 @@ class NcclTransport(Transport):
         self.poll(work.is_completed, lambda: what)
         work.wait()
 
+    def drain(self, works: Sequence[Any], what: str) -> None:
+        self.poll(lambda: all(t.is_completed() for t in works), lambda: what)
+
     def abort(self) -> None:
         """The channels, and the group: a collective stuck behind a dead peer would hold the exit too."""
         if self._aborted:
@@ -471,6 +479,9 @@ class EmulatedNccl(NcclTransport):
             return
         self._complete(works, what)
         emulation.order(emulation.current(), works)
+
+    def drain(self, works: Sequence[Any], what: str) -> None:
+        self._complete(works, what)  # the data stays invisible to compute until it is ordered
 
     def _complete(self, works: Sequence[Transfer], what: str) -> None:
         for t in works:

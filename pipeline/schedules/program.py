@@ -7,7 +7,8 @@ the tied weights' stages (``Schedule.program(r, dp=..., ties=...)``, ``Plan.prog
 holds, in run order, every event of rank r's step that decides what runs and what is held:
 
     post 0SEND_F1 0RECV_B0   post a comm block: the previous compute's sends, and the receives of
-                             the block after it (one block ahead, so a transfer overlaps compute);
+                             the block after it (one block ahead, so a transfer overlaps compute;
+                             a receive that may not go ahead, below, is posted with its own block);
                              the first block's receives are posted at the step's start
     wait 0RECV_B0            the next compute's input: ordered after its receive; the buffer is
                              held from its post to the end of that compute
@@ -37,6 +38,21 @@ first such Y (read off q's lowered list); sends with none are freed at the step'
     rank r:  post SEND_F(s,i) ................. wait RECV_B(s,i)  free SEND_F(s,i)
     rank q:       wait RECV_F(s+1,i)  F(s+1,i) ... B(s+1,i)  post SEND_B(s+1,i)
 
+A receive posted ahead must never wait on this rank's own future. On a GPU a posted receive is a
+kernel queued at once, and a device-wide synchronisation (the caching allocator's retry after a
+failed cudaMalloc, a lazily loaded kernel's first launch) holds the host inside the compute it is
+queuing until every queued kernel is done. A receive R posted ahead of the compute Z that ends the
+window before R's own block would then wait for ever if R's sender needs what Z sends:
+
+    rank 0:  0F2  post 0SEND_F2 0RECV_B0  [0F3: the host is held in a device-wide sync]
+    rank 1:  1F2  ...  wait 1RECV_F3 (0SEND_F3 comes after 0F3: never)  1F3  1B0  post 1SEND_B0
+             so 0RECV_B0, queued on rank 0's device, never completes, and the sync never returns
+
+So R goes ahead only when Z is not an ancestor of R's producer (the compute whose output it is),
+over the computes' dependencies: each rank's order, and each remote input (``_late_receives``);
+else it is posted with its own block, right before the compute that takes it. ``validate`` proves
+the rule on the programs themselves, freezing each rank at each compute (its drain check).
+
 The text form is one instruction per line (``print(schedule.program(r))``). Plain data: no torch,
 no runtime; ``pipeline.runtime.program`` binds it to stages and channels, ``Pipeline.step`` runs
 its tail, ``validate`` and ``simulate`` read it and ``partitioner.memory`` walks it for the
@@ -48,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -57,6 +74,8 @@ from pipeline.schedules.actions import Action, Kind
 __all__ = [
     "Collective",
     "Free",
+    "Game",
+    "Hazard",
     "Instruction",
     "Played",
     "Post",
@@ -65,6 +84,7 @@ __all__ = [
     "ReduceWait",
     "Wait",
     "derive",
+    "drain_hazards",
     "options",
     "play",
     "sender",
@@ -208,8 +228,10 @@ def derive(sched: Lowered, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -
     with _gc_paused():
         lowered = sched.lowered()
         frees = _frees(sched, lowered)
+        late = _late_receives(sched, lowered)
         return tuple(
-            _rank_program(sched, r, lowered[r], frees[r], replicated, groups) for r in range(sched.n_ranks)
+            _rank_program(sched, r, lowered[r], frees[r], late, replicated, groups)
+            for r in range(sched.n_ranks)
         )
 
 
@@ -270,33 +292,28 @@ def _rank_program(
     r: int,
     mine: Sequence[Action],
     frees: dict[Action, list[Action]],
+    late: set[Action],
     replicated: bool,
     ties: Sequence[tuple[int, ...]],
 ) -> Program:
-    # the lowered list as computes and comm blocks (the sends of one compute, the receives of the next)
-    items: list[Action | list[Action]] = []
-    for a in mine:
-        if a.kind.is_compute:
-            items.append(a)
-        elif items and isinstance(items[-1], list):
-            items[-1].append(a)
-        else:
-            items.append([a])
+    items = _items(mine)
     blocks = [b for b in items if isinstance(b, list)]
     recvs = [tuple(a for a in b if a.kind.is_recv) for b in blocks]
     final = _final_gradients(sched, mine)
     out: list[Instruction] = []
-    if recvs and recvs[0]:
-        out.append(Post((), recvs[0]))  # the first block's receives, at the step's start
+    first = tuple(a for a in recvs[0] if a not in late) if recvs else ()
+    if first:
+        out.append(Post((), first))  # the first block's receives, at the step's start
     posted: set[Action] = set()
     received = set(mine)
     k = 0
     for item in items:
         if isinstance(item, list):
             sends = tuple(a for a in item if a.kind.is_send)
-            ahead = recvs[k + 1] if k + 1 < len(blocks) else ()
-            if sends or ahead:
-                out.append(Post(sends, ahead))
+            now = tuple(a for a in recvs[k] if a in late)  # not posted ahead: posted now
+            ahead = tuple(a for a in recvs[k + 1] if a not in late) if k + 1 < len(blocks) else ()
+            if sends or now or ahead:
+                out.append(Post(sends, now + ahead))  # in posting order: each channel's is the lowered one
             posted.update(sends)
             k += 1
             continue
@@ -326,6 +343,110 @@ def _rank_program(
 
 
 _RECEIVED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}  # the receive a compute's input comes by
+
+
+def _items(mine: Sequence[Action]) -> list[Action | list[Action]]:
+    """A lowered list as computes and comm blocks (a block: one compute's sends and the next's receives)."""
+    items: list[Action | list[Action]] = []
+    for a in mine:
+        if a.kind.is_compute:
+            items.append(a)
+        elif items and isinstance(items[-1], list):
+            items[-1].append(a)
+        else:
+            items.append([a])
+    return items
+
+
+def _late_receives(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> set[Action]:
+    """The receives that may not be posted one block ahead (the module docstring's rule): R, in the
+    block that follows compute Z on its rank, whose producer X has Z among its ancestors.
+
+    One topological pass over the computes (each rank's in order, each once its remote input's
+    producer is done: the order a play at no cost runs them in) carries each compute's ancestry as
+    an int, one bit per Z met so far: a compute's is its rank-predecessor's, or its remote
+    producer's, and its own bit. X answers its questions as it is reached; a Z not reached by then
+    is no ancestor. A Z's bit is dropped (shifted out) once every question about it is answered, so
+    the ints stay about p bits wide: planning derives many programs of thousands of computes. A
+    schedule that deadlocks leaves the rest unasked (``validate`` refuses it)."""
+    p, k = sched.n_ranks, sched.n_stages
+    rank_of = [sched.rank_of(s) for s in range(k)]
+    in_remote = [s > 0 and rank_of[s - 1] != rank_of[s] for s in range(k)]  # F(s)'s input comes by message
+    gin_remote = [s + 1 < k and rank_of[s + 1] != rank_of[s] for s in range(k)]  # B(s)'s likewise
+    Key = tuple[int, Kind, int]
+    asks: dict[Key, list[tuple[Key, Action]]] = {}  # X -> (Z, R) to answer at X
+    questions: dict[Key, int] = {}  # Z -> how many receives ask about it
+    # per rank, per compute: (itself, its remote input's producer or None, whether it sends out)
+    rows: list[list[tuple[Key, Key | None, bool]]] = []
+    for acts in lowered:
+        row: list[tuple[Key, Key | None, bool]] = []
+        z: Key | None = None  # the last compute, once a send follows it
+        for a in acts:
+            kind, s, i = a.kind, a.stage, a.microbatch
+            if kind.is_send:
+                z = row[-1][0] if row else None
+            elif kind.is_recv:
+                if z is not None:  # posted ahead from Z's block: asked at its producer
+                    asks.setdefault(_producer(a), []).append((z, a))
+                    questions[z] = questions.get(z, 0) + 1
+            else:
+                src = (s - 1, Kind.F, i) if kind is Kind.F and in_remote[s] else (
+                    (s + 1, Kind.B, i) if kind is Kind.B and gin_remote[s] else None)  # fmt: skip
+                out = (kind is Kind.F and s + 1 < k and in_remote[s + 1]) or (
+                    kind is Kind.B and s > 0 and gin_remote[s - 1])  # fmt: skip
+                row.append(((s, kind, i), src, out))
+                z = None
+        rows.append(row)
+    late: set[Action] = set()
+    if not asks:
+        return late
+    pos, chain = [0] * p, [0] * p  # per rank: its next compute, the ancestry of its last one done
+    made: dict[Key, int] = {}  # a remote input's producer -> its ancestry, until taken
+    bit: dict[Key, int] = {}  # Z -> its bit (counted from the first ever), while questions remain
+    base = n_bits = 0  # the bit that bit 0 of the ints stands for; bits handed out
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            row, t, anc = rows[r], pos[r], chain[r]
+            while t < len(row):
+                me, src, out = row[t]
+                if src is not None:
+                    got = made.pop(src, None)
+                    if got is None:
+                        break
+                    anc |= got
+                if questions.get(me):  # some receive still asks about this Z
+                    bit[me] = n_bits
+                    anc |= 1 << (n_bits - base)
+                    n_bits += 1
+                for zk, recv in asks.get(me, ()):
+                    questions[zk] -= 1  # answered here: a Z not reached yet is no ancestor
+                    b = bit.get(zk)
+                    if b is None:
+                        continue
+                    if anc >> (b - base) & 1:
+                        late.add(recv)
+                    if not questions[zk]:
+                        del bit[zk]
+                if out:
+                    made[me] = anc
+                t += 1
+            if t != pos[r]:
+                pos[r], chain[r], progressed = t, anc, True
+            if n_bits - base > 2 * len(bit) + 256:  # shift out the bits no question needs
+                lo = min(bit.values(), default=n_bits)
+                shift, base = lo - base, lo
+                chain = [c >> shift for c in chain]
+                made = {key: c >> shift for key, c in made.items()}
+    return late
+
+
+def _producer(recv: Action) -> tuple[int, Kind, int]:
+    """The compute on the peer whose output ``recv`` takes, as (stage, kind, micro-batch)."""
+    if recv.kind is Kind.RECV_F:
+        return (recv.stage - 1, Kind.F, recv.microbatch)
+    return (recv.stage + 1, Kind.B, recv.microbatch)
 
 
 def _final_gradients(sched: Lowered, mine: Sequence[Action]) -> dict[int, Action]:
@@ -446,46 +567,134 @@ def play(
                      over the replicas: each replica runs the same program, so only the cost)
 
     A rank that cannot go on stops where it waits; ``Played.stuck`` lists them."""
-    p = len(programs)
-    now, pos, lane = [0.0] * p, [0] * p, [0.0] * p  # per rank: its clock, next instruction, reducer
-    posted: dict[Action, float] = {}  # send -> when its rank posted it
-    reduced: dict[tuple[int, int], float] = {}  # (rank, stage) -> when its reduction ends
-    arrived: dict[tuple[tuple[int, ...], int], dict[int, float]] = {}  # (group, n) -> rank -> time
-    done: list[dict[tuple[int, ...], int]] = [{} for _ in range(p)]  # collectives passed, per group
-    out = Played(pos, now)
-    progressed = True
-    while progressed:
-        progressed = False
-        for r, program in enumerate(programs):
-            while pos[r] < len(program):
+    game = Game(programs, compute, comm=comm, reduce=reduce, collective=collective)
+    game.run()
+    return game.played
+
+
+class Game:
+    """``play``'s state, which can be run in steps: ``run(hold=(r, t))`` runs every rank as far as it
+    can go with rank r held before its instruction t; a later ``run`` goes on from there (what a
+    held rank has not run has not happened: a frozen host). ``posted`` holds each send posted, with
+    its time, and ``ready`` each receive posted."""
+
+    def __init__(
+        self,
+        programs: Sequence[Program],
+        compute: Callable[[Action], float] = _free,
+        *,
+        comm: float = 0.0,
+        reduce: Callable[[int], float] = _free,
+        collective: float = 0.0,
+    ) -> None:
+        self.programs, self.compute, self.comm = programs, compute, comm
+        self.reduce, self.collective = reduce, collective
+        p = len(programs)
+        self.now, self.pos, self.lane = [0.0] * p, [0] * p, [0.0] * p  # per rank: clock, next, reducer
+        self.posted: dict[Action, float] = {}  # send -> when its rank posted it
+        self.ready: set[Action] = set()  # receives posted
+        self.reduced: dict[tuple[int, int], float] = {}  # (rank, stage) -> when its reduction ends
+        self.arrived: dict[tuple[tuple[int, ...], int], dict[int, float]] = {}  # (group, n) -> rank -> time
+        self.done: list[dict[tuple[int, ...], int]] = [{} for _ in range(p)]  # collectives passed, per group
+        self.played = Played(self.pos, self.now)
+        self._waiting: dict[object, list[int]] = {}  # a send, or (group, n): the ranks blocked on it
+        self._todo: deque[int] = deque(range(p))  # the ranks that may go on
+
+    def run(self, hold: tuple[int, int] | None = None) -> None:
+        programs, now, pos, out = self.programs, self.now, self.pos, self.played
+        posted, waiting, todo = self.posted, self._waiting, self._todo
+        if hold is not None:
+            todo.append(hold[0])
+        while todo:  # only the ranks that may go on are visited: a game is played in steps
+            r = todo.popleft()
+            program = programs[r]
+            end = hold[1] if hold is not None and hold[0] == r else len(program)
+            while pos[r] < end:
                 x = program.instructions[pos[r]]
                 if isinstance(x, Action):
                     start = now[r]
-                    now[r] += compute(x)
+                    now[r] += self.compute(x)
                     out.computes.append((r, x, start, now[r]))
                 elif isinstance(x, Post):
-                    posted.update((a, now[r]) for a in x.sends)
+                    for a in x.sends:
+                        posted[a] = now[r]
+                        if a in waiting:
+                            todo.extend(waiting.pop(a))
+                    self.ready.update(x.recvs)
                 elif isinstance(x, Wait):
                     send = sender(x.recv)
                     if send not in posted:
+                        waiting.setdefault(send, []).append(r)
                         break
-                    now[r] = max(now[r], posted[send] + comm)
+                    now[r] = max(now[r], posted[send] + self.comm)
                 elif isinstance(x, Reduce):
-                    start = max(now[r], lane[r])
-                    lane[r] = reduced[(r, x.stage)] = start + reduce(x.stage)
-                    out.reductions.append((r, x.stage, start, lane[r]))
+                    start = max(now[r], self.lane[r])
+                    self.lane[r] = self.reduced[(r, x.stage)] = start + self.reduce(x.stage)
+                    out.reductions.append((r, x.stage, start, self.lane[r]))
                 elif isinstance(x, ReduceWait):
-                    now[r] = max(now[r], reduced[(r, x.stage)])
+                    now[r] = max(now[r], self.reduced[(r, x.stage)])
                 elif isinstance(x, Collective) and not x.ranks:
-                    now[r] += collective
+                    now[r] += self.collective
                 elif isinstance(x, Collective):
-                    k = done[r].get(x.ranks, 0)
-                    at = arrived.setdefault((x.ranks, k), {})
+                    key = (x.ranks, self.done[r].get(x.ranks, 0))
+                    at = self.arrived.setdefault(key, {})
                     at.setdefault(r, now[r])
                     if len(at) < len(x.ranks):
+                        waiting.setdefault(key, []).append(r)
                         break
-                    now[r] = max(at.values()) + collective
-                    done[r][x.ranks] = k + 1
+                    if key in waiting:  # the last to arrive: the others go on
+                        todo.extend(waiting.pop(key))
+                    now[r] = max(at.values()) + self.collective
+                    self.done[r][x.ranks] = key[1] + 1
                 pos[r] += 1
-                progressed = True
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """A transfer that a device-wide sync on rank ``rank``, held at its instruction ``at`` (a
+    compute), would wait on for ever: ``transfer`` (a send or receive it posted) is never matched,
+    because its peer stops at its instruction ``peer_at`` (its program's length: it finished)."""
+
+    rank: int
+    at: int
+    transfer: Action
+    peer: int
+    peer_at: int
+
+
+def drain_hazards(programs: Sequence[Program], rank_of: Callable[[int], int]) -> list[Hazard]:
+    """Every (rank, compute) at which a device-wide synchronisation would never return (the module
+    docstring's rule), first per rank.
+
+    Rank r's host is held at each compute t in turn, with t queued (its device runs everything up to
+    it) and every other rank running on: the game plays r up to t + 1 and the others as far as
+    they go. Every transfer r posted before t must then be matched: a receive by its send's post (the
+    producing compute done), a send by the receive its peer posted (NCCL's send of a large message
+    waits for it). The others are played as the host of gloo runs (a wait blocks the host), which
+    never lets a rank post more than NCCL's run-ahead does: a program that passes here passes there.
+    One game per rank, resumed from compute to compute: each rank's program is played p times."""
+    out: list[Hazard] = []
+    for r, program in enumerate(programs):
+        game = Game(programs)
+        mine: list[Action] = []  # what r posted, in order, not yet seen matched
+        for t, x in enumerate(program.instructions):
+            if isinstance(x, Post):
+                mine += (*x.sends, *x.recvs)
+                continue
+            if not isinstance(x, Action):
+                continue
+            game.run(hold=(r, t + 1))
+            open_ = [a for a in mine if not _matched(game, a)]
+            if open_:
+                a = open_[0]
+                q = rank_of(a.peer_stage)
+                out.append(Hazard(r, t, a, q, game.pos[q]))
+                break
+            mine = []
     return out
+
+
+def _matched(game: Game, a: Action) -> bool:
+    if a.kind.is_recv:
+        return sender(a) in game.posted
+    return a in game.posted and Action(*_receiver(a)) in game.ready

@@ -35,7 +35,7 @@ from pipeline.schedules.actions import Action, Kind, parse_action
 from pipeline.schedules.placement import PLACEMENTS, check_placement, rank_of
 from pipeline.schedules.program import Program, derive, options
 from pipeline.schedules.registry import REGISTRY, entry
-from pipeline.schedules.validate import ScheduleError, validate
+from pipeline.schedules.validate import ScheduleError, check_drain, validate
 
 __all__ = [
     "PLACEMENTS",
@@ -255,7 +255,7 @@ def forward_only(sched: Schedule) -> Schedule:
         tuple(Action(s, Kind.F, i) for s in sched.stages_of(r) for i in range(sched.n_microbatches))
         for r in range(sched.n_ranks)
     )
-    return Schedule(
+    forward = Schedule(
         f"{sched.name}/forward",
         sched.n_stages,
         sched.n_ranks,
@@ -264,3 +264,5 @@ def forward_only(sched: Schedule) -> Schedule:
         compute,
         sched.placement,
     )
+    check_drain(forward)  # the one check of validate's that a forward-only program needs proving
+    return forward

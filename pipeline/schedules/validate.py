@@ -29,7 +29,20 @@ Checks, in order, each with its own message:
    (rank 0 waits for a gradient that rank 1 computes only after an activation
    that rank 0 sends only after that gradient.)  ``blocking_sends=True`` checks
    instead the lowered lists under a stricter executor, one that posts each block
-   between two computes as a batch and waits for all of it, sends included.
+   between two computes as a batch and waits for all of it, sends included;
+7. drain (``check_drain``, also run on forward-only schedules): a device-wide
+   synchronisation while a rank's host queues any of its computes (the caching
+   allocator's retry, a lazily loaded kernel's first launch) must return: every
+   transfer that rank posted completes while it is held there and the others run on
+   (program.py, ``drain_hazards``).  The grid brackets the held compute and where
+   the peer stops::
+
+       step   ...  3                       4      ...  9     ...
+       rank 0 ...  post 0SEND_F2 0RECV_B0  [0F3]
+       rank 1 ...                                      [wait 1RECV_F3]  1F3  1B0 ...
+
+   (rank 0's 0RECV_B0 needs rank 1's 1B0, which comes after 1F3, whose input rank 0
+   posts only once 0F3 is queued and the sync has returned.)
 """
 
 from __future__ import annotations
@@ -39,9 +52,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipeline.schedules.actions import Action, Kind
-from pipeline.schedules.program import Collective, Post, Program, play, sender
+from pipeline.schedules.program import Collective, Post, Program, drain_hazards, play, sender
 
-__all__ = ["ScheduleError", "render_program", "validate"]
+__all__ = ["ScheduleError", "check_drain", "render_program", "validate"]
 
 
 class ScheduleError(ValueError):
@@ -285,6 +298,34 @@ def _check_program_deadlock(sched: Schedule, programs: Sequence[Program]) -> Non
         )
 
 
+def check_drain(sched: Schedule, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> None:
+    """Raise ``ScheduleError`` if a device-wide synchronisation on some rank, while its host queues
+    one of its computes, would never return (check 7 of the module docstring): for training and
+    forward-only schedules alike (``forward_only`` runs it on what evaluation runs)."""
+    programs = sched.programs(dp=dp, ties=ties)
+    hazards = drain_hazards(programs, sched.rank_of)
+    if not hazards:
+        return
+    h = hazards[0]
+    held, stop = programs[h.rank].instructions[h.at], programs[h.peer]
+    where = (
+        f"rank {h.peer} stops at {stop.instructions[h.peer_at]} (step {h.peer_at})"
+        if h.peer_at < len(stop)
+        else f"rank {h.peer} finished its program without it"
+    )
+    more = f" ({len(hazards) - 1} more rank(s) likewise)" if len(hazards) > 1 else ""
+    _fail(
+        sched,
+        f"device-wide sync hazard: with rank {h.rank}'s host held at {held} (step {h.at}: a device-wide "
+        f"synchronisation there, such as the caching allocator's retry or a kernel's first launch, "
+        f"waits for every queued kernel), its posted {h.transfer} never completes: {where}, waiting "
+        f"for what rank {h.rank} posts only after {held}{more}. A receive must not be posted before the "
+        "sends its sender needs (program.py posts such a receive with its own block)",
+        _rows(programs),
+        {(h.rank, h.at), (h.peer, h.peer_at)},
+    )
+
+
 def _check_blocking_deadlock(sched: Schedule, lowered: Sequence[Sequence[Action]]) -> None:
     # A rank posts a whole block of sends and receives at once and leaves it only when every op
     # in it is matched (a send also waits for its receive to be posted).
@@ -350,3 +391,4 @@ def validate(
         _check_blocking_deadlock(schedule, schedule.lowered())
     else:
         _check_program_deadlock(schedule, programs)
+    check_drain(schedule, dp=dp, ties=ties)
