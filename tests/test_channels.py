@@ -48,6 +48,26 @@ def _nccl_channels(lanes: dict[tuple[int, int], tuple[Any, int, int]]) -> Channe
     return ch
 
 
+def test_an_ordered_transfer_holds_its_tensors_no_longer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the executor keeps its recent receives' transfers for the stuck report: once ordered, they must
+    # not keep the buffers alive past their compute (tensors the memory plan does not count)
+    import contextlib
+    import weakref
+
+    class _Waited(_Work):
+        def wait(self) -> None:
+            self.done = True
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    buffer = torch.zeros(4)
+    alive = weakref.ref(buffer)
+    transfer = NcclTransfer([_Waited(False)], [buffer])
+    del buffer
+    assert alive() is not None  # held until ordered: NCCL may still be writing it
+    transfer.order(object())  # type: ignore[arg-type]  # a stand-in: no CUDA here
+    assert transfer.works[0].done and alive() is None and transfer.is_completed()
+
+
 def test_every_message_goes_through_one_batch_on_its_channel(monkeypatch: pytest.MonkeyPatch) -> None:
     """One communicator per channel: NCCL runs a batch (ncclGroupStart active) on the group's own
     communicator, a lone send/recv on a pair-keyed second one; so single tensors are batched too."""
