@@ -199,6 +199,12 @@ BAD_OPTIONS = [  # (name, n_ranks, n_microbatches, n_virtual), the message sched
         r"n_microbatches \(6\) must be a multiple of the number of ranks \(4\) for interleaved-1f1b; "
         r"use 4 or 8 micro-batches, or schedule='1f1b'",
     ),
+    (
+        ("interleaved-zb", 4, 6, 2),  # interleaved-1f1b's constraint, with zb-h1's split backward
+        r"n_microbatches \(6\) must be a multiple of the number of ranks \(4\) for interleaved-zb; "
+        r"use 4 or 8 micro-batches, or schedule='1f1b'",
+    ),
+    (("interleaved-zb", 2, 3, 3), r"n_microbatches \(3\) must be a multiple of the number of ranks \(2\)"),
     (("interleaved-1f1b", 4, 2, None), r"n_microbatches \(2\).*; use 4 micro-batches, or schedule='1f1b'"),
     (("interleaved-1f1b", 3, 7, 3), r"n_microbatches \(7\).*ranks \(3\).*; use 6 or 9 micro-batches"),
 ]

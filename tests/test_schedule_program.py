@@ -316,3 +316,29 @@ def test_deriving_leaves_the_cycle_collector_as_it_found_it(collector_on: bool) 
         assert gc.isenabled() is collector_on
     finally:
         gc.enable() if was else gc.disable()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_each_stage_reduces_once_right_after_its_last_gradient_compute(name: str) -> None:
+    # the reduction over the replicas reads final gradients: after the stage's last W where the
+    # backward is split (its last B leaves the weight gradients unfinished), its last B otherwise
+    e = entry(name)
+    for p in (1, 2, 3, 4):
+        for m in (p, 2 * p + (0 if e.m_multiple_of_p else 1)):
+            sched = schedule(name, p, m, n_virtual=e.min_virtual)
+            last = Kind.W if sched.split_backward else Kind.B
+            for r in range(p):
+                xs = sched.program(r, dp=2).instructions
+                for s in sched.stages_of(r):
+                    at = [k for k, x in enumerate(xs) if x == Reduce(s)]
+                    assert len(at) == 1, (name, p, m, r, s)
+                    computes = [k for k, x in enumerate(xs) if isinstance(x, Action) and x.stage == s]
+                    finals = [k for k in computes if xs[k].kind is last]  # type: ignore[union-attr]
+                    assert at[0] == max(finals) + 1 and max(computes) < at[0], (
+                        name,
+                        p,
+                        m,
+                        r,
+                        s,
+                        xs[max(finals)],
+                    )

@@ -718,3 +718,17 @@ def test_replicas_weigh_their_losses_by_target_tokens(tmp_path: Path) -> None:
         for d in (0, 1):  # every replica ends with the global gradient
             got = {k: g for r in runs if r[2] == d for k, g in r[1].items()}
             assert_close(got, ref, f"replica {d}, documents={documents}")
+
+
+def test_the_token_budget_takes_its_own_size_and_refuses_one_token_more() -> None:
+    opts, sched = VarLen(token_budget=16), schedule("1f1b", 2, 2)
+    # one sequence: exactly the budget is taken, one token more refused, naming both
+    assert lengths_of([torch.zeros(16)], "inputs", opts) == [16]
+    with pytest.raises(ValueError, match=r"inputs\[0\] has 17 tokens, more than VarLen\(token_budget=16\)"):
+        lengths_of([torch.zeros(17)], "inputs", opts)
+    # one micro-batch: two rows padded to 8 make exactly the budget; padded to 9 they are one over
+    packed = plan_step([16, 8, 8], sched, opts, step_costs(None, sched))
+    assert sorted(r * w for r, w in zip(map(len, packed.groups), packed.widths, strict=True)) == [16, 16]
+    with pytest.raises(ValueError, match=r"need 18 padded tokens in some micro-batch at best, more than "
+                                         r"VarLen\(token_budget=16\)"):  # fmt: skip
+        plan_step([16, 9, 8], sched, opts, step_costs(None, sched))
