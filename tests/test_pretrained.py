@@ -227,9 +227,11 @@ def _small(root: Path) -> tuple[str, nn.Module, Plan]:
 def small(tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder, meta, plan = _small(tmp_path_factory.mktemp("small"))
 
-    def fresh() -> Pipeline:
+    def fresh(change: Any = None) -> Pipeline:
         with torch.device("meta"):
             model = CausalLM(tf.LlamaForCausalLM(meta.model.config))
+        if change is not None:
+            change(model)  # on the meta model, before the pipeline materialises its stages
         return Pipeline(model, plan, loss_fn=loss_of("llama"), init_fn=_rotary_only(model))
 
     return folder, fresh
@@ -395,3 +397,26 @@ def test_unset_tensors_are_neither_gathered_nor_saved(small: Any, tmp_path: Path
     with pytest.raises(ValueError, match=r"without values"):
         checkpointing.save(tmp_path / "ckpt", 1, pipe=pipe, optimizer=torch.optim.AdamW(pipe.parameters()))
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_strided_parameter_is_loaded_with_the_files_values(small: Any) -> None:
+    """A parameter stored transposed (a non-contiguous view, which a meta model's materialisation
+    keeps: ``empty_like`` preserves strides) gets the file's values, as ``from_pretrained`` gives."""
+    folder, fresh = small
+    name = "model.model.layers.0.mlp.up_proj.weight"
+
+    def transpose(model: nn.Module) -> None:
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        rows, cols = owner.weight.shape
+        owner.weight = nn.Parameter(torch.empty(cols, rows, device="meta").t())  # strided
+
+    pipe = fresh(transpose)
+    assert not dict(pipe.named_parameters())[name].is_contiguous()  # materialised as it was
+    pipe.load_pretrained(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = tf.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    got = dict(pipe.named_parameters())
+    assert not got[name].is_contiguous() and torch.equal(got[name], ref[name.removeprefix("model.")])
+    for key, t in got.items():
+        assert torch.equal(t, ref[key.removeprefix("model.")]), key
