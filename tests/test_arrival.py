@@ -29,7 +29,7 @@ from pipeline.runtime import emulation
 from pipeline.runtime.arrival import CREATION_EXIT, arrive
 from pipeline.runtime.board import FailureBoard
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.watchdog import PeerFailure, PipelineTimeout, _machine
+from pipeline.runtime.watchdog import Liveness, PeerFailure, PipelineTimeout, _machine
 from tests.dist import run_ranks
 
 # ---- arrive() alone, in one process: peers as a store's entries
@@ -141,6 +141,59 @@ def test_a_failure_on_the_board_is_what_the_creation_guard_reports(tmp_path: Pat
     arrived = arrive(store, members, 61, 5.0, "the test", board)
     board.publish_as(62, "rank 62 raised in its init_fn")
     assert arrived.failure() == "rank 62 failed: rank 62 raised in its init_fn"
+
+
+# ---- peers on another host: their pids mean nothing here
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # exited and reaped: no process of this host has that pid now
+    return gone.pid
+
+
+def test_a_peer_on_another_host_is_never_judged_by_a_pid_of_this_one(tmp_path: Path) -> None:
+    # its pid names no process here (or another one): read as ours, a live remote peer would be gone
+    store, pid = _store(tmp_path), _dead_pid()
+    store.set("test/proc/1", f"not-{_machine()}|{pid}|1")  # on another host, serving the store
+    store.set("test/proc/2", f"{_machine()}|{os.getpid()}|0")
+    live = Liveness(store, "test/proc", 0, 3)
+    live.learn()
+    assert live.pids == {2: os.getpid()} and live.dead() == []
+    assert live.store_host is None and not live.store_lost()  # the store's host is not this one
+    board = FailureBoard(store, None, "test", 0, [0, 1, 2])  # on gloo: who failed is asked of it
+    assert board.blame_dead() is None and board.first() is None  # nobody to blame, nothing published
+
+
+def test_arriving_waits_for_a_remote_peer_as_for_one_that_came(tmp_path: Path) -> None:
+    store, members = _store(tmp_path), (81, 82)
+    store.set(f"{_key(members)}/1", f"not-{_machine()}|{_dead_pid()}|0")
+    arrived = arrive(store, members, 81, 5.0, "the test")  # came: no wait, and not gone
+    assert arrived.failure() is None
+    arrived.close()
+
+
+def _creates_beside_a_remote_peer(folder: str) -> None:
+    """Inside the creation past every grace, beside a remote peer whose pid is dead on this host."""
+    from pipeline.runtime import arrival
+
+    arrival._GRACE_S, arrival._WATCH_AFTER_S = 0.2, 0.2
+    store, members = _store(Path(folder)), (91, 92)
+    store.set(f"{_key(members)}/1", f"not-{_machine()}|{_dead_pid()}|0")
+    arrived = arrive(store, members, 91, 5.0, "the test")
+    with arrived.creating("the test's communicator"):
+        time.sleep(1.5)  # making a communicator takes long: a guard that judged the pid would end us
+    arrived.close()
+
+
+def test_the_creation_guard_never_ends_a_rank_for_a_remote_peers_pid(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    proc = ctx.Process(target=_creates_beside_a_remote_peer, args=(str(tmp_path),))
+    proc.start()
+    proc.join(30.0)
+    proc.kill()
+    assert proc.exitcode == 0
 
 
 # ---- in a Pipeline, under the emulation
