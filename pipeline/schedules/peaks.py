@@ -186,7 +186,10 @@ def walk(
     m = sched.n_microbatches
 
     # a neighbour stage on this rank (the V's turn) hands its tensor over locally: stage s's input
-    # is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient
+    # is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient. The
+    # hand-over holds it from the compute that makes it to the end of the one that takes it (F(s - 1)
+    # to F(s), B(s + 1) to B(s)), whatever runs between: nothing else may (a recomputing F keeps no
+    # output, and a B's input gradient is no stage's until the B before takes it)
     mine = sched.stages_of(r)
     local_in = {s for s in mine if s > 0 and sched.rank_of(s - 1) == r}
     local_gout = {s for s in mine if s < sched.n_stages - 1 and sched.rank_of(s + 1) == r}
@@ -247,6 +250,10 @@ def walk(
                 kept = [] if replays else [("set", s, i), ("out", s, i)]
                 take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
                 momentary(("tfr" if replays else "tf", s, i))
+                if s in local_in:  # taken out of the hand-over at this compute's end
+                    consumed.append(("in", s, i))
+                if s + 1 in local_in:  # handed to the next stage here: held until its F takes it
+                    take(("in", s + 1, i))
             elif a.kind is Kind.B:
                 if replays:
                     take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
@@ -256,6 +263,10 @@ def walk(
                     take(*until_w)
                 else:
                     drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
+                if s in local_gout:  # taken out of the hand-over at this compute's end
+                    consumed.append(("gout", s, i))
+                if s - 1 in local_gout:  # the input gradient handed to the stage before, until its B
+                    take(("gout", s - 1, i))
             else:
                 momentary(("tw", s, i))
                 drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
