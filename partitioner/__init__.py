@@ -10,7 +10,7 @@
 
 ``model`` is an ``nn.Sequential`` (its children are the layers) or any module ``torch.export``
 (or ``torch.fx.symbolic_trace``) can trace: its layers are then groups of its traced calls, one
-per submodule such as a transformer block (``pipeline.runtime.tracing``), and a cut costs every
+per submodule such as a transformer block (``pipeline.runtime.trace.tracing``), and a cut costs every
 tensor live across it (``graph_profile``, ``graph``). Tied weights are in ``plan.ties``.
 
 ``Plan`` and ``StagePlan`` are ``pipeline.plan``'s (one definition, re-exported here): the
@@ -33,7 +33,7 @@ from partitioner.scaling import batch_rows, scale_profile
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan
-from pipeline.runtime.live import LiveBytes
+from pipeline.runtime.step.live import LiveBytes
 
 __all__ = [
     "COSTS",

@@ -30,7 +30,7 @@ from partitioner.costs import cut_rows, layer_costs
 from partitioner.figures import Profile
 from partitioner.solve import solve
 from pipeline.plan import Plan
-from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.runtime.step.recompute import RECOMPUTE_MODES
 from pipeline.schedules.schedule import Schedule
 
 __all__ = ["Modes", "balance_of"]

@@ -43,7 +43,7 @@ from partitioner._trees import nbytes, sendable, tensors, tree_map
 from partitioner.figures import LayerProfile, LayerTiming
 from partitioner.flops import FlopCount
 from partitioner.noise import NOISE_LIMIT, estimate, floor_gap, settled, spread
-from pipeline.runtime.live import LiveBytes
+from pipeline.runtime.step.live import LiveBytes
 
 __all__ = ["Rejected", "Run", "WithTarget", "measure", "one_sample"]
 

@@ -14,7 +14,7 @@ only one layer's worth of memory is added at a time::
     on another device         device=...           copies on the profiling device
     on the meta device        device=...           materialised there: ``reset_parameters``
                                                    of every submodule, then ``init_fn``
-                                                   (``pipeline.runtime.materialize``: a tensor
+                                                   (``pipeline.runtime.trace.materialize``: a tensor
                                                    neither sets is an error), then dropped
 
 The profiling device of layer l is ``device`` if given, else where its tensors live (a model
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from pipeline.runtime.materialize import materialize
+from pipeline.runtime.trace.materialize import materialize
 
 __all__ = ["changed_parameters", "layer_device", "normalize", "working_copy"]
 

@@ -8,7 +8,7 @@ walk into the solver's rows: per stage, the walk's coefficients (unit bytes) tim
 bounds, plus an offset for its input and output buffers; the rows bound the walk from above, so
 a balance fitting them fits what a run holds. ``predicted`` records the walk itself per rank
 (``Plan.rank_peaks``): what decides fit and what ``memory_stats`` measures; and, for micro-batches
-of other shapes (a variable-length step's, ``pipeline.runtime.varlen``), the walk's figures per
+of other shapes (a variable-length step's, ``pipeline.runtime.inputs.varlen``), the walk's figures per
 stage (``StagePlan.held``), each time's and figure's length² share (``partitioner.lengths``), the
 profiled micro-batch's shape and the ``memory_limit`` it was given. ``recompute`` is
 one mode for every stage or one per stage (``Plan.recompute``); each stage's rows follow its own
@@ -42,7 +42,7 @@ from partitioner.overhead import stage_extras
 from partitioner.solve import stage_costs, stage_memory
 from partitioner.timing import predict
 from pipeline.plan import Plan, StagePlan, TracedGraph
-from pipeline.runtime.recompute import Recompute, mode_of
+from pipeline.runtime.step.recompute import Recompute, mode_of
 from pipeline.schedules.schedule import Schedule
 
 __all__ = [

@@ -4,7 +4,7 @@
 
 The profiler walks a layer's input and output with these: its tensors (``tensors``), the same
 structure with every tensor replaced (``tree_map``), and whether the pipeline could send it
-between stages (``sendable``: a tensor or a tuple of tensors, as ``pipeline.runtime.microbatch``
+between stages (``sendable``: a tensor or a tuple of tensors, as ``pipeline.runtime.inputs.microbatch``
 takes; a dict or a ``None`` in a tuple are fine inside a stage but cannot cross a cut).
 """
 

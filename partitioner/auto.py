@@ -67,7 +67,7 @@ from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
 from pipeline.plan import Candidate, Plan, SearchStats
-from pipeline.runtime.recompute import RECOMPUTE_MODES, Recompute
+from pipeline.runtime.step.recompute import RECOMPUTE_MODES, Recompute
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.schedule import Schedule, schedule_options, unchecked

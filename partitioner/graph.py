@@ -2,7 +2,7 @@
 
     # l: layer (node, in execution order), n: layers; "the cut after layer l" is cut l
 
-An ``nn.Sequential`` gives a chain; a traced model (``pipeline.runtime.layers``) gives a DAG, and
+An ``nn.Sequential`` gives a chain; a traced model (``pipeline.runtime.trace.layers``) gives a DAG, and
 the cut after layer l costs every tensor live across it::
 
     0 --> 1 --> 2 --> 3         cut 1 (|):  tensors 1->2 and 0->3 cross it

@@ -2,9 +2,9 @@
 
     # n: layers, l: layer
 
-A traced model (``pipeline.runtime.tracing``) has layers that read any earlier layer's tensors
+A traced model (``pipeline.runtime.trace.tracing``) has layers that read any earlier layer's tensors
 and the model's inputs, not just the previous layer's output. Layer l is profiled as its own
-small graph (``pipeline.runtime.traced.layer_spec``): it takes the tensors its calls read from
+small graph (``pipeline.runtime.trace.traced.layer_spec``): it takes the tensors its calls read from
 outside it and gives those it makes that are read later; these are kept by name, each until its
 last reader is profiled::
 
@@ -16,7 +16,7 @@ parameters share the model's storage, buffers are copied, a meta model is materi
 measured as ``profile`` measures an ``nn.Sequential``'s layers (``_measure``), and the model is
 left as it was. The layer graph's edges name the tensors (``partitioner.graph``), so a cut costs
 every tensor live across it, a long skip once per cut it crosses. ``cut_reasons`` says where no
-cut may fall (``pipeline.runtime.layers.cut_blocks``), and ``traced`` what a plan records.
+cut may fall (``pipeline.runtime.trace.layers.cut_blocks``), and ``traced`` what a plan records.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from partitioner._trees import describe, nbytes
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.lengths import sample_shape
-from pipeline.runtime.layers import cut_blocks
-from pipeline.runtime.live import LiveBytes
-from pipeline.runtime.traced import build, holder, layer_spec
-from pipeline.runtime.tracing import Traced
+from pipeline.runtime.step.live import LiveBytes
+from pipeline.runtime.trace.layers import cut_blocks
+from pipeline.runtime.trace.traced import build, holder, layer_spec
+from pipeline.runtime.trace.tracing import Traced
 
 __all__ = ["profile_graph", "traced_record"]
 

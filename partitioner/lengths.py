@@ -9,7 +9,7 @@ half the length (``Profile.probe``). Per token, a figure is a + b L, and the two
 
     f(R, L) / (R L) = a + b L
     q = b L0 / (a + b L0)                           its length-squared share at (R0, L0), in [0, 1]
-    f(R, L) = f0 [(1 - q) R L / (R0 L0) + q R L² / (R0 L0²)]        (``pipeline.runtime.varlen``)
+    f(R, L) = f0 [(1 - q) R L / (R0 L0) + q R L² / (R0 L0²)]        (``pipeline.runtime.inputs.varlen``)
 
 Measured rather than read off the ops (products of two activations: attention's), because the
 weight gradient of every Linear multiplies two activations too and grows as the tokens, and an

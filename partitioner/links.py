@@ -13,7 +13,7 @@ median round trip gives::
 
 The pairs take turns so that every rank is in one pair at a time (pairs from even ranks, then
 from odd ranks, then the last link p - 1 -> 0 when p is odd), and the p figures reach every rank
-in one all-reduce. Messages go through ``pipeline.runtime.p2p.Comm``: every wait has ``timeout``
+in one all-reduce. Messages go through ``pipeline.runtime.comm.p2p.Comm``: every wait has ``timeout``
 and a failure on one rank is raised on all, naming it. On NCCL the tensors live on ``device``
 (default: the current CUDA device) and each round trip is timed after a device synchronise.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.p2p import Comm
+from pipeline.runtime.comm.p2p import Comm
 
 __all__ = ["Links", "measure_links"]
 

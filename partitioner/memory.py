@@ -4,7 +4,7 @@
 
 ONE model decides whether a plan fits: the per-rank walk (``stage_bytes`` then ``rank_peaks``).
 It follows the runtime's holders one by one, so it equals what ``pipe.memory_stats()`` measures
-(``pipeline.runtime.memory``), each storage once. The solver's rows are derived from it:
+(``pipeline.runtime.step.memory``), each storage once. The solver's rows are derived from it:
 
     walk  rank r's peak = static_r + max over moments t of  sum over r's stages s, figures f of
                           count[t, s, f] * bytes[s, f]            (linear in the bytes: the order of
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from partitioner.figures import LayerProfile, Profile
-from pipeline.runtime.recompute import check_mode
+from pipeline.runtime.step.recompute import check_mode
 from pipeline.schedules.actions import Kind
 from pipeline.schedules.peaks import PARTS, StageBytes, coefficients, rank_peaks
 from pipeline.schedules.schedule import Schedule

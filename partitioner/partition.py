@@ -47,8 +47,8 @@ from partitioner.profile import profile as run_profile
 from partitioner.scaling import batch_rows, second_rows
 from partitioner.shared import shared_across_ranks
 from pipeline.plan import Plan
-from pipeline.runtime.recompute import Recompute
-from pipeline.runtime.tracing import Traced, trace
+from pipeline.runtime.step.recompute import Recompute
+from pipeline.runtime.trace.tracing import Traced, trace
 from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import schedule_options, unchecked
 

@@ -71,8 +71,8 @@ from partitioner.figures import LayerProfile, Profile, ShapeProbe
 from partitioner.graph import layer_graph
 from partitioner.graph_profile import profile_graph
 from partitioner.lengths import probe_layer, probe_loss, probe_shape, sample_shape
-from pipeline.runtime.live import LiveBytes
-from pipeline.runtime.tracing import trace
+from pipeline.runtime.step.live import LiveBytes
+from pipeline.runtime.trace.tracing import trace
 
 __all__ = [  # LayerProfile and Profile are figures.py's, the rest _profiling's
     "AUTOCAST_DTYPES",
@@ -109,7 +109,7 @@ def profile(
     targets); ``init_fn``: run on each materialised layer of a meta-device model. Raises
     ``ValueError`` for bad arguments and for a layer that rejects its input, naming it.
 
-    Any other module is traced (``pipeline.runtime.tracing``) and profiled one layer group at a
+    Any other module is traced (``pipeline.runtime.trace.tracing``) and profiled one layer group at a
     time on its graph (``partitioner.graph_profile``).
     """
     if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):

@@ -41,10 +41,10 @@ from pipeline.schedules.validate import validate
 if TYPE_CHECKING:
     from pipeline.launch import DistInfo, RankError, init_distributed, launch
     from pipeline.plan import Plan, StagePlan
-    from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
+    from pipeline.runtime.comm.p2p import PeerFailure, PipelineTimeout
+    from pipeline.runtime.inputs.varlen import VarLen
     from pipeline.runtime.pipe import Pipeline
-    from pipeline.runtime.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
-    from pipeline.runtime.varlen import VarLen
+    from pipeline.runtime.step.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
     from pipeline.startup import StartupError
 
 # The runtime (torch, processes) loads on first use, so that ``import pipeline.schedules`` is pure data.
@@ -55,13 +55,13 @@ _LAZY = {
     "launch": "pipeline.launch",
     "Plan": "pipeline.plan",
     "StagePlan": "pipeline.plan",
-    "PeerFailure": "pipeline.runtime.p2p",
+    "PeerFailure": "pipeline.runtime.comm.p2p",
     "StartupError": "pipeline.startup",
-    "PipelineTimeout": "pipeline.runtime.p2p",
+    "PipelineTimeout": "pipeline.runtime.comm.p2p",
     "Pipeline": "pipeline.runtime.pipe",
-    "CHECKPOINT_MODES": "pipeline.runtime.recompute",
-    "RECOMPUTE_MODES": "pipeline.runtime.recompute",
-    "VarLen": "pipeline.runtime.varlen",
+    "CHECKPOINT_MODES": "pipeline.runtime.step.recompute",
+    "RECOMPUTE_MODES": "pipeline.runtime.step.recompute",
+    "VarLen": "pipeline.runtime.inputs.varlen",
 }
 
 

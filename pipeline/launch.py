@@ -77,10 +77,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline import startup
-from pipeline.runtime import emulation
-from pipeline.runtime.arrival import CREATION_EXIT
-from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV  # "1": the runtime emulates NCCL on gloo
-from pipeline.runtime.watchdog import process_alive
+from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm.arrival import CREATION_EXIT
+from pipeline.runtime.comm.emulation import ENV as EMULATE_NCCL_ENV  # "1": the runtime emulates NCCL on gloo
+from pipeline.runtime.comm.watchdog import process_alive
 
 __all__ = [
     "BACKENDS",

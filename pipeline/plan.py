@@ -5,7 +5,7 @@
 A plan holds everything every rank of a run must agree on: the balance (layers
 per stage, stage s on rank ``rank_of(s)``: s % p, or the V for zb-v), the schedule's name, m, v, the
 recomputation mode and ``dp``, the number of pipeline replicas that train on
-different data (the world is dp x p ranks, see ``pipeline.runtime.mesh``), plus
+different data (the world is dp x p ranks, see ``pipeline.runtime.replicas.mesh``), plus
 what the partitioner predicted for one pipeline (per-stage times, memory and
 bytes sent, the step time and bubble). ``partition`` makes one,
 ``Pipeline(model, plan, loss_fn=...)`` runs it, ``to_json`` / ``from_json`` carry it
@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
+from pipeline.runtime.step.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.peaks import StageBytes
 from pipeline.schedules.program import Program
 from pipeline.schedules.registry import entry
@@ -53,7 +53,7 @@ class StagePlan:
     ``backward_time`` is the whole backward; ``weight_time`` the part of it that is the
     weight gradient (what a split-backward schedule such as zb-h1 runs as W), 0 if unknown.
 
-    For micro-batches of other shapes (``pipeline.runtime.varlen``): ``*_squared``, the share of
+    For micro-batches of other shapes (``pipeline.runtime.inputs.varlen``): ``*_squared``, the share of
     each time that grows as rows x length² at fixed tokens (attention), the rest growing as the
     tokens, from the profile's flops (``partitioner.lengths``; 0: all as the tokens); ``held``,
     the figures of one micro-batch that the memory walk holds (``pipeline.schedules.peaks``),
@@ -82,7 +82,7 @@ class StagePlan:
 @dataclass(frozen=True, kw_only=True)
 class TracedGraph:
     """How ``partition`` traced a model that is not an ``nn.Sequential``: what every rank traces again,
-    and checks its model against, to build its stages (``pipeline.runtime.graph_stages``)."""
+    and checks its model against, to build its stages (``pipeline.runtime.trace.graph_stages``)."""
 
     method: str  # "export" or "symbolic_trace"
     fingerprint: str  # identifies the graph: its layers, their calls, the sample's signature

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.runtime.watchdog import quiet_store
+from pipeline.runtime.comm.watchdog import quiet_store
 
 __all__ = ["StartupError", "attempt", "bounded", "join"]
 

@@ -35,8 +35,8 @@ from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.graph_profile import traced_record
 from pipeline.reference.graph_models import gpt_tied, two_stream, unet
-from pipeline.runtime.layers import cut_blocks, group_layers, live_values
-from pipeline.runtime.tracing import trace
+from pipeline.runtime.trace.layers import cut_blocks, group_layers, live_values
+from pipeline.runtime.trace.tracing import trace
 
 __all__ = ["graph_tables"]
 

@@ -4,7 +4,7 @@ starts; a bad one is one line on stderr and exit code 2.
 The world. Standalone, train.py makes the plan and spawns one process per rank, dp x stages of them
 (gloo, one thread each); under ``torchrun`` rank 0 makes it and sends it to the others, and every
 process is one rank (NCCL on GPUs): the world is split into dp replicas of a pipeline of ``stages``
-ranks, global rank g = d * stages + r (replica d, pipeline rank r; see pipeline/runtime/mesh.py).
+ranks, global rank g = d * stages + r (replica d, pipeline rank r; see pipeline/runtime/replicas/mesh.py).
 ``--batch-size`` is the whole step's batch: each replica trains on its own 1/dp of it, so a run at
 any dp computes the same losses.
 
@@ -62,7 +62,7 @@ from pipeline.plan import Plan
 from pipeline.reference.data import CharDataset
 from pipeline.reference.graph_models import gpt_tied
 from pipeline.reference.models import gpt
-from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.runtime.step.recompute import RECOMPUTE_MODES
 from pipeline.schedules.schedule import SCHEDULES
 
 __all__ = ["ADAMW", "AUTO", "CLIP", "CONFIG_KEYS", "MODELS", "N_HEADS", "Config", "FlagError",

@@ -65,9 +65,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from pipeline.launch import launch
 from pipeline.plan import Plan
-from pipeline.runtime.dp import GradReducer, assign_parameters, reduction_points
-from pipeline.runtime.p2p import Comm
+from pipeline.runtime.comm.p2p import Comm
 from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.replicas.dp import GradReducer, assign_parameters, reduction_points
 
 __all__ = ["main"]
 

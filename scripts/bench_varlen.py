@@ -51,9 +51,9 @@ from torch import nn
 
 from pipeline import Plan, VarLen, launch
 from pipeline.reference.models import gpt, gpt_loss, with_documents
-from pipeline.runtime.live import LiveBytes
-from pipeline.runtime.memory import storage_bytes
 from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.step.live import LiveBytes
+from pipeline.runtime.step.memory import storage_bytes
 
 VOCAB, WIDTH, HEADS, MAX_LEN = 256, 64, 4, 512
 MEDIAN, P99 = 64, 512

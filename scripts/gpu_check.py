@@ -45,8 +45,8 @@ from partitioner.memory import in_flight
 from pipeline.launch import RankError, init_distributed, launch
 from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss
-from pipeline.runtime import emulation
-from pipeline.runtime.channels import NcclTransfer
+from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm.channels import NcclTransfer
 from pipeline.runtime.pipe import Pipeline
 
 Row = tuple[str, str, str]

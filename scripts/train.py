@@ -49,7 +49,7 @@ from pipeline.launch import init_distributed, launch
 from pipeline.plan import Plan
 from pipeline.reference.data import VOCAB_SIZE, CharDataset
 from pipeline.reference.models import gpt_loss
-from pipeline.runtime.microbatch import split
+from pipeline.runtime.inputs.microbatch import split
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.schedule import schedule_options
 

@@ -46,8 +46,8 @@ import pytest
 import torch
 
 from pipeline.launch import launch
-from pipeline.runtime.emulation import ENV as EMULATE_NCCL_ENV
-from pipeline.runtime.watchdog import CHECK_STORE_S
+from pipeline.runtime.comm.emulation import ENV as EMULATE_NCCL_ENV
+from pipeline.runtime.comm.watchdog import CHECK_STORE_S
 
 __all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs", "worker_groups"]
 

@@ -1,4 +1,4 @@
-"""Every rank at a Pipeline's construction before NCCL makes communicators (``pipeline.runtime.arrival``).
+"""Every rank at a Pipeline's construction before NCCL makes communicators (``runtime.comm.arrival``).
 
 Under the NCCL emulation a communicator's creation is what it is on GPUs: a rendezvous of its ranks
 that nothing of the pipeline's watches (``emulation._rendezvous``; a new group's own barrier, too).
@@ -25,11 +25,11 @@ from torch import nn
 
 from pipeline.launch import FORKSERVER_PRELOAD, RankError
 from pipeline.plan import Plan
-from pipeline.runtime import emulation
-from pipeline.runtime.arrival import CREATION_EXIT, arrive
-from pipeline.runtime.board import FailureBoard
+from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm.arrival import CREATION_EXIT, arrive
+from pipeline.runtime.comm.board import FailureBoard
+from pipeline.runtime.comm.watchdog import Liveness, PeerFailure, PipelineTimeout, _machine
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.watchdog import Liveness, PeerFailure, PipelineTimeout, _machine
 from tests.dist import run_ranks
 
 # ---- arrive() alone, in one process: peers as a store's entries
@@ -109,7 +109,7 @@ def test_the_creation_guard_lets_the_main_thread_raise_a_failure_itself(tmp_path
 
 def _leaves_the_creation_in_time(folder: str) -> None:
     """A peer dies; the creation is left within the grace; the process outlives every grace after."""
-    from pipeline.runtime import arrival
+    from pipeline.runtime.comm import arrival
 
     arrival._GRACE_S, arrival._WATCH_AFTER_S = 0.2, 0.2
     store, members = _store(Path(folder)), (71, 72)
@@ -175,7 +175,7 @@ def test_arriving_waits_for_a_remote_peer_as_for_one_that_came(tmp_path: Path) -
 
 def _creates_beside_a_remote_peer(folder: str) -> None:
     """Inside the creation past every grace, beside a remote peer whose pid is dead on this host."""
-    from pipeline.runtime import arrival
+    from pipeline.runtime.comm import arrival
 
     arrival._GRACE_S, arrival._WATCH_AFTER_S = 0.2, 0.2
     store, members = _store(Path(folder)), (91, 92)
@@ -338,7 +338,7 @@ def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str, gil: str) -> N
     tied weights' group is first used (a weight tied across the cut). With ``gil`` "held", rank 0
     is then inside a C call that holds the interpreter (as torch's binding of NCCL's split does), where
     no thread of its own can run. stderr goes to a file."""
-    from pipeline.runtime.collectives import Collectives
+    from pipeline.runtime.comm.collectives import Collectives
 
     os.dup2(os.open(Path(folder, f"stderr{rank}"), os.O_WRONLY | os.O_CREAT), 2)
     os.environ[emulation.ENV] = "1"
@@ -347,7 +347,7 @@ def _rank_of_a_creation_that_loses_rank_1(rank: int, folder: str, gil: str) -> N
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
-    from pipeline.runtime.ties import TiedGrads
+    from pipeline.runtime.trace.ties import TiedGrads
 
     # the creation: the tied weights' group's first use (made there, on NCCL), else the channels'
     owner: Any = TiedGrads if gil == "ties" else Collectives

@@ -38,7 +38,7 @@ from bench_autoplan import (  # noqa: E402
 )
 
 from pipeline.plan import Plan, StagePlan  # noqa: E402
-from pipeline.runtime.recompute import RECOMPUTE_MODES  # noqa: E402
+from pipeline.runtime.step.recompute import RECOMPUTE_MODES  # noqa: E402
 
 
 @pytest.mark.slow

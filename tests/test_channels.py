@@ -1,4 +1,4 @@
-"""``pipeline.runtime.channels``: what the NCCL path's transfers report, without a GPU.
+"""``pipeline.runtime.comm.channels``: what the NCCL path's transfers report, without a GPU.
 
 ``NcclTransfer`` holds the works NCCL returned for one posted group (a batched send and receive
 can be several): it is complete only when every one of them is, or a receive would be read while
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.channels import Channels, NcclTransfer
+from pipeline.runtime.comm.channels import Channels, NcclTransfer
 
 
 class _Work:

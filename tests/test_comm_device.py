@@ -18,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipeline.plan import Plan
 from pipeline.reference.models import mlp
-from pipeline.runtime.executor import Executor
-from pipeline.runtime.p2p import Comm
+from pipeline.runtime.comm.p2p import Comm
 from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.step.executor import Executor
 from pipeline.schedules.schedule import schedule
 from tests.dist import job
 

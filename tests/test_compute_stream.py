@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation
+from pipeline.runtime.comm import emulation
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import run_ranks
 

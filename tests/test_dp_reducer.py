@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.runtime.dp import (
+from pipeline.runtime.replicas.dp import (
     GradReducer,
     assign_parameters,
     check_bucket_mb,
     reduction_points,
 )
-from pipeline.runtime.mesh import build_mesh, layout_of
+from pipeline.runtime.replicas.mesh import build_mesh, layout_of
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import schedule
 from tests.dist import job

@@ -4,7 +4,7 @@ The rule as data first (pipeline/schedules/program.py, ``drain_hazards``, valida
 every registry schedule's programs, training and forward-only, at p = 2..8, hold it; programs that
 post every receive one block ahead (the rule switched off) break it where the issue's model said,
 and the validator names the rank, the compute and the transfer in its grid. Then the runtime
-(pipeline/runtime/drain.py): ``STAGEWISE_DRAIN_AT`` parsed, and every registry schedule run under
+(pipeline/runtime/step/drain.py): ``STAGEWISE_DRAIN_AT`` parsed, and every registry schedule run under
 the NCCL emulation on 2 and 4 ranks with each rank in turn draining at each of its computes, equal
 to one process; with the rule switched off, the drain names the receive that never comes.
 """
@@ -21,10 +21,11 @@ from torch import nn
 
 from pipeline.plan import Plan
 from pipeline.reference.models import mlp
-from pipeline.runtime import drain, emulation
-from pipeline.runtime.drain import drain_at
+from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm.watchdog import PeerFailure, PipelineTimeout
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.watchdog import PeerFailure, PipelineTimeout
+from pipeline.runtime.step import drain
+from pipeline.runtime.step.drain import drain_at
 from pipeline.schedules import program
 from pipeline.schedules import validate as validate_module
 from pipeline.schedules.actions import parse_action

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipeline.reference.models import mlp
-from pipeline.runtime import stream
+from pipeline.runtime.comm import stream
 from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.actions import parse_action
 from pipeline.schedules.schedule import schedule

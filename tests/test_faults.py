@@ -271,7 +271,7 @@ def test_a_torchrun_restart_after_sigkill_comes_back_quickly(tmp_path: Path) -> 
 _EXIT_WHILE_WATCHING = """
 import datetime, sys, time
 import torch.distributed as dist
-from pipeline.runtime.watchdog import Watchdog
+from pipeline.runtime.comm.watchdog import Watchdog
 
 files = dist.FileStore(sys.argv[1], 1)
 

@@ -9,7 +9,7 @@ from torch import nn
 from partitioner import partition, profile
 from pipeline.plan import Plan
 from pipeline.reference.graph_models import gpt_tied
-from pipeline.runtime.graph_stages import plan_stages
+from pipeline.runtime.trace.graph_stages import plan_stages
 
 KW = {"vocab_size": 11, "width": 16, "n_heads": 2, "max_seq_len": 8, "batch_size": 2}
 

@@ -181,6 +181,41 @@ def test_layers_import_one_way() -> None:
     assert not broken, "imports against the layering:\n" + "\n".join(broken[:20]) + more
 
 
+def room_edges(graph: nx.DiGraph, rule: dict[str, tuple[str, ...]]) -> list[str]:
+    """Imports between ``pipeline.runtime``'s rooms that ``rule`` (room -> rooms it may import) does
+    not allow: a back edge, or one between rooms side by side."""
+    found = []
+    for a, b in sorted(graph.edges):
+        ra, rb = _room(a, rule), _room(b, rule)
+        if ra and rb and ra != rb and rb not in rule[ra]:
+            found.append(f"{a} (room {ra}, line {graph.edges[a, b]['lines'][0]}) -> {b} (room {rb})")
+    return found
+
+
+def _room(module: str, rule: dict[str, tuple[str, ...]]) -> str | None:
+    parts = module.split(".")
+    if parts[:2] == ["pipeline", "runtime"] and len(parts) > 2 and parts[2] in rule:
+        return parts[2]
+    return None
+
+
+def test_the_runtime_rooms_import_downwards_only() -> None:
+    from pipeline.runtime import MAY_IMPORT
+
+    rooms = {p.name for p in (ROOT / "pipeline" / "runtime").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == set(MAY_IMPORT)  # every room has its rule, and each rule its room
+    order = list(MAY_IMPORT)  # a room may import only rooms listed before it: no cycle among rooms
+    assert all(set(MAY_IMPORT[r]) <= set(order[: order.index(r)]) for r in order)
+    broken = room_edges(import_graph(ROOT, PACKAGES), MAY_IMPORT)
+    assert not broken, "imports between rooms against pipeline.runtime.MAY_IMPORT:\n" + "\n".join(broken)
+    # the checker itself: a back edge is reported
+    planted = nx.DiGraph()
+    planted.add_edge("pipeline.runtime.comm.p2p", "pipeline.runtime.step.stage", lines=[7])
+    assert room_edges(planted, MAY_IMPORT) == [
+        "pipeline.runtime.comm.p2p (room comm, line 7) -> pipeline.runtime.step.stage (room step)"
+    ]
+
+
 def test_the_schedule_ir_loads_without_torch_or_the_runtime() -> None:
     # pipeline/__init__ loads the runtime lazily: the IR is plain data that tools can import alone
     code = (

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pipeline import startup
 from pipeline.launch import EMULATE_NCCL_ENV, RankError, default_backend, init_distributed, launch
-from pipeline.runtime.arrival import CREATION_EXIT
+from pipeline.runtime.comm.arrival import CREATION_EXIT
 from tests.dist import run_ranks
 
 

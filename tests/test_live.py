@@ -1,11 +1,11 @@
-"""``pipeline.runtime.live.LiveBytes``: live and peak bytes of what runs inside, freed when the storage is."""
+"""``pipeline.runtime.step.live.LiveBytes``: live and peak bytes of what runs inside, until freed."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pipeline.runtime.live import LiveBytes
+from pipeline.runtime.step.live import LiveBytes
 
 
 def test_counts_new_storages_once_and_frees_them() -> None:

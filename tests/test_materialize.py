@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.reference.graph_models import TiedGPT
-from pipeline.runtime.materialize import materialize
+from pipeline.runtime.trace.materialize import materialize
 
 
 class Scaled(nn.Module):

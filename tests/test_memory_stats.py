@@ -31,8 +31,8 @@ from partitioner import Profile, profile
 from partitioner.memory import rank_peaks, saved_io, stage_bytes
 from pipeline.plan import Plan
 from pipeline.reference.models import mlp
-from pipeline.runtime.memory import ActivationMeter, storage_bytes
 from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.step.memory import ActivationMeter, storage_bytes
 from pipeline.schedules.registry import REGISTRY
 from tests.dist import job, run_ranks
 

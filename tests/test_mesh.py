@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeline.runtime.mesh import DIMS, build_mesh, check_mesh, check_world, layout_of, layout_table
+from pipeline.runtime.replicas.mesh import (
+    DIMS,
+    build_mesh,
+    check_mesh,
+    check_world,
+    layout_of,
+    layout_table,
+)
 from tests.dist import job
 
 

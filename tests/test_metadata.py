@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime.metadata import (
+from pipeline.runtime.comm.p2p import NCCL_DTYPES
+from pipeline.runtime.step.metadata import (
     HEADER_LEN,
     autocast_mode,
     check_sendable,
@@ -15,8 +16,7 @@ from pipeline.runtime.metadata import (
     send_tensors,
     set_specs,
 )
-from pipeline.runtime.p2p import NCCL_DTYPES
-from pipeline.runtime.program import Msg
+from pipeline.runtime.step.program import Msg
 from pipeline.schedules.actions import Action, Kind
 
 

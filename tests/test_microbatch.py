@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime.microbatch import concat, rows, signature, split, weights
+from pipeline.runtime.inputs.microbatch import concat, rows, signature, split, weights
 
 
 def test_split_tensor_into_views() -> None:

@@ -25,8 +25,8 @@ from torch import nn
 from pipeline.launch import RankError
 from pipeline.plan import Plan
 from pipeline.reference.models import mlp
-from pipeline.runtime import emulation, stream
-from pipeline.runtime.emulation import DEFAULT, EmuStream, EmuTransfer
+from pipeline.runtime.comm import emulation, stream
+from pipeline.runtime.comm.emulation import DEFAULT, EmuStream, EmuTransfer
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import job, run_ranks
 from tests.pipe_common import CarriesIds

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout
-from pipeline.runtime.watchdog import Liveness, process_alive
+from pipeline.runtime.comm.p2p import Comm, PeerFailure, PipelineTimeout
+from pipeline.runtime.comm.watchdog import Liveness, process_alive
 from tests.dist import run_ranks
 
 

@@ -31,7 +31,7 @@ from partitioner.graph import layer_graph
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts
 from partitioner.scaling import batch_rows, scale_profile
 from pipeline.plan import Candidate, Plan
-from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.runtime.step.recompute import RECOMPUTE_MODES
 from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
 

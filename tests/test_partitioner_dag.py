@@ -14,8 +14,8 @@ from torch import nn
 from partitioner import LayerProfile, Profile, cut_bytes, layer_graph, partition, profile, solve
 from pipeline.plan import Plan, TracedGraph
 from pipeline.reference.graph_models import gpt_tied, unet
-from pipeline.runtime.traced import build_stages
-from pipeline.runtime.tracing import trace
+from pipeline.runtime.trace.traced import build_stages
+from pipeline.runtime.trace.tracing import trace
 
 
 def _layer(at: int, forward: float) -> LayerProfile:

@@ -34,7 +34,7 @@ def _silent_peer(_: Any) -> str:
 
     import torch.distributed as dist
 
-    from pipeline.runtime.p2p import PipelineTimeout
+    from pipeline.runtime.comm.p2p import PipelineTimeout
 
     if dist.get_rank() == 1:
         time.sleep(3.0)  # alive, and silent past rank 0's timeout

@@ -35,8 +35,8 @@ from pipeline import checkpointing
 from pipeline.plan import Plan
 from pipeline.reference.graph_models import gpt_tied
 from pipeline.reference.models import gpt_loss
+from pipeline.runtime.inputs.varlen import VarLen
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.varlen import VarLen
 from tests.dist import job
 from tests.pipe_common import BATCH, M, balance_of, build
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.runtime import emulation, stream
+from pipeline.runtime.comm import emulation, stream
 from pipeline.runtime.pipe import Pipeline
 
 CPU = torch.device("cpu")

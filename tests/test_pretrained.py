@@ -21,7 +21,7 @@ from torch import nn
 
 from partitioner import partition, profile
 from pipeline.plan import Plan
-from pipeline.runtime import pretrained
+from pipeline.runtime.inputs import pretrained
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import job
 from tests.hf_models import CausalLM, loss_of

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.runtime.microbatch import Batch
-from pipeline.runtime.program import Compiled, Msg, compile_rank
-from pipeline.runtime.stage import StageRuntime
+from pipeline.runtime.inputs.microbatch import Batch
+from pipeline.runtime.step.program import Compiled, Msg, compile_rank
+from pipeline.runtime.step.stage import StageRuntime
 from pipeline.schedules.actions import Action, parse_action
 from pipeline.schedules.program import Free, Post, Wait
 from pipeline.schedules.schedule import schedule

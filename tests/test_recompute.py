@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime.recompute import RNGState, check_mode, recomputes
+from pipeline.runtime.step.recompute import RNGState, check_mode, recomputes
 
 
 def test_modes() -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from pipeline.plan import Plan
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.recompute import recomputes
+from pipeline.runtime.step.recompute import recomputes
 from tests.dist import run_ranks
 from tests.pipe_common import M, assert_close, balance_of, build, grads_of, reference
 

@@ -11,10 +11,10 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from pipeline.runtime import shape_memo
-from pipeline.runtime.microbatch import Signature
-from pipeline.runtime.shape_memo import _READ_NUMEL
-from pipeline.runtime.stage import StageRuntime
+from pipeline.runtime.inputs.microbatch import Signature
+from pipeline.runtime.step.stage import StageRuntime
+from pipeline.runtime.trace import shape_memo
+from pipeline.runtime.trace.shape_memo import _READ_NUMEL
 
 CPU = torch.device("cpu")
 SIG: Signature = (((4, 3), torch.float32),)

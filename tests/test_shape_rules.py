@@ -1,4 +1,4 @@
-"""``pipeline.runtime.shape_rules``: a stage's output signature from a symbolic trace, against fake tensors.
+"""``pipeline.runtime.trace.shape_rules``: a stage's output signature from a symbolic trace, checked.
 
 A rule traced once must give, for every (rows, length) it accepts, exactly the signature that a
 fake-tensor derivation of that shape gives (``StageRuntime.infer``), and refuse what it does not
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from pipeline.reference.models import gpt
-from pipeline.runtime.microbatch import Signature
-from pipeline.runtime.shape_rules import apply_chain, trace_rule
-from pipeline.runtime.stage import StageRuntime
+from pipeline.runtime.inputs.microbatch import Signature
+from pipeline.runtime.step.stage import StageRuntime
+from pipeline.runtime.trace.shape_rules import apply_chain, trace_rule
 
 CPU = torch.device("cpu")
 MAX_LEN, WIDTH = 24, 16

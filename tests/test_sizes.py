@@ -1,4 +1,4 @@
-"""``pipeline.runtime.sizes``: which traced calls are made again per stage (sizes, derived tensors).
+"""``pipeline.runtime.trace.sizes``: which traced calls are made again per stage (sizes, derived tensors).
 
 A derived tensor comes from the input's sizes, constants and unwritten buffers alone: no layer of
 its own, and a stage that reads it makes it again. A random draw, a parameter's value, a buffer the
@@ -13,10 +13,10 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner import partition, profile
-from pipeline.runtime.layers import cut_blocks
-from pipeline.runtime.sizes import is_derived
-from pipeline.runtime.traced import build_stages
-from pipeline.runtime.tracing import trace
+from pipeline.runtime.trace.layers import cut_blocks
+from pipeline.runtime.trace.sizes import is_derived
+from pipeline.runtime.trace.traced import build_stages
+from pipeline.runtime.trace.tracing import trace
 
 
 class Positions(nn.Module):
@@ -209,7 +209,7 @@ def test_a_derived_output_needs_its_size_at_the_last_stage() -> None:
 
 def test_a_constant_read_twice_is_one_buffer_under_one_flat_name() -> None:
     """Constants the graph reads (export lifts tensors made in forward) get one flat name each."""
-    from pipeline.runtime.tracing import _constants
+    from pipeline.runtime.trace.tracing import _constants
 
     g = fx.Graph()
     a, b = g.get_attr("sub.lifted_tensor_0"), g.get_attr("sub.lifted_tensor_0")

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from pipeline.reference.models import mlp
-from pipeline.runtime import shape_memo
-from pipeline.runtime.microbatch import split
-from pipeline.runtime.stage import StageRuntime
+from pipeline.runtime.inputs.microbatch import split
+from pipeline.runtime.step.stage import StageRuntime
+from pipeline.runtime.trace import shape_memo
 
 M = 4
 cpu = torch.device("cpu")

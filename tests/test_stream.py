@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.runtime import stream
-from pipeline.runtime.emulation import DEFAULT, EmuStream
-from pipeline.runtime.stream import CPUStream
+from pipeline.runtime.comm import stream
+from pipeline.runtime.comm.emulation import DEFAULT, EmuStream
+from pipeline.runtime.comm.stream import CPUStream
 
 cpu = torch.device("cpu")
 

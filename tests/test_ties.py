@@ -1,4 +1,4 @@
-"""Tied weights (``pipeline.runtime.ties``): found by identity, copies synced, this step's grads summed.
+"""Tied weights (``pipeline.runtime.trace.ties``): found by identity, copies synced, this step's grads summed.
 
 The reducer runs across real ranks (gloo) on hand-made gradients: every copy must end with the
 sum of the copies' gradients of this step, on top of what ``.grad`` held before the step.
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.runtime.p2p import PeerFailure, PipelineTimeout
-from pipeline.runtime.ties import Tie, TiedGrads, find_ties
+from pipeline.runtime.comm.p2p import PeerFailure, PipelineTimeout
+from pipeline.runtime.trace.ties import Tie, TiedGrads, find_ties
 from pipeline.schedules.program import Collective
 from pipeline.schedules.schedule import schedule
 from tests.dist import run_ranks

@@ -1,4 +1,4 @@
-"""Traced stages (``pipeline.runtime.tracing`` / ``traced``): run in sequence, they ARE the model.
+"""Traced stages (``pipeline.runtime.trace.tracing`` / ``traced``): run in sequence, they ARE the model.
 
 Each reference model written as users write it (tied GPT, U-Net with long skips, blocks passing
 two tensors) is traced, cut at several balances, and its stages are run one after another in one
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from pipeline.reference.graph_models import gpt_tied, two_stream, unet
-from pipeline.runtime.layers import cut_blocks
-from pipeline.runtime.ties import find_ties
-from pipeline.runtime.traced import build_stages, stage_specs
-from pipeline.runtime.tracing import Traced, trace
+from pipeline.runtime.trace.layers import cut_blocks
+from pipeline.runtime.trace.ties import find_ties
+from pipeline.runtime.trace.traced import build_stages, stage_specs
+from pipeline.runtime.trace.tracing import Traced, trace
 
 BUILDERS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "gpt_tied": lambda: gpt_tied(vocab_size=11, width=16, n_layers=3, n_heads=2, max_seq_len=8, batch_size=4),
@@ -240,7 +240,7 @@ def test_stages_follow_train_and_eval_like_the_model() -> None:
 
 
 def test_a_stage_with_a_data_dependent_size_inside_knows_its_output() -> None:
-    from pipeline.runtime.stage import StageRuntime
+    from pipeline.runtime.step.stage import StageRuntime
 
     options = {"n_stages": 2, "n_microbatches": 1, "split_backward": False, "recompute": "never"}
     inside = StageRuntime(0, _DataShaped(), loss_fn=None, device=torch.device("cpu"), **options)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""``pipeline.runtime.transport``: the path is chosen from the backend once, and each path refuses
+"""``pipeline.runtime.comm.transport``: the path is chosen from the backend once, and each path refuses
 what its backend cannot take (in process, no process group: the multi-rank behaviour is
 test_p2p's, test_comm_device's and test_nccl_emulation's)."""
 
@@ -10,9 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.runtime import emulation
-from pipeline.runtime.transport import EmulatedNccl, GlooTransport, NcclTransport, Transport, transport_class
-from pipeline.runtime.watchdog import PeerFailure, PipelineTimeout
+from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm.transport import (
+    EmulatedNccl,
+    GlooTransport,
+    NcclTransport,
+    Transport,
+    transport_class,
+)
+from pipeline.runtime.comm.watchdog import PeerFailure, PipelineTimeout
 
 
 def test_the_path_follows_the_backend_and_the_emulation_switch(monkeypatch: pytest.MonkeyPatch) -> None:

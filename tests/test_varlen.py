@@ -1,4 +1,4 @@
-"""Variable-length steps (``pipeline.runtime.varlen``): packing, order, and transparency end to end.
+"""Variable-length steps (``pipeline.runtime.inputs.varlen``): packing, order, and transparency end to end.
 
 The unit tests pin the packing against brute force, the order against the simulator, and every
 refusal. The launches run the reference GPT on sequences of many lengths under every schedule,
@@ -25,8 +25,7 @@ from partitioner import plan_for, profile
 from partitioner.figures import Profile
 from partitioner.lengths import share
 from pipeline.reference.models import gpt, gpt_loss, with_documents
-from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.varlen import (
+from pipeline.runtime.inputs.varlen import (
     StepCosts,
     StepMemory,
     VarLen,
@@ -42,6 +41,7 @@ from pipeline.runtime.varlen import (
     unpad,
     widths_of,
 )
+from pipeline.runtime.pipe import Pipeline
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.peaks import PARTS, StageBytes
 from pipeline.schedules.program import play

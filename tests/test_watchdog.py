@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
+from pipeline.runtime.comm.watchdog import Watchdog, _stop_all, quiet_store
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.watchdog import Watchdog, _stop_all, quiet_store
 from tests.dist import job
 
 _WATCHDOG = "stagewise-p2p-watchdog"

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from pipeline.checkpoint import optim
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.tracing import first_names, is_constant
+from pipeline.runtime.trace.tracing import first_names, is_constant
 
 __all__ = ["FORMAT", "RECORD", "Stateful", "collect", "extra_text", "model_of", "restore", "targets"]
 

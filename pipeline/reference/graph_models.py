@@ -2,7 +2,7 @@
 
     # B: batch, T: time (sequence), C: channels (width), V: vocabulary, H: heads
 
-``partition(model, p, sample)`` traces each of these (``pipeline.runtime.tracing``) and cuts the
+``partition(model, p, sample)`` traces each of these (``pipeline.runtime.trace.tracing``) and cuts the
 graph of its calls; what crosses a cut is every tensor live there:
 
     gpt_tied     token + position embeddings, a ModuleList of blocks called in a loop (each with

@@ -30,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime.recompute import Recompute, check_recompute, mode_of
+from pipeline.runtime.step.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.validate import validate
 

@@ -147,24 +147,27 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan import Plan
-from pipeline.runtime import emulation, grads, memory, pretrained, replicas
-from pipeline.runtime.agree import agree, summary
-from pipeline.runtime.arrival import arrive, creating
-from pipeline.runtime.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
-from pipeline.runtime.executor import Executor
-from pipeline.runtime.gather import gather_state_dict
-from pipeline.runtime.graph_stages import plan_stages
-from pipeline.runtime.materialize import unset_message
-from pipeline.runtime.metadata import begin_call
-from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm.agree import agree, summary
+from pipeline.runtime.comm.arrival import arrive, creating
+from pipeline.runtime.comm.p2p import Comm, PeerFailure, PipelineTimeout, world_store
+from pipeline.runtime.comm.transport import transport_class
+from pipeline.runtime.inputs import pretrained
+from pipeline.runtime.inputs.microbatch import Batch
+from pipeline.runtime.inputs.varlen import Packed, VarLen, step_costs
 from pipeline.runtime.options import check_group, check_model, resolve
-from pipeline.runtime.p2p import Comm, PeerFailure, PipelineTimeout, world_store
-from pipeline.runtime.stage import LossFn, StageRuntime
-from pipeline.runtime.steps import Inputs, StepRunner
-from pipeline.runtime.ties import TiedGrads
-from pipeline.runtime.tracing import first_names, is_constant
-from pipeline.runtime.transport import transport_class
-from pipeline.runtime.varlen import Packed, VarLen, step_costs
+from pipeline.runtime.replicas import replicas
+from pipeline.runtime.replicas.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
+from pipeline.runtime.replicas.gather import gather_state_dict
+from pipeline.runtime.step import grads, memory
+from pipeline.runtime.step.executor import Executor
+from pipeline.runtime.step.metadata import begin_call
+from pipeline.runtime.step.stage import LossFn, StageRuntime
+from pipeline.runtime.step.steps import Inputs, StepRunner
+from pipeline.runtime.trace.graph_stages import plan_stages
+from pipeline.runtime.trace.materialize import unset_message
+from pipeline.runtime.trace.ties import TiedGrads
+from pipeline.runtime.trace.tracing import first_names, is_constant
 from pipeline.schedules.program import tie_groups
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import Timeline
@@ -662,7 +665,7 @@ class Pipeline:
         return self.executor.busy
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This rank's memory in the last ``step`` (bytes; see ``pipeline.runtime.memory``).
+        """This rank's memory in the last ``step`` (bytes; see ``pipeline.runtime.step.memory``).
 
         ``peak``: the most bytes alive at once: on CUDA the allocator's peak; on CPU, after
         ``step(..., measure_memory=True)``, every tensor storage alive (parameters, buffers,

@@ -1,4 +1,4 @@
-"""The recompute modes' rules as plain data (see pipeline/runtime/recompute.py for what they mean):
+"""The recompute modes' rules as plain data (see pipeline/runtime/step/recompute.py for what they mean):
 read by the memory walk (peaks.py) and the runtime alike, so the schedules' layer needs no runtime."""
 
 from __future__ import annotations

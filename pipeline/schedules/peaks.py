@@ -5,7 +5,7 @@ micro-batch's figures (``StageBytes``) from the action that makes them to the on
 
 ONE rule of what a rank holds when, read by the partitioner (``partitioner.memory``: its figures
 from a profile, its solver rows from ``coefficients``, a plan's ``rank_peaks``) and by the runtime
-(``pipeline.runtime.varlen``: a variable-length step's run order, each micro-batch's figures
+(``pipeline.runtime.inputs.varlen``: a variable-length step's run order, each micro-batch's figures
 scaled to its own shape, checked against the plan's memory limit). It lives here, in the
 runtime's package, because the runtime may not import the partitioner.
 """

@@ -54,7 +54,7 @@ else it is posted with its own block, right before the compute that takes it. ``
 the rule on the programs themselves, freezing each rank at each compute (its drain check).
 
 The text form is one instruction per line (``print(schedule.program(r))``). Plain data: no torch,
-no runtime; ``pipeline.runtime.program`` binds it to stages and channels, ``Pipeline.step`` runs
+no runtime; ``pipeline.runtime.step.program`` binds it to stages and channels, ``Pipeline.step`` runs
 its tail, ``validate`` and ``simulate`` read it and ``partitioner.memory`` walks it for the
 predicted peak, so none of them can disagree. (``clip_grad_norm_`` and ``grads_finite`` are
 calls of their own after the step, one all-reduce each over every rank, not part of it.)

@@ -18,7 +18,7 @@ from partitioner.auto import search
 from partitioner.overhead import RuntimeCosts
 from partitioner.scaling import scale_profile, second_rows
 from pipeline.plan import Plan
-from pipeline.runtime.recompute import RECOMPUTE_MODES
+from pipeline.runtime.step.recompute import RECOMPUTE_MODES
 from pipeline.schedules.registry import REGISTRY, entry
 from pipeline.schedules.schedule import rank_of
 from pipeline.schedules.schedule import schedule as make_schedule

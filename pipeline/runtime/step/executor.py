@@ -1,0 +1,451 @@
+"""Run one rank's compiled program: one code path for gloo, NCCL and the emulation.
+
+    # s: stage, i: micro-batch, r: this rank, q: a peer rank, p: ranks, k: compute index
+
+``Executor`` binds the rank's program once (``Schedule.program``, the step as
+data; runtime/program.py: messages and bound instructions) and runs it at every step:
+
+    step:  header + signatures (metadata.py; each micro-batch signature set up once: B rows
+           split into m give at most two, a varlen step one per (rows, length))
+           -> per instruction: post a comm block (the first: receives only) | compute (its
+              input ordered before it only now, then the sends that input proves delivered)
+           | free the sends that no receive proved delivered (at the end)
+           -> order what is still pending (the header's send)
+
+Every receive is consumed through ``Comm.order(works, compute stream)``: on
+gloo the host waits; on NCCL the compute stream waits for the transfer on the
+device and the host goes on; under the emulation the data becomes visible only
+through it. Receive buffers come from ``Comm.empty`` (the communication device)
+and are posted with the compute stream current, so the channel's stream is
+ordered after their allocation and after the compute that produced a send
+(NCCL keeps the tensors alive until their work is waited for, which every
+receive and send here is). Receives are posted one block ahead on every
+backend: each NCCL channel is a FIFO of one direction (channels.py), so an
+early receive holds nothing back.
+
+On a GPU the host never waits for a transfer, so it could run arbitrarily far
+ahead, allocating buffers for transfers the device has not reached. Before
+compute k it waits (polling, with the timeout and failure watch) until the
+device has finished compute k - 2: in-flight buffers stay within the plan, and
+a dead peer is noticed within the timeout, naming the receive that never came.
+
+A device-wide synchronisation while the host queues a compute (the allocator's
+retry, a kernel's first launch) must not hang the step: the program never posts a
+receive ahead of what its sender needs from this rank (program.py), and
+``STAGEWISE_DRAIN_AT`` (drain.py) forces such a sync to prove it.
+
+A compute's busy time starts once its input is there (clock.py: host times on
+CPU, CUDA events on a GPU). A receive also reaps the sends it proves done (see
+program.py); the rest are ordered at the step's end. A failed step drops its
+tensors and works, so that the next step starts clean.
+
+Memory: the rank's ``ActivationMeter`` (memory.py), shared with its stages, also counts each
+receive buffer from its posting to the end of the compute that takes it, and each sent tensor
+until its reap; a training step resets its peak at the start and keeps it at the end
+(``meter.last_peak``), the step's inputs, targets, parameters and buffers excepted.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeline.runtime.comm import emulation, stream
+from pipeline.runtime.comm.p2p import NCCL_DTYPES, Comm
+from pipeline.runtime.inputs.microbatch import Batch, Signature, batch_rows, from_tuple, signature
+from pipeline.runtime.step.clock import StepClock
+from pipeline.runtime.step.drain import ENV as _DRAIN_ENV
+from pipeline.runtime.step.drain import drain_at
+from pipeline.runtime.step.memory import ActivationMeter
+from pipeline.runtime.step.metadata import (
+    Signatures,
+    check_sendable,
+    derive_signatures,
+    exchange_header,
+    exchange_rules,
+    send_tensors,
+    set_specs,
+)
+from pipeline.runtime.step.program import Msg, compile_rank
+from pipeline.runtime.step.stage import StageRuntime
+from pipeline.runtime.trace.shape_rules import ShapeRule
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.schedule import Schedule
+from pipeline.schedules.timeline import TimedAction
+
+__all__ = ["RUN_AHEAD", "Executor", "Prefetched"]
+
+RUN_AHEAD = 2  # compute actions the host may queue past the last one the device finished
+
+
+def _map(batch: Any, fn: Any) -> Any:
+    """``fn`` on each tensor of a tensor or tuple; anything else as it is (checked where it is used)."""
+    if isinstance(batch, tuple):
+        return tuple(_map(t, fn) for t in batch)
+    return fn(batch) if isinstance(batch, torch.Tensor) else batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, tuple):
+        return [t for item in batch for t in _tensors(item)]
+    return [batch] if isinstance(batch, torch.Tensor) else []
+
+
+def _normal(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Prefetched:
+    """A batch whose copy to the device was started ahead of its step (``Executor.prefetch``)."""
+
+    __slots__ = ("copy", "event", "host")
+
+    def __init__(self, host: Any, copy: Any, event: stream.Event) -> None:
+        self.host, self.copy, self.event = host, copy, event
+
+
+class Executor:
+    """Interprets rank ``rank``'s part of ``sched`` over ``stages`` (this rank's, by stage index)."""
+
+    def __init__(
+        self,
+        sched: Schedule,
+        rank: int,
+        stages: dict[int, StageRuntime],
+        comm: Comm | None,
+        device: torch.device,
+        key_prefix: str,
+    ) -> None:
+        self.sched, self.rank, self.stages, self.comm, self.device = sched, rank, stages, comm, device
+        self.key_prefix = key_prefix
+        self.n_stages, self.p = sched.n_stages, sched.n_ranks
+        if comm is not None and self.p > 1 and _normal(device) != comm.device:
+            raise ValueError(
+                f"rank {rank}'s stages are on {device} but its {comm.backend} communication runs on "
+                f"{comm.device}; put the stages on {comm.device} (device=...), or use "
+                f"{'gloo' if comm.device.type == 'cuda' else 'nccl'} for stages on {device.type}"
+            )
+        self.nccl = comm is not None and comm.nccl
+        self.emulated = comm is not None and comm.emulated
+        self.compute_stream = stream.current_stream(device, self.emulated)
+        self.copy_stream = stream.new_stream(device, self.emulated, "copy")
+        self.clock = StepClock(device, self.compute_stream, rank)
+        # one meter per rank, shared by its stages (a hand-over between them is one storage) and by
+        # the evaluation executor, which runs on the same stages but keeps no step's peak
+        self.training = any(a.kind is not Kind.F for actions in sched.compute for a in actions)
+        first = next(iter(stages.values()), None)
+        self.meter: ActivationMeter = first.meter if first is not None else ActivationMeter()
+        for st in stages.values():
+            st.meter = self.meter
+        self._buffers: dict[Action, list[Any]] = {}  # the meter's tokens per posted message
+        self._consumed: list[Any] = []  # receive buffers' tokens, held until their compute ends
+        # per-step state
+        self.inputs: list[Batch] = []
+        self.targets: list[Any] = []
+        self._sent: list[Msg] = []  # sends posted this step, ordered by the step's end
+        self._abandoned: list[list[Any]] = []  # works of a failed step
+        self._ends: deque[tuple[Action, stream.Event]] = deque(maxlen=RUN_AHEAD)
+        # recent receives, for the stuck report: their transfers only (ordered ones hold no tensors)
+        self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)
+        # signatures: per autocast state, per local stage, per micro-batch signature (set up once each)
+        self._input_key: tuple[tuple[Signature, ...], int] | None = None
+        self._version = 0
+        self._derived: dict[int, tuple[Signatures, Signatures]] = {}
+        self.micro: tuple[Signature, ...] = ()  # this step's micro-batch signatures (stage 0's input)
+        self.sizes: list[int] = []  # the rows of this step's micro-batches
+        self.units: list[int] = []  # what they weigh: their rows, or a varlen step's target tokens
+        self.in_sig: Signatures = {}  # per local stage, per micro-batch signature, this autocast state
+        self.out_sig: Signatures = {}
+        self.extra: tuple[int, ...] = ()  # the words rank 0 added to this step's header
+        # a variable-length run meets new shapes every step: each stage's shape rule, per autocast
+        # state, computes their signatures without fake tensors or messages (shape_rules.py)
+        self.shape_rules = False
+        self.one_row = False  # every micro-batch is one row (rows of documents): rules for one row
+        self._rules: dict[int, dict[int, ShapeRule]] = {}
+        self.fake_derivations = 0  # micro-batch signatures set up stage by stage (fake tensors or their memo)
+        # the bound instructions call back through a weak proxy: holding this executor itself would
+        # make a cycle, and a Pipeline in a cycle lives until a garbage collection, with its process
+        # groups (a gloo worker still finishing a collective when the interpreter finalizes aborts it)
+        compiled = compile_rank(sched, rank, stages, weakref.proxy(self), comm.name if comm else None)
+        # per compute action: what runs just before it and just after it (the data-parallel reduction)
+        self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
+        # data parallelism: told the step's rows, gives the replica's share of the global batch (B_d / B)
+        self.on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None = None
+        self._program = compiled.program
+        self._msgs = compiled.msgs
+        self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
+        # a device-wide sync forced after chosen computes (drain.py; none unless the environment asks)
+        self._drain_at = drain_at(rank, [len(actions) for actions in sched.compute]) if self.p > 1 else None
+        self._steps = 0  # steps run: what a drawn drain point depends on
+
+    # ---- measurements of the last step
+
+    @property
+    def busy(self) -> float:
+        return self.clock.busy
+
+    @property
+    def events(self) -> list[TimedAction]:
+        return self.clock.events
+
+    def hook(self, a: Action, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """Run ``before()`` just before compute action ``a`` and ``after()`` just after it, at every
+        step (outside its busy time): the data-parallel reduction arms and launches there."""
+        if a not in {b for b, _ in self._program if b is not None}:
+            raise ValueError(f"rank {self.rank} runs no {a} in this schedule")
+        self._hooks[a] = (before, after)
+
+    # ---- inputs
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` (a tensor or tuple of them) on this rank's device: pinned, copied on the copy stream,
+        ordered before what compute runs next."""
+        return self.take_prefetched(self.prefetch(batch))
+
+    def prefetch(self, batch: Any) -> Prefetched:
+        """Start ``batch``'s copy to the device on the copy stream; compute is not ordered after it
+        until ``take_prefetched`` (so the copy overlaps whatever compute is queued meanwhile)."""
+        device, copies = self.device, self.copy_stream
+        copy = _map(batch, lambda t: stream.start_copy(stream.pin(t, device), device, copies))
+        return Prefetched(batch, copy, stream.record_event(self.copy_stream))
+
+    def follow_current_stream(self) -> None:
+        """Compute runs on the caller's current stream, read at every step (not only at construction):
+        a step under ``torch.cuda.stream(s)`` runs its stages on s, so receives and input copies must
+        order s, not the stream that was current when the Pipeline was built."""
+        current = stream.current_stream(self.device, self.emulated)
+        self.compute_stream = self.clock.compute = current
+
+    def take_prefetched(self, pre: Prefetched) -> Any:
+        """The prefetched copy, with the compute stream ordered after it (an event wait, no host sync)."""
+        self.follow_current_stream()
+        stream.wait_event(self.compute_stream, pre.event)
+        for t in _tensors(pre.copy):  # made on the copy stream, used on compute: not reused before
+            stream.record_stream(t, self.compute_stream)
+        return pre.copy
+
+    # ---- communication, called by the bound instructions
+
+    def post(self, sends: list[Msg], recvs: list[Msg], what: str) -> None:
+        """Post a comm block: ``sends`` (checked against their specs) and fresh buffers for ``recvs``."""
+        comm = self.comm
+        assert comm is not None
+        for m in sends:
+            m.tensors = send_tensors(m)
+        for m in recvs:
+            m.tensors = [comm.empty(sh, dt) for sh, dt in m.spec]
+        for m in (*sends, *recvs):
+            assert m.action is not None
+            self._buffers[m.action] = self.meter.hold(m.tensors)
+        start = time.perf_counter()
+        works = comm.post([(m.tensors, m.peer) for m in sends], [(m.tensors, m.peer) for m in recvs], what)
+        if sends:
+            self.clock.posted([m.action for m in sends if m.action is not None], start)
+        for m, w in zip(sends, works, strict=False):
+            m.works = w
+        for m, w in zip(recvs, works[len(sends) :], strict=True):
+            m.works = w
+        self._sent += sends
+
+    def release(self, sends: list[Msg]) -> None:
+        """The program's ``free``: ``sends`` are delivered; order them (a no-op wait by now) and drop
+        their tensors."""
+        for m in sends:
+            if m.works is not None:
+                self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
+                m.works, m.tensors = None, []
+                self._buffers.pop(m.action, None)  # type: ignore[arg-type]
+
+    def take(self, m: Msg) -> Any:
+        """A compute action's input: from the local hand-over, or the receive posted for it."""
+        if m.action is None:
+            value, m.value = m.value, None
+            return value
+        comm, works = self.comm, m.works
+        assert comm is not None and works is not None
+        start = time.perf_counter()
+        comm.order(works, self.compute_stream, m.what)
+        if self.nccl:
+            self._ordered.append((m.what, works))
+        m.works = None
+        self._consumed.append(self._buffers.pop(m.action, None))
+        self.release(m.reap)
+        # The compute that asked for this input starts now: waiting is not busy time.
+        self.clock.input_ready(m.action, start)
+        buffers, m.tensors = m.tensors, []
+        if m.action.kind is Kind.RECV_F:
+            return from_tuple(buffers, m.like_tuple)
+        it = iter(buffers)
+        return tuple(next(it) if k else None for k in m.mask)
+
+    # ---- metadata
+
+    def _exchange_header(self, extra: tuple[int, ...]) -> tuple[tuple[Signature, ...], int]:
+        micro = [signature(x) for x in self.inputs] if self.inputs else None
+        sigs, mode, self.extra = exchange_header(self.comm, self.rank, self.p, self.device, micro, extra)
+        return sigs, mode
+
+    def _setup(self, micro: tuple[Signature, ...], mode: int) -> None:
+        """Every local stage's input and output signatures for the micro-batch signatures not seen
+        before under this autocast state; the messages' specs for this step's."""
+        self._version += 1
+        self.in_sig, self.out_sig = self._derived.setdefault(mode, ({}, {}))
+        key = f"{self.key_prefix}/sig{self._version}"
+        sched, stages, comm = self.sched, self.stages, self.comm
+        rules = self._rules.get(mode)
+        known = list(next(iter(self.in_sig.values()), {}))  # set up at earlier steps: the same everywhere
+        if self.shape_rules and rules is None and known and any(sig not in known for sig in micro):
+            # new shapes after the first step's: from here on rules pay for their trace
+            at = f"{self.key_prefix}/rules{self._version}"
+            made = exchange_rules(known, self.in_sig, stages, sched, comm, at, self.one_row)
+            if made is not None:
+                self._rules[mode] = rules = made
+        self.fake_derivations += derive_signatures(
+            micro, stages, sched, self.rank, comm, key, self.in_sig, self.out_sig, rules
+        )
+        self.micro, self.sizes = micro, [sig[0][0][0] for sig in micro]
+        set_specs(self._msgs, self.in_sig, self.out_sig, micro)
+        if self.nccl:
+            check_sendable(self._msgs, NCCL_DTYPES, "NCCL")
+
+    def _check_targets(self) -> None:
+        """On the last stage's rank: the targets have the inputs' rows (the header's), split alike."""
+        if not self.targets or self.targets[0] is None:
+            return
+        got = [batch_rows(y, what="targets") for y in self.targets]
+        if got != self.sizes:
+            raise ValueError(
+                f"the targets have {sum(got)} rows but the inputs (on stage 0's rank) {sum(self.sizes)}; "
+                "pass the targets of the same batch as the inputs"
+            )
+
+    # ---- the step
+
+    def run(
+        self,
+        inputs: list[Batch],
+        targets: list[Any],
+        record: bool,
+        extra: tuple[int, ...] = (),
+        units: list[int] | None = None,
+        check: Callable[[tuple[int, ...]], None] | None = None,
+    ) -> None:
+        """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's).
+
+        ``extra``: words rank 0 adds to the step's header (every rank reads them as ``self.extra``);
+        ``units``: what each micro-batch's loss weighs (its share of their sum) where not its rows:
+        a varlen step's target tokens; ``check(words)``: called with the header's extra words before
+        any compute (the last stage's rank checks its targets against rank 0's inputs)."""
+        self.inputs, self.targets = inputs, targets
+        self.follow_current_stream()
+        clock = self.clock
+        clock.begin_step(record)
+        for st in self.stages.values():
+            st.losses = []
+            st.reset_peak()
+        if self.training:  # parameters, buffers and the step's data are not activations
+            modules = [st.module for st in self.stages.values()]
+            owned = [t for mod in modules for t in (*mod.parameters(), *mod.buffers())]
+            owned += [t for batch in (*inputs, *targets) for t in _tensors(batch)]
+            self.meter.begin_step(owned)
+        try:
+            with emulation.strict_devices(self.emulated):
+                key = self._exchange_header(extra)
+                if key != self._input_key:  # the autocast state changes the dtypes between stages too
+                    self._setup(*key)
+                    self._input_key = key
+                if check is not None:
+                    check(self.extra)
+                self._check_targets()
+                self.units = units if units is not None else self.sizes
+                share = self.on_rows(self.units) if self.on_rows is not None else None
+                for st in self.stages.values():  # every step: another executor shares the stages
+                    st.set_rows(self.units, share)
+                bound, drain, k = self.nccl, self._drain_at, 0
+                for a, fn in self._program:
+                    if a is None:
+                        fn()
+                        continue
+                    if bound and len(self._ends) == RUN_AHEAD:
+                        self._run_ahead_wait()
+                    hooks = self._hooks.get(a)
+                    if hooks is not None:
+                        hooks[0]()
+                    clock.begin()
+                    fn()  # may wait for its input first (clock.input_ready)
+                    self._ends.append((a, clock.end(a)))
+                    if drain is not None and drain(self._steps, k):
+                        self._device_sync(a)
+                    k += 1
+                    self._consumed.clear()
+                    if hooks is not None:
+                        hooks[1]()
+                self._drain()
+            self._steps += 1
+            if self.training:
+                self.meter.end_step()
+        except BaseException:
+            self._reset()
+            raise
+        finally:
+            self._ends.clear()
+            self._ordered.clear()
+
+    def _run_ahead_wait(self) -> None:
+        """Wait until the device has finished the compute ``RUN_AHEAD`` actions back (see the docstring)."""
+        a, event = self._ends[0]
+        if stream.event_done(event):
+            return
+        assert self.comm is not None
+        self.comm.poll(lambda: stream.event_done(event), lambda: self._stuck_on(a))
+
+    def _device_sync(self, a: Action) -> None:
+        """What a device-wide synchronisation does while the host queues ``a`` (drain.py): the host
+        waits until ``a`` and every transfer this rank has posted are done, posting nothing."""
+        assert self.comm is not None
+        transport, held = self.comm.transport, f"the device-wide sync forced at {a} ({_DRAIN_ENV})"
+        event = self._ends[-1][1]
+        if not stream.event_done(event):
+            self.comm.poll(lambda: stream.event_done(event), lambda: f"{a} to finish, in {held}")
+        posted = {id(m): m for m in (*self._msgs.values(), *self._sent) if m.works}
+        for m in posted.values():
+            assert m.works is not None
+            transport.drain(m.works, f"{m.what}, posted before {held}")
+
+    def _stuck_on(self, a: Action) -> str:
+        """What the device is most likely waiting for when ``a`` does not finish: the oldest open receive."""
+        for what, works in self._ordered:
+            if not all(w.is_completed() for w in works):
+                return what
+        return f"the device to finish {a}"
+
+    def _drain(self) -> None:
+        # the program waited for every receive and freed every send; what is left is the header's
+        open_ = [a for a, m in self._msgs.items() if m.works is not None]
+        assert not open_, f"rank {self.rank}'s program left messages open: {open_}"
+        assert self.comm is not None or not self._sent
+        for m in self._sent:
+            if m.works is not None:
+                self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
+                m.works, m.tensors = None, []
+        self._sent = []
+        self._buffers.clear()
+
+    def _reset(self) -> None:
+        """After a failure: drop the step's tensors and works, so that the next step starts clean."""
+        # works still pending stay referenced (with their tensors) until the next failure: gloo
+        # completes them with an error once the failure has closed the group's connections
+        msgs = (*self._msgs.values(), *self._local.values(), *self._sent)
+        self._abandoned = [m.works for m in msgs if m.works is not None]
+        for m in msgs:
+            m.value, m.tensors, m.works = None, [], None
+        self._sent = []
+        self._buffers.clear()
+        self._consumed.clear()
