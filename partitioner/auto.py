@@ -17,7 +17,8 @@ bandwidth, plus the runtime's own seconds per action and per message: ``partitio
 ``DEFAULT_RUNTIME`` unless ``runtime`` is given; they are what makes many tiny micro-batches
 slow, and they do not depend on the balance); the answer is the fastest config whose every
 rank's peak fits its limit, the peak being the schedule walked rank by rank
-(``partitioner.memory``; the solver's rows bound it from above).
+(``partitioner.memory``; the solver's rows bound it from above) and the limit what is left of it
+beside the device's workspaces, rounding and headroom (``partitioner.device_memory``).
 
 Pruning, with bounds that never cut off a config that could be faster than the best found::
 
