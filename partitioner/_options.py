@@ -159,12 +159,11 @@ def check_fit(
     """Per-stage limits for the layers (the rank's share less ``offset[s]``, the stage's buffers that
     do not depend on its layers); a ValueError naming the smallest memory_limit (or factor) that fits
     when none does."""
-    if net.memory_limit is None:
-        raise ValueError("check_fit needs a memory_limit; pass memory_limit (bytes per rank)")
+    assert net.memory_limit is not None
     per_rank, p = net.memory_limit, net.n_ranks
     found = net.stage_limits(1.0, per_rank, offset, k)
     grouped, _ = _check_memory(rows, 0.0, len(rows[0]), k)
-    assert grouped is not None  # rows and limits given: _check_memory returns the rows
+    assert grouped is not None
     if fits(grouped, found, k):
         return found
     kept = (

@@ -141,7 +141,8 @@ def search(
     sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
     if memory_headroom is not None:
         check_headroom(memory_headroom)
-    device = with_headroom(profile.device_memory, memory_headroom)  # every scaled profile's, at most
+    # the least any m reserves (scaling to fewer rows only grows the rounding): refuses no config that fits
+    device = with_headroom(profile.device_memory, memory_headroom)
     if memory_limit is not None:
         _refuse_below_static(profile, p, memory_limit, optimizer_state_factor, device)
     ms = _microbatch_counts(batch_size, n_microbatches)
