@@ -13,12 +13,14 @@
 per submodule such as a transformer block (``pipeline.runtime.trace.tracing``), and a cut costs every
 tensor live across it (``graph_profile``, ``graph``). Tied weights are in ``plan.ties``.
 
-``Plan`` and ``StagePlan`` are ``pipeline.plan``'s (one definition, re-exported here): the
-partitioner makes plans, the runtime runs them. Imports go one way, partitioner -> pipeline.
+``Plan``, ``StagePlan`` and ``DeviceMemory`` (what a device holds beyond the tensors the plan
+counts, ``partitioner.device_memory``) are ``pipeline.plan``'s (one definition, re-exported here):
+the partitioner makes plans, the runtime runs them. Imports go one way, partitioner -> pipeline.
 """
 
 from partitioner.baselines import equal_balance, torchgpipe_balance
 from partitioner.costs import COSTS, cut_groups, layer_costs
+from partitioner.device_memory import measure_device_memory
 from partitioner.figures import LayerProfile
 from partitioner.flops import FlopCount
 from partitioner.graph import cut_bytes, layer_graph
@@ -32,12 +34,13 @@ from partitioner.profile import Profile, profile
 from partitioner.scaling import batch_rows, scale_profile
 from partitioner.solve import solve, stage_costs, stage_memory
 from partitioner.timing import predict
-from pipeline.plan import Plan, StagePlan
+from pipeline.plan import DeviceMemory, Plan, StagePlan
 from pipeline.runtime.step.live import LiveBytes
 
 __all__ = [
     "COSTS",
     "DEFAULT_RUNTIME",
+    "DeviceMemory",
     "FlopCount",
     "LayerProfile",
     "Links",
@@ -56,6 +59,7 @@ __all__ = [
     "layer_costs",
     "layer_graph",
     "layer_memory",
+    "measure_device_memory",
     "measure_links",
     "measure_runtime",
     "partition",

@@ -14,8 +14,9 @@ auto search's "choose per stage"), and the joint DP picks the balance and each s
         fits(x)      whether some balance fits when each rank's limit is x (scalar) or x times its own
         solve()      (balance, mode per stage), or None when nothing fits
 
-Every stage's limit is its rank's limit / v, less the input and output buffers its mode holds
-(each at the largest activation a cut can carry), as ``partition`` does for one mode.
+Every stage's limit is its rank's usable bytes / v (the limit less what the device holds beyond
+the walk, ``Options.stage_limits``), less the input and output buffers its mode holds (each at the
+largest activation a cut can carry), as ``partition`` does for one mode.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 from partitioner._inputs import _prefix
 from partitioner._joint import fits_joint, smallest_joint, solve_joint
-from partitioner._options import Options, check_fit
+from partitioner._options import Options, check_fit, reserve_text
 from partitioner._planning import expand, grouped, grouped_cut, memory_rows
 from partitioner.costs import cut_rows, layer_costs
 from partitioner.figures import Profile
@@ -46,8 +47,8 @@ def balance_of(profile: Profile, shape: Plan, sched: Schedule, net: Options, siz
             least = modes.smallest()
             raise ValueError(
                 f"memory_limit ({_limit_text(net)}) is too small: no split into {k} stages fits it with "
-                f"recompute={shape.recompute!r}; {_least_text(net, least)}; raise memory_limit, "
-                "recompute on more stages or use more ranks"
+                f"recompute={shape.recompute!r}; {_least_text(net, least)}{reserve_text(net.device)}; raise "
+                "memory_limit, recompute on more stages or use more ranks"
             )
         return shape.replace(balance=found[0])
     recompute = shape.recompute
@@ -121,9 +122,7 @@ class Modes:
         """Per option, per stage: the layers' limit when rank r's limit is x (or x * per_rank[r])."""
         p = self.net.n_ranks
         base = [1.0] * p if per_rank is None else list(per_rank)
-        return [
-            [x * base[self.net.rank_of(s)] / self.v - off[s] for s in range(self.k)] for off in self.offset
-        ]
+        return [self.net.stage_limits(x, base, off, self.k) for off in self.offset]
 
     def fits(self, allowed: Sequence[Sequence[int]] | None = None) -> bool:
         """Whether some balance fits the limits, each stage on one of its options (or of ``allowed``)."""
@@ -137,7 +136,8 @@ class Modes:
         given = self.net.memory_limit
         per_rank = None if given is None or self.net.scalar_limit else given
         top = max(row[-1] for rows in self.memory for row in rows) + max(max(off) for off in self.offset)
-        high = top * self.v / (1.0 if per_rank is None else max(min(per_rank), 1e-300)) * 2.0 + 1.0
+        rank = self.net.device.limit_for(top * self.v)  # a rank limit whose every stage holds top
+        high = rank / (1.0 if per_rank is None else max(min(per_rank), 1e-300)) * 2.0 + 1.0
         return smallest_joint(self.memory, self.allowed, self.k, lambda x: self.limits(x, per_rank), high)
 
     def solve(self) -> tuple[list[int], tuple[str, ...]] | None:

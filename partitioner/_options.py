@@ -3,24 +3,28 @@
     # p: ranks, v: stages per rank, k = p * v stages, s: stage, r: rank
 
 ``Options.make`` checks the cost, speeds and memory limits (one number for every rank, or one per
-rank) and the links' latency and bandwidth (see ``partitioner.costs``); the schedule's options are
-``schedule_options``'. ``check_fit`` turns a rank's memory limit into per-stage limits for the
-layers (the rank's share, ``limit / v``, less the stage's input and output buffers) and, when no
-balance fits them, raises naming the smallest limit (or factor on the limits) that would.
+rank), the share of each limit kept free (``memory_headroom``) and the links' latency and
+bandwidth (see ``partitioner.costs``); the schedule's options are ``schedule_options``'.
+``check_fit`` turns a rank's memory limit into per-stage limits for the layers (``stage_limits``:
+the rank's usable bytes, its limit less what its device holds beyond the walk, ``DeviceMemory``;
+their share ``/ v``, less the stage's input and output buffers) and, when no balance fits them,
+raises naming the smallest limit (or factor on the limits) that would.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from partitioner._fit import fits, smallest
 from partitioner._inputs import _check_memory
 from partitioner.costs import COSTS, links
+from partitioner.device_memory import with_headroom
 from partitioner.overhead import NO_RUNTIME, RuntimeCosts
+from pipeline.plan import DeviceMemory, check_headroom
 from pipeline.schedules.placement import check_placement, rank_of
 
-__all__ = ["Options", "check_fit"]
+__all__ = ["Options", "check_fit", "reserve_fix", "reserve_text"]
 
 
 class Options:
@@ -37,6 +41,34 @@ class Options:
         self.optimizer_state_factor = 2.0
         self.runtime = NO_RUNTIME  # the runtime's seconds per action and message (partitioner.overhead)
         self.placement = "loop"  # where stage s lives: the schedule's (pipeline.schedules.schedule.rank_of)
+        self.memory_headroom: float | None = None  # the share of a limit kept free; None: the device's
+        self.device = DeviceMemory()  # what a rank's device holds beyond the walk (``measured``)
+
+    def measured(self, found: DeviceMemory) -> Options:
+        """These options on the device the profile measured (``Profile.device_memory``), with the
+        ``memory_headroom`` given, if any."""
+        self.device = with_headroom(found, self.memory_headroom)
+        return self
+
+    def stage_limits(self, x: float, base: Sequence[float], offset: Sequence[float], k: int) -> list[float]:
+        """Per stage s, the bytes its layers may hold when rank r's limit is x * base[r]: the rank's
+        usable bytes (``DeviceMemory.usable``) over its v stages, less ``offset[s]``."""
+        v = k // self.n_ranks
+        return [self.device.usable(x * base[self.rank_of(s)]) / v - offset[s] for s in range(k)]
+
+    def affine(
+        self, base: Sequence[float], offset: Sequence[float], k: int
+    ) -> tuple[Callable[[float], list[float]], list[float], list[float]]:
+        """``stage_limits`` as a function of x, with its slope and offset per stage (it is affine:
+        limits_at(x)[s] = x * scale[s] - shift[s]), as ``_fit.smallest`` takes them."""
+
+        def limits_at(x: float) -> list[float]:
+            return self.stage_limits(x, base, offset, k)
+
+        d, v = self.device, k // self.n_ranks
+        shrink = (1.0 - d.headroom) / (1.0 + d.rounding)  # usable(x) = x shrink - workspace / (1 + rounding)
+        scale = [base[self.rank_of(s)] * shrink / v for s in range(k)]
+        return limits_at, scale, [d.workspace_bytes / (1.0 + d.rounding) / v + offset[s] for s in range(k)]
 
     def rank_of(self, s: int) -> int:
         """The rank that holds stage ``s`` (the schedule's placement)."""
@@ -55,11 +87,16 @@ class Options:
         optimizer_state_factor: float,
         runtime: RuntimeCosts | None = None,
         placement: str = "loop",
+        memory_headroom: float | None = None,
     ) -> Options:
         """``runtime``: what the simulated step charges per action and message (None: nothing;
         the auto search passes ``DEFAULT_RUNTIME`` when given none); ``placement``: the schedule's
-        (its registry entry's), where each stage and so each cut lives."""
+        (its registry entry's), where each stage and so each cut lives; ``memory_headroom``: the
+        share of each limit kept free (None: the profiled device's, ``partitioner.device_memory``)."""
         out = cls()
+        if memory_headroom is not None:
+            check_headroom(memory_headroom)
+        out.memory_headroom = memory_headroom
         if cost not in COSTS:
             raise ValueError(f"unknown cost {cost!r}; valid costs are {', '.join(COSTS)}")
         check_placement(placement)
@@ -124,11 +161,7 @@ def check_fit(
     when none does."""
     assert net.memory_limit is not None
     per_rank, p = net.memory_limit, net.n_ranks
-
-    def limits(scale: float, base: list[float]) -> list[float]:
-        return [scale * base[net.rank_of(s)] / v - offset[s] for s in range(k)]
-
-    found = limits(1.0, per_rank)
+    found = net.stage_limits(1.0, per_rank, offset, k)
     grouped, _ = _check_memory(rows, 0.0, len(rows[0]), k)
     assert grouped is not None
     if fits(grouped, found, k):
@@ -140,15 +173,24 @@ def check_fit(
         else ""
     )
     if net.scalar_limit:
-        ones = [1.0] * p
-        least = smallest(grouped, k, lambda x: limits(x, ones), [1.0 / v] * k, offset)
+        least = smallest(grouped, k, *net.affine([1.0] * p, offset, k))
         raise ValueError(
             f"memory_limit ({per_rank[0]:g}) is too small: no split into {k} stages fits it{kept}; "
-            f"the smallest limit that fits is {least!r}; raise memory_limit or use more ranks"
+            f"the smallest limit that fits is {least!r}{reserve_text(net.device)}; raise memory_limit "
+            f"{reserve_fix(net.device)}or use more ranks"
         )
-    scale = [per_rank[net.rank_of(s)] / v for s in range(k)]
-    factor = smallest(grouped, k, lambda x: limits(x, per_rank), scale, offset)
+    factor = smallest(grouped, k, *net.affine(per_rank, offset, k))
     raise ValueError(
         f"memory_limit ({per_rank}) is too small: no split into {k} stages fits it{kept}; the limits "
-        f"must grow by a factor of at least {factor!r}"
+        f"must grow by a factor of at least {factor!r}{reserve_text(net.device)}"
     )
+
+
+def reserve_text(device: DeviceMemory) -> str:
+    """For a memory error: what each limit keeps beyond the walk, when it keeps anything."""
+    return f" ({device.describe()})" if device.reserves else ""
+
+
+def reserve_fix(device: DeviceMemory) -> str:
+    """The other fixes of a memory error, where the device reserves something."""
+    return "or lower memory_headroom or the workspaces, " if device.reserves else ""

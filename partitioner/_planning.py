@@ -7,7 +7,8 @@ cut splits, and a plan's predictions (stage times, memory, simulated step).
 walk into the solver's rows: per stage, the walk's coefficients (unit bytes) times per-layer
 bounds, plus an offset for its input and output buffers; the rows bound the walk from above, so
 a balance fitting them fits what a run holds. ``predicted`` records the walk itself per rank
-(``Plan.rank_peaks``): what decides fit and what ``memory_stats`` measures; and, for micro-batches
+(``Plan.rank_peaks``): what decides fit, within each rank's usable bytes (``Plan.device_memory``),
+and what ``memory_stats`` measures; and, for micro-batches
 of other shapes (a variable-length step's, ``pipeline.runtime.inputs.varlen``), the walk's figures per
 stage (``StagePlan.held``), each time's and figure's length² share (``partitioner.lengths``), the
 profiled micro-batch's shape and the ``memory_limit`` it was given. ``recompute`` is
@@ -185,6 +186,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         loss_profiled=profile.loss is not None,
         micro_batch_shape=list(profile.shape or ()),
         memory_limit=list(net.memory_limit or ()),
+        device_memory=net.device,
     )
 
 

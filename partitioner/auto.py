@@ -17,7 +17,8 @@ bandwidth, plus the runtime's own seconds per action and per message: ``partitio
 ``DEFAULT_RUNTIME`` unless ``runtime`` is given; they are what makes many tiny micro-batches
 slow, and they do not depend on the balance); the answer is the fastest config whose every
 rank's peak fits its limit, the peak being the schedule walked rank by rank
-(``partitioner.memory``; the solver's rows bound it from above).
+(``partitioner.memory``; the solver's rows bound it from above) and the limit what is left of it
+beside the device's workspaces, rounding and headroom (``partitioner.device_memory``).
 
 Pruning, with bounds that never cut off a config that could be faster than the best found::
 
@@ -51,7 +52,7 @@ from dataclasses import asdict, dataclass
 from partitioner._balance import Modes, balance_of
 from partitioner._fit import fits, smallest
 from partitioner._inputs import _prefix
-from partitioner._options import Options
+from partitioner._options import Options, reserve_fix, reserve_text
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
 from partitioner.costs import (
     backward_time,
@@ -62,11 +63,12 @@ from partitioner.costs import (
     recomputed_share,
     with_loss,
 )
+from partitioner.device_memory import with_headroom
 from partitioner.figures import Profile
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
-from pipeline.plan import Candidate, Plan, SearchStats
+from pipeline.plan import Candidate, DeviceMemory, Plan, SearchStats, check_headroom
 from pipeline.runtime.step.recompute import RECOMPUTE_MODES, Recompute
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.registry import REGISTRY, entry
@@ -117,6 +119,7 @@ def search(
     latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
     runtime: RuntimeCosts | None = None,
+    memory_headroom: float | None = None,
     second: tuple[Profile, int] | None = None,
     keep: int = 10,
     within: float = 0.1,
@@ -126,7 +129,8 @@ def search(
     ``keep`` configs within ``within`` of it and its ``search`` what the search did.
     ``profile`` was taken at ``sample_rows`` rows (``second``: another profile at other rows, for
     the per-call overhead); ``runtime``: the runtime's seconds per action and message
-    (``partitioner.overhead``; None: ``DEFAULT_RUNTIME``)."""
+    (``partitioner.overhead``; None: ``DEFAULT_RUNTIME``); ``memory_headroom``: the share of each
+    limit kept free (None: the profiled device's, ``partitioner.device_memory``)."""
     start = time.perf_counter()
     p = n_ranks
     runtime = DEFAULT_RUNTIME if runtime is None else runtime  # m and v change how many actions run
@@ -135,8 +139,12 @@ def search(
     if isinstance(within, bool) or not within >= 0:
         raise ValueError(f"within ({within!r}) must be a fraction >= 0 (0.1: candidates within 10 %)")
     sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
+    if memory_headroom is not None:
+        check_headroom(memory_headroom)
+    # the least any m reserves (scaling to fewer rows only grows the rounding): refuses no config that fits
+    device = with_headroom(profile.device_memory, memory_headroom)
     if memory_limit is not None:
-        _refuse_below_static(profile, p, memory_limit, optimizer_state_factor)
+        _refuse_below_static(profile, p, memory_limit, optimizer_state_factor, device)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
     nets: dict[tuple[int, str], Options] = {}  # per (v, placement)
@@ -163,6 +171,7 @@ def search(
                         optimizer_state_factor,
                         runtime,
                         placement,
+                        memory_headroom,
                     )
                 except ValueError as err:  # e.g. p - 1 links given: no interleaving
                     skipped.append(f"{name} v={v}: {err}")
@@ -175,6 +184,7 @@ def search(
                     continue
                 if m not in scaled:
                     scaled[m] = scale_profile(profile, sample_rows, batch_size // m, second)
+                    # the rounding grows at fewer rows: each m's nets see its own (set before use)
                 split = entry(name).split_backward
                 key = (m, split, p * v, placement)
                 if key not in bounds:
@@ -182,7 +192,8 @@ def search(
                         _least_work(scaled[m], nets[v, placement], p * v, m, split, sizes)
                         + _least_runtime(nets[v, placement], p * v, split)
                     )
-                if memory_limit is not None and not _may_fit(scaled[m], nets[v, placement], p * v, sizes):
+                net = nets[v, placement].measured(scaled[m].device_memory)
+                if memory_limit is not None and not _may_fit(scaled[m], net, p * v, sizes):
                     skipped.append(
                         f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
                     )
@@ -209,7 +220,8 @@ def search(
         if group.bound >= best[0] * slack:
             stats.pruned_group += n_configs
             continue
-        found += _evaluate(group, scaled[group.m], _net(nets, group), p, dp, sizes, best, slack, stats)
+        prof = scaled[group.m]
+        found += _evaluate(group, prof, _net(nets, group, prof), p, dp, sizes, best, slack, stats)
     if not found:
         raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, dp, sizes, memory_limit))
     found.sort(key=lambda plan: plan.step_time)
@@ -274,9 +286,9 @@ def _evaluate(
         stats.simulated += 1
         peaks = rank_peaks(plan)
         if net.memory_limit is not None and any(
-            peak > limit for peak, limit in zip(peaks, net.memory_limit, strict=True)
+            peak > net.device.usable(limit) for peak, limit in zip(peaks, net.memory_limit, strict=True)
         ):
-            continue  # cannot happen: the rows bound the walk, and each stage fits its rank's limit / v
+            continue  # cannot happen: the rows bound the walk, and each stage fits its rank's usable / v
         out.append(plan)
         best[0] = min(best[0], plan.step_time)
     return out
@@ -439,42 +451,49 @@ def on_rank(net: Options, per_stage: list[float], r: int) -> list[float]:
 
 
 def _refuse_below_static(
-    profile: Profile, p: int, memory_limit: float | Sequence[float], optimizer_state_factor: float
+    profile: Profile,
+    p: int,
+    memory_limit: float | Sequence[float],
+    optimizer_state_factor: float,
+    device: DeviceMemory,
 ) -> None:
     """At once, before any schedule is built: a limit that cannot hold the weights, gradients and
     optimizer state alone, whatever the split (the ranks together hold every layer's, and one rank
-    the largest layer's), fits no configuration. Limits close to what fits are found by the search."""
+    the largest layer's), beside what ``device`` holds beyond them, fits no configuration. Limits
+    close to what fits are found by the search."""
     static = least_memory(profile, optimizer_state_factor)
     limits = [float(memory_limit)] * p if isinstance(memory_limit, int | float) else list(memory_limit)
+    usable = [device.usable(limit) for limit in limits]
     total, largest = sum(static), max(static, default=0.0)
-    if sum(limits) >= total and max(limits) >= largest:
+    if sum(usable) >= total and max(usable) >= largest:
         return
-    need = max(total / p, largest) if isinstance(memory_limit, int | float) else None
+    need = device.limit_for(max(total / p, largest)) if isinstance(memory_limit, int | float) else None
+    less = ", less what each keeps," if device.reserves else ""
     at_least = f"at least {need:.4g} bytes per rank" if need is not None else (
-        f"limits that add up to at least {total:.4g} bytes, one of them at least {largest:.4g}")  # fmt: skip
+        f"limits that{less} add up to at least {total:.4g} bytes, one of them at least "
+        f"{largest:.4g}")  # fmt: skip
     raise ValueError(
         f"memory_limit ({memory_limit!r}) is too small for every configuration: the weights, gradients "
         f"and optimizer state alone are {total:.4g} bytes over {p} ranks (the largest layer's "
-        f"{largest:.4g}), before any activation; it needs {at_least}: raise memory_limit or use more ranks"
+        f"{largest:.4g}), before any activation{reserve_text(device)}; it needs {at_least}: raise "
+        f"memory_limit {reserve_fix(device)}or use more ranks"
     )
 
 
 def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
     """False when no balance fits even the layers' static bytes (weights, gradients, optimizer
     state, buffers): then no schedule, m or mode can fit, and no schedule is built."""
-    assert net.memory_limit is not None
+    assert net.memory_limit is not None  # the search calls it only with a limit
     row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
-    v, _p = k // net.n_ranks, net.n_ranks
-    return fits([row], [net.memory_limit[net.rank_of(s)] / v for s in range(k)], k)
+    return fits([row], net.stage_limits(1.0, net.memory_limit, [0.0] * k, k), k)
 
 
 def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
     """A lower bound on the smallest limit (or factor) that fits k stages: ``_may_fit``'s rows."""
     row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
-    v, p = k // net.n_ranks, net.n_ranks
+    p = net.n_ranks
     base = [1.0] * p if net.scalar_limit or net.memory_limit is None else net.memory_limit
-    scale = [base[net.rank_of(s)] / v for s in range(k)]
-    return smallest([row], k, lambda x: [x * c for c in scale], scale, [0.0] * k)
+    return smallest([row], k, *net.affine(base, [0.0] * k, k))
 
 
 def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, sizes: list[int]) -> float:
@@ -517,19 +536,19 @@ def _nothing_fits(
     Groups go in order of a schedule-free lower bound (the static bytes alone), and one whose
     bound reaches the least limit found is not built."""
     least, where = math.inf, ""
-    floors = [(_least_floor(scaled[g.m], _net(nets, g), p * g.v, sizes), i) for i, g in enumerate(groups)]
+    floors = [(_least_floor(scaled[g.m], _net(nets, g, scaled[g.m]), p * g.v, sizes), i)
+              for i, g in enumerate(groups)]  # fmt: skip
     for floor, i in sorted(floors):
         group = groups[i]
         if floor >= least:
             break
         sched = unchecked(group.schedule, p, group.m, group.v)
-        modes = Modes.build(
-            scaled[group.m], sched, _net(nets, group), sizes, [list(RECOMPUTE_MODES)] * (p * group.v)
-        )
+        prof, every = scaled[group.m], [list(RECOMPUTE_MODES)] * (p * group.v)
+        modes = Modes.build(prof, sched, _net(nets, group, prof), sizes, every)
         x = modes.smallest()
         if x < least:
             least, where = x, f"schedule={group.schedule!r}, n_microbatches={group.m}, n_virtual={group.v}"
-    net = _net(nets, groups[0])
+    net = _net(nets, groups[0], scaled[groups[0].m])
     if net.scalar_limit:
         need = (
             f"the smallest memory_limit that fits is {least!r} bytes per rank ({where}, recompute per stage)"
@@ -538,8 +557,8 @@ def _nothing_fits(
         need = f"the limits must grow by a factor of at least {least!r} ({where}, recompute per stage)"
     return (
         f"memory_limit ({memory_limit!r}) is too small for every configuration searched (schedules, "
-        f"micro-batch counts, recomputation per stage, balances); {need}; raise memory_limit or use more "
-        "ranks"
+        f"micro-batch counts, recomputation per stage, balances); {need}{reserve_text(net.device)}; raise "
+        f"memory_limit {reserve_fix(net.device)}or use more ranks"
     )
 
 
@@ -569,8 +588,9 @@ def check_search(
         raise ValueError(f"keep ({keep!r}) must be an integer >= 1: how many candidates to keep")
 
 
-def _net(nets: dict[tuple[int, str], Options], group: _Group) -> Options:
-    return nets[group.v, entry(group.schedule).placement]
+def _net(nets: dict[tuple[int, str], Options], group: _Group, profile: Profile) -> Options:
+    """The group's options, on the device as ``profile`` (its m's) measured it."""
+    return nets[group.v, entry(group.schedule).placement].measured(profile.device_memory)
 
 
 def _links(

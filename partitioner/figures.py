@@ -15,6 +15,8 @@ from typing import Any
 
 import networkx as nx
 
+from pipeline.plan import DeviceMemory
+
 __all__ = ["LayerProfile", "LayerTiming", "Profile", "ShapeProbe", "TimeEstimate"]
 
 
@@ -151,6 +153,10 @@ class Profile:
     noisy to trust (-1: the loss), ``trusted`` whether there are none; ``seconds_per_flop`` the
     FLOP prior fitted on the stable layers, per time ("forward", "backward", "input", "weight").
 
+    ``device_memory``: what the device holds beyond the tensors the plan counts (workspaces, the
+    allocator's rounding) and the share of a limit kept free there (``partitioner.device_memory``);
+    ``DeviceMemory()`` (nothing) on CPU.
+
     Length. ``shape``: the sample's (rows, length), its first tensor's two leading sizes (None when
     it has fewer); ``probe``: every layer's figures again at twice the rows and half the length
     (``ShapeProbe``), None when a layer (or the loss) cannot run at that shape: then every figure
@@ -171,6 +177,7 @@ class Profile:
     seconds_per_flop: dict[str, float] = field(default_factory=dict)
     shape: tuple[int, int] | None = None
     probe: ShapeProbe | None = None
+    device_memory: DeviceMemory = field(default_factory=DeviceMemory)
 
     @property
     def trusted(self) -> bool:

@@ -46,6 +46,7 @@ from partitioner._profiling import (
     uses_cuda,
 )
 from partitioner._trees import describe, nbytes
+from partitioner.device_memory import Meter
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.lengths import sample_shape
@@ -78,6 +79,7 @@ def profile_graph(
     refuse_ambient_autocast()
     start = time.perf_counter()
     live = LiveBytes()
+    meter = Meter(live)  # the device's workspaces and rounding (partitioner.device_memory)
     names = canonical_names(traced.root)
     env: dict[str, Any] = dict(
         zip(traced.inputs, sample if isinstance(sample, tuple) else (sample,), strict=True)
@@ -92,23 +94,25 @@ def profile_graph(
             held = holder(traced.root, layer.params, traced.constants)
             given = [env[name] for name in spec.inputs]
             here = layer_device(label, held, dev, device_of(given))
-            with live:
-                moved = [t.to(here) for t in given]
-                work = build(traced, spec, working_copy(held, here, init_fn), here)
-            x = moved[0] if len(moved) == 1 else tuple(moved)
-            before = versions(held)
-            run = Run(here, autocast, warmup, repeat, live)
-            first = all(name in traced.inputs for name in spec.inputs)
-            try:
-                last = index == len(traced.layers) - 1
-                figures, out = measure(
-                    index, layer.name, layer.kind, work, work, x, run, first=first, closing=last
-                )
-            except Rejected as err:
-                raise ValueError(
-                    f"{label} rejected its input {describe(x)}: {err}; pass the sample the model was "
-                    "traced with (one micro-batch)"
-                ) from err.__cause__
+            meter.on(here)
+            with meter.layer():
+                with live:
+                    moved = [t.to(here) for t in given]
+                    work = build(traced, spec, working_copy(held, here, init_fn), here)
+                x = moved[0] if len(moved) == 1 else tuple(moved)
+                before = versions(held)
+                run = Run(here, autocast, warmup, repeat, live)
+                first = all(name in traced.inputs for name in spec.inputs)
+                try:
+                    last = index == len(traced.layers) - 1
+                    figures, out = measure(
+                        index, layer.name, layer.kind, work, work, x, run, first=first, closing=last
+                    )
+                except Rejected as err:
+                    raise ValueError(
+                        f"{label} rejected its input {describe(x)}: {err}; pass the sample the model was "
+                        "traced with (one micro-batch)"
+                    ) from err.__cause__
             del work
             check_untouched(label, held, before)
             outs = out if isinstance(out, tuple) else (out,)
@@ -123,7 +127,9 @@ def profile_graph(
                 for j, name in enumerate(traced.outputs)
             ]
             out = pytree.tree_unflatten(flat, traced.out_spec)
-            loss = profile_loss(loss_fn, target, out, Run(device_of(flat), autocast, warmup, repeat, live))
+            run = Run(device_of(flat), autocast, warmup, repeat, live)
+            with meter.layer():
+                loss = profile_loss(loss_fn, target, out, run)
     tensors = [(v.name, v.layer, v.uses, v.nbytes) for v in traced.values.values()]
     layers, loss, noisy, rates = trust(layers, loss, repeat)
     return Profile(
@@ -140,6 +146,7 @@ def profile_graph(
         cut_reasons=cut_blocks(traced.graph, traced.layers, traced.values, traced.root),
         traced=traced_record(traced),
         shape=sample_shape(sample),  # no length probe: a traced graph may hold the sample's sizes
+        device_memory=meter.result(),
     )
 
 

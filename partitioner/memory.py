@@ -23,6 +23,18 @@ It follows the runtime's holders one by one, so it equals what ``pipe.memory_sta
 
 So a balance that fits the rows fits the walk: what a run holds never exceeds the limit.
 
+Beyond the walk. The walk counts tensor storages (what ``memory_stats`` counts on CPU); a device
+holds more, measured once by the profile (``Profile.device_memory``, ``partitioner.device_memory``):
+its matrix products' workspaces (cuBLAS/cuBLASLt, two per rank: the forward's thread and autograd's),
+its allocator's rounding of each tensor (a fraction of the walk, the worst layer's), and a headroom
+left free so that a rank at its limit never makes a failed cudaMalloc flush the allocator's cache
+mid-step (10 % on CUDA, ``memory_headroom=``). A rank fits when (``DeviceMemory.usable``)::
+
+    walked peak * (1 + rounding) + workspaces  <=  limit * (1 - headroom)
+
+so the rows are fitted to the usable bytes, not the limit; ``Plan.rank_peaks`` stays the walk
+(comparable with ``memory_stats``) and ``Plan.rank_needs`` adds the rest. On CPU all three are 0.
+
 ``in_flight`` (peak micro-batches held per stage), ``held`` and ``layer_memory`` are the earlier
 count model, kept for their closed forms (``held``: sets and kept inputs per recompute mode).
 

@@ -14,12 +14,14 @@ read that ``Schedule``. What a layer and a cut cost is ``partitioner.costs``'s; 
 
 ``sample`` is ONE micro-batch: the figures (and so step-time predictions) are per micro-batch.
 Per rank r: ``speeds[r]`` divides its stages' compute time (a rank twice as fast: 2.0), and
-``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages.
+``memory_limit`` (one number for every rank, or one per rank) is split evenly among its v stages,
+less what the device holds beyond the tensors the plan counts and the headroom kept free
+(``plan.device_memory``, measured by the profile: ``partitioner.device_memory``; nothing on CPU).
 The rows bound the schedule walked rank by rank (``partitioner.memory``): every plan returned
 under ``memory_limit`` has each rank's walked peak (``plan.rank_peaks``, what
-``pipe.memory_stats()`` measures) within its limit; the plan records the limit
-(``plan.memory_limit``), which a variable-length run's steps are held to as well. A
-stage's input and output buffers are charged at the largest activation any cut can carry.
+``pipe.memory_stats()`` measures) within its usable bytes (``plan.usable_limits()``); the plan
+records the limit (``plan.memory_limit``), which a variable-length run's steps are held to as
+well. A stage's input and output buffers are charged at the largest activation any cut can carry.
 
 Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
 when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.
@@ -75,6 +77,7 @@ def partition(
     latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
     runtime: RuntimeCosts | None = None,
+    memory_headroom: float | None = None,
     autocast: torch.dtype | None = None,
     loss_fn: LossFn | None = None,
     target: Any = None,
@@ -86,9 +89,11 @@ def partition(
 
     ``n_microbatches`` (m) defaults to the number of ranks and ``n_virtual`` (v) to 2 for
     "interleaved-1f1b" and 1 otherwise (see ``schedule_options``). ``memory_limit``: bytes per
-    rank; ``recompute``: one mode, or a tuple of one per stage (k = p * v; the balance is then
-    solved with each stage priced and sized by its own mode); ``speeds``: one per rank;
-    ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one per link (see
+    rank, of which the device's workspaces, its allocator's rounding and ``memory_headroom`` (the
+    share kept free; None: the device's default, 10 % on CUDA and 0 on CPU) are reserved
+    (``partitioner.device_memory``); ``recompute``: one mode, or a tuple of one per stage
+    (k = p * v; the balance is then solved with each stage priced and sized by its own mode);
+    ``speeds``: one per rank; ``bandwidth`` (bytes/s) and ``latency`` (s): one number or one per link (see
     ``partitioner.costs``; ``partitioner.links.measure_links`` measures them). ``runtime``: the
     runtime's own seconds per action and per message that the predicted step charges
     (``partitioner.overhead``; ``measure_runtime`` measures them on the run's ranks). None: none
@@ -120,6 +125,7 @@ def partition(
     if schedule == "auto" or n_microbatches == "auto":
         return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
                      memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor, runtime,
+                     memory_headroom,
                      dict(autocast=autocast, loss_fn=loss_fn, target=target, device=device, init_fn=init_fn),
                      profile)  # fmt: skip
     if batch_size is not None:
@@ -146,9 +152,11 @@ def partition(
         optimizer_state_factor,
         runtime,
         entry(schedule).placement,
+        memory_headroom,
     )
     check_model(model)
     profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
+    net.measured(profile.device_memory)
     sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
@@ -168,9 +176,9 @@ def _check_walk(plan: Plan, net: Options) -> None:
     if net.memory_limit is None:
         return
     over = [
-        f"rank {r}: {peak:g} > {limit:g}"
-        for r, (peak, limit) in enumerate(zip(plan.rank_peaks, net.memory_limit, strict=True))
-        if peak > limit
+        f"rank {r}: {peak:g} > {usable:g}"
+        for r, (peak, usable) in enumerate(zip(plan.rank_peaks, plan.usable_limits(), strict=True))
+        if peak > usable
     ]
     if over:
         raise RuntimeError(
@@ -194,6 +202,7 @@ def plan_for(
     latency: float | Sequence[float] | None = None,
     optimizer_state_factor: float = 2.0,
     runtime: RuntimeCosts | None = None,
+    memory_headroom: float | None = None,
 ) -> Plan:
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
@@ -214,9 +223,10 @@ def plan_for(
         optimizer_state_factor,
         runtime,
         entry(shape.schedule).placement,
+        memory_headroom,
     )
     check_balance_layers(shape.balance, len(profile))
-    return predicted(profile, shape, shape.build_schedule(), net)
+    return predicted(profile, shape, shape.build_schedule(), net.measured(profile.device_memory))
 
 
 def check_balance_layers(balance: Sequence[int], n_layers: int, source: str = "the profile") -> None:
@@ -294,6 +304,7 @@ def _auto(
     latency: float | Sequence[float] | None,
     optimizer_state_factor: float,
     runtime: RuntimeCosts | None,
+    memory_headroom: float | None,
     profiling: dict[str, Any],
     profile: Profile | None,
 ) -> Plan:
@@ -318,9 +329,10 @@ def _auto(
         )
     batch = rows if batch_size is None else batch_size
     check_search(batch, memory_limit)
-    Options.make(
-        cost, n_ranks, 1, speeds, None, None, memory_limit, optimizer_state_factor, runtime
-    )  # checked
+    Options.make(  # checked
+        cost, n_ranks, 1, speeds, None, None, memory_limit, optimizer_state_factor, runtime,
+        memory_headroom=memory_headroom,
+    )  # fmt: skip
     check_model(model)
     prof = _profiled(model, n_ranks, 1, sample, profile, **profiling)
     sample_rows = rows if profile is None else _profile_rows(prof, sample)
@@ -333,7 +345,7 @@ def _auto(
         prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit, second=second,
         schedules=None if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
         dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
-        optimizer_state_factor=optimizer_state_factor, runtime=runtime,
+        optimizer_state_factor=optimizer_state_factor, runtime=runtime, memory_headroom=memory_headroom,
     )  # fmt: skip
 
 

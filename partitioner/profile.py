@@ -37,6 +37,8 @@ micro-batch's length at fixed tokens, attention's as rows x length² (``Profile.
 
 ``peak_bytes`` is the profile's own peak: the most bytes of tensors it held at once on one device
 (the working copy, inputs, two held forwards and their gradients), counted by ``LiveBytes``.
+``device_memory`` is what each device it ran on holds beyond such tensors (its matrix products'
+workspaces, its allocator's rounding of each layer's tensors: ``partitioner.device_memory``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from partitioner._profiling import (
     uses_cuda,
 )
 from partitioner._trees import describe, nbytes, tree_map
+from partitioner.device_memory import Meter
 from partitioner.figures import LayerProfile, Profile, ShapeProbe
 from partitioner.graph import layer_graph
 from partitioner.graph_profile import profile_graph
@@ -124,6 +127,7 @@ def profile(
     refuse_ambient_autocast()
     start = time.perf_counter()
     live = LiveBytes()
+    meter = Meter(live)
     layers: list[LayerProfile] = []
     devices: list[str] = []
     loss = None
@@ -136,30 +140,33 @@ def profile(
         for index, (name, layer) in enumerate(model._modules.items()):
             label = f"layer {index} ({name}: {type(layer).__name__})"
             here = layer_device(label, layer, dev, device_of(x))
-            with live:
-                x = tree_map(x, lambda t, at=here: t.to(at))  # type: ignore[misc]
-                work = working_copy(layer, here, init_fn)
-            before = versions(layer)
-            run = Run(here, autocast, warmup, repeat, live)
-            given = x
-            try:
-                last = index == len(model._modules) - 1
-                figures, x = measure(
-                    index, name, type(layer).__name__, work, work, x, run, first=index == 0, closing=last
-                )
-            except Rejected as err:
-                raise ValueError(
-                    f"{label} rejected its input {describe(x)}: {err}; "
-                    "pass a sample that the model accepts (one micro-batch)"
-                ) from err.__cause__
-            if probed is not None and shape is not None:  # the same layer at half the length, if it runs
-                seen = probe_layer(
-                    index, name, type(layer).__name__, work, given, run, shape, first=index == 0, closing=last
-                )
-                if seen is None:
-                    probed = None
-                else:
-                    probed.append(seen)
+            meter.on(here)
+            with meter.layer():  # what the allocator's rounding adds to this layer's tensors
+                with live:
+                    x = tree_map(x, lambda t, at=here: t.to(at))  # type: ignore[misc]
+                    work = working_copy(layer, here, init_fn)
+                before = versions(layer)
+                run = Run(here, autocast, warmup, repeat, live)
+                given = x
+                try:
+                    last = index == len(model._modules) - 1
+                    figures, x = measure(
+                        index, name, type(layer).__name__, work, work, x, run, first=index == 0, closing=last
+                    )
+                except Rejected as err:
+                    raise ValueError(
+                        f"{label} rejected its input {describe(x)}: {err}; "
+                        "pass a sample that the model accepts (one micro-batch)"
+                    ) from err.__cause__
+                if probed is not None and shape is not None:  # the same layer at half the length, if it runs
+                    seen = probe_layer(
+                        index, name, type(layer).__name__, work, given, run, shape, first=index == 0,
+                        closing=last,
+                    )  # fmt: skip
+                    if seen is None:
+                        probed = None
+                    else:
+                        probed.append(seen)
             del work, given
             check_untouched(label, layer, before)
             layers.append(dataclasses.replace(figures, params=held_names(layer, names)))
@@ -167,10 +174,11 @@ def profile(
         probed_loss = None
         if loss_fn is not None:
             run = Run(device_of(x), autocast, warmup, repeat, live)
-            loss = profile_loss(loss_fn, target, x, run)
-            if probed is not None and shape is not None:
-                probed_loss = probe_loss(loss_fn, target, x, run, shape)
-                probed = None if probed_loss is None else probed
+            with meter.layer():
+                loss = profile_loss(loss_fn, target, x, run)
+                if probed is not None and shape is not None:
+                    probed_loss = probe_loss(loss_fn, target, x, run, shape)
+                    probed = None if probed_loss is None else probed
     layers, loss, noisy, rates = trust(layers, loss, repeat)
     return Profile(
         layers,
@@ -185,6 +193,7 @@ def profile(
         seconds_per_flop=rates,
         shape=shape,
         probe=None if probed is None or half is None else ShapeProbe(half, probed, probed_loss),
+        device_memory=meter.result(),
     )
 
 

@@ -10,6 +10,8 @@ at r = B / m rows for each candidate m. The model, per layer and figure::
     flops(r) = flops(r0) * r / r0        (forward, backward and its input and weight parts)
     timing estimates (spread, prior): kept as measured at r0, describing the measurement
     parameters, buffers and autocast's weight copies: unchanged
+    the allocator's rounding, a fraction of the bytes: * r0 / r when r < r0 (a tensor's rounding
+    is fixed, its bytes shrink), unchanged when r > r0 (an upper bound)
     the sample's shape (r0, L) and the length probe's (2 r0, L / 2): r0 to r, its figures per row
 
 With one profile, c = 0 (simply linear). Given a second profile of the same model at r1 != r0
@@ -117,8 +119,10 @@ def scale_profile(
             [scaled(lp, None, 0) for lp in probe.layers],
             None if probe.loss is None else scaled(probe.loss, None, 0),
         )
+    device = profile.device_memory
     return dataclasses.replace(
         profile,
+        device_memory=dataclasses.replace(device, rounding=device.rounding / min(factor, 1.0)),
         layers=layers,
         graph=_scaled_graph(profile.graph, factor),
         input_bytes=_per_row(profile.input_bytes, factor),

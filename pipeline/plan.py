@@ -12,7 +12,10 @@ bytes sent, the step time and bubble). ``partition`` makes one,
 between processes. A plan without predictions (``Plan(balance=[3, 4])``) is
 valid too: that is what ``Pipeline`` builds from a plain balance list. What the
 partitioner found besides (each rank's predicted peak, tied weights, a traced
-model's graph and cuts, the auto search's runners-up) is in typed fields too.
+model's graph and cuts, the auto search's runners-up) is in typed fields too. ``DeviceMemory``
+is what a rank's device needs beyond the tensors the walk counts (workspaces, the allocator's
+rounding) and the share of the limit kept free: the rule the memory limit is checked by, read by
+the partitioner and by a variable-length run alike.
 
     stage  layers       fwd ms   bwd ms    cost ms  memory MB  sent MB
         0  0-2            1.20     2.40      3.600      12.50     0.52
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -36,7 +40,7 @@ from pipeline.schedules.program import Program
 from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import Schedule, default_n_virtual, rank_of, schedule, schedule_options
 
-__all__ = ["Candidate", "Plan", "SearchStats", "StagePlan", "TracedGraph"]
+__all__ = ["Candidate", "DeviceMemory", "Plan", "SearchStats", "StagePlan", "TracedGraph"]
 
 _UNITS = {
     "time": ("cost ms", 1e3),
@@ -127,6 +131,81 @@ class SearchStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """What a rank's device holds beyond the tensors the plan counts (``Plan.rank_peaks``, the walk),
+    and how much of its memory limit is kept free; measured once by the profile on its device
+    (``partitioner.device_memory``). The default is a CPU's: nothing beyond the tensors.
+
+    A rank fits its limit L when (one rule: ``usable``; ``need`` and ``limit_for`` are its inverses)::
+
+        need(peak) = peak * (1 + rounding) + workspace_bytes  <=  L * (1 - headroom)
+
+    ``workspace_bytes``: the BLAS workspaces (cuBLAS, cuBLASLt) that a step's matrix products
+    allocate and keep, one per (thread, stream): the forward's and autograd's backward's, once per
+    rank whatever its stages. ``block_bytes``: the allocator rounds each allocation up to a
+    multiple of it (CUDA's caching allocator: 512; 1: no rounding). ``rounding``: the fraction that
+    rounding adds to the bytes the walk counts. ``headroom``: the fraction of the limit left free,
+    so that a plan at its limit does not make a failed cudaMalloc free the allocator's cache and
+    synchronise the device in the middle of a step (``partition(..., memory_headroom=...)``).
+    """
+
+    device: str = "cpu"  # where it was measured
+    workspace_bytes: float = 0.0
+    block_bytes: int = 1
+    rounding: float = 0.0
+    headroom: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("workspace_bytes", "rounding"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x >= 0):
+                raise ValueError(
+                    f"DeviceMemory.{name} ({x!r}) must be a finite number >= 0; measure it with "
+                    "partitioner.device_memory.measure_device_memory"
+                )
+        block = self.block_bytes
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"DeviceMemory.block_bytes ({block!r}) must be an integer >= 1 (1: no rounding)")
+        check_headroom(self.headroom, "DeviceMemory.headroom")
+
+    def usable(self, limit: float) -> float:
+        """The most bytes the walk (``Plan.rank_peaks``) may hold on a rank whose limit is ``limit``."""
+        return (limit * (1.0 - self.headroom) - self.workspace_bytes) / (1.0 + self.rounding)
+
+    def need(self, peak: float) -> float:
+        """The device bytes a rank whose walked peak is ``peak`` holds: with workspaces and rounding."""
+        return peak * (1.0 + self.rounding) + self.workspace_bytes
+
+    def limit_for(self, peak: float) -> float:
+        """The least limit whose ``usable`` bytes hold a walked peak of ``peak``."""
+        return self.need(peak) / (1.0 - self.headroom)
+
+    @property
+    def reserves(self) -> bool:
+        """Whether anything is reserved beyond the walk (False: a limit is the walk's own, as on CPU)."""
+        return bool(self.workspace_bytes or self.rounding or self.headroom)
+
+    def describe(self) -> str:
+        """What a limit keeps beyond the walk, and how to change each part (for messages)."""
+        return (
+            f"each rank's limit keeps {self.workspace_bytes / 2**20:.2f} MiB for the matrix products' "
+            f"workspaces on {self.device} (torch.backends.cuda.cublas_workspace_size, "
+            f"CUBLAS_WORKSPACE_CONFIG), {self.rounding:.2%} of the counted bytes for the allocator's "
+            f"rounding to {self.block_bytes} B, and {self.headroom:.0%} of itself free "
+            "(memory_headroom=)"
+        )
+
+
+def check_headroom(value: object, name: str = "memory_headroom") -> None:
+    """ValueError unless ``value`` is a fraction in [0, 1): the share of a memory limit kept free."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{name} ({value!r}) must be a fraction in [0, 1): the share of each rank's memory limit kept "
+            "free for the allocator (0.1 keeps 10 %)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Balance, schedule, m, v, recomputation and predictions; checked when made (see ``schedule_options``).
 
@@ -164,6 +243,8 @@ class Plan:
     # sample's two leading sizes (the auto search's rows); empty: unknown
     micro_batch_shape: list[int] = field(default_factory=list)
     memory_limit: list[float] = field(default_factory=list)  # per rank, what partition was given; empty: none
+    # what each rank's device needs beyond rank_peaks, and the limit's share kept free (the profile's)
+    device_memory: DeviceMemory = field(default_factory=DeviceMemory)
 
     def __post_init__(self) -> None:
         balance = self.balance
@@ -200,6 +281,12 @@ class Plan:
     def _check_found(self) -> None:
         """The partitioner's findings, typed: a plain dict where a record belongs (the old ``extra``'s
         form) or a lone string for a list is refused, naming the field; lists are copied as lists."""
+        if not isinstance(self.device_memory, DeviceMemory):
+            raise TypeError(
+                f"device_memory must be a DeviceMemory, got {type(self.device_memory).__name__} "
+                f"{self.device_memory!r}; build one (DeviceMemory(...)), or read a recorded plan with "
+                "Plan.from_json"
+            )
         for name, kind in (("graph", TracedGraph), ("search", SearchStats)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
@@ -296,6 +383,18 @@ class Plan:
             start += size
         return out
 
+    @property
+    def rank_needs(self) -> list[float]:
+        """Per rank, the device bytes its predicted peak takes: ``rank_peaks`` with the workspaces and
+        the allocator's rounding (``DeviceMemory.need``); the same as ``rank_peaks`` on CPU."""
+        return [self.device_memory.need(peak) for peak in self.rank_peaks]
+
+    def usable_limits(self, limits: list[float] | None = None) -> list[float]:
+        """Per rank, the most bytes the walk may hold within ``limits`` (default: ``memory_limit``),
+        the device's reserve taken off (``DeviceMemory.usable``); empty when there is no limit."""
+        given = self.memory_limit if limits is None else limits
+        return [self.device_memory.usable(limit) for limit in given]
+
     def predicted_busy(self) -> list[float]:
         """Per rank, the predicted compute seconds of one step: m x (forward + backward) of its stages."""
         p, placement = self.n_ranks, entry(self.schedule).placement
@@ -324,6 +423,8 @@ class Plan:
             data["graph"] = TracedGraph(**_known(TracedGraph, data["graph"]))
         if data.get("search") is not None:
             data["search"] = SearchStats(**_known(SearchStats, data["search"]))
+        if isinstance(data.get("device_memory"), dict):
+            data["device_memory"] = DeviceMemory(**_known(DeviceMemory, data["device_memory"]))
         data["candidates"] = [Candidate(**_known(Candidate, c)) for c in data.get("candidates", [])]
         return cls(**data)
 
@@ -356,6 +457,14 @@ class Plan:
             )
         else:
             lines.append(f"balance {self.balance}  {self.summary()} (no predictions)")
+        dm = self.device_memory
+        if dm.reserves and self.rank_peaks:
+            needs = ", ".join(f"{x / 1e6:.2f}" for x in self.rank_needs)
+            lines.append(
+                f"device memory per rank: peak + {dm.workspace_bytes / 1e6:.2f} MB workspaces + "
+                f"{dm.rounding:.2%} rounding = {needs} MB on {dm.device}; {dm.headroom:.0%} of the limit "
+                "kept free"
+            )
         if self.cuts:
             lines.append("cuts before " + ", ".join(self.cuts))
         if self.ties:

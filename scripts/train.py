@@ -126,7 +126,9 @@ def _fixed_plan(cfg: Config, device: torch.device) -> Plan:
         raise FlagError(f"--balance gives {plan.n_stages} stages, {p} ranks x {v}, but --stages is "
                         f"{cfg.stages}: give {cfg.stages * v} layer counts")  # fmt: skip
     limit = math.inf if cfg.memory_limit is None else cfg.memory_limit
-    over = ", ".join(f"rank {r} {x / 1e6:.2f} MB" for r, x in enumerate(plan.rank_peaks) if x > limit)
+    usable = plan.usable_limits([limit] * plan.n_ranks)  # the limit less the device's reserve (workspaces...)
+    over = ", ".join(f"rank {r} {x / 1e6:.2f} MB" for r, (x, most) in enumerate(zip(plan.rank_peaks, usable,
+                     strict=True)) if x > most)  # fmt: skip
     if over:
         raise FlagError(f"{cfg.flags('balance', 'memory_limit')}: the predicted peak exceeds the limit "
                         f"({over}); raise --memory-limit, give another --balance, or omit --balance to have "

@@ -22,6 +22,18 @@ def test_counts_new_storages_once_and_frees_them() -> None:
     assert live.peak["cpu"] == 1024 + 4000 and live.most() == 5024
 
 
+def test_every_storage_is_tallied_raw_and_in_allocator_blocks() -> None:
+    live = LiveBytes()
+    live.block["cpu"] = 512  # a caching allocator's (partitioner.device_memory)
+    with live:
+        a = torch.empty(25)  # 100 B: one 512 B block
+        b = torch.empty(256)  # 1 KiB: two whole blocks
+        del a, b
+        c = torch.empty(25, dtype=torch.uint8)  # freed storages stay in the tally
+    assert (live.made["cpu"], live.rounded["cpu"]) == (100 + 1024 + 25, 512 + 1024 + 512)
+    assert live.now["cpu"] == 25 and c.nelement() == 25
+
+
 def test_autograd_saved_tensors_and_gradients() -> None:
     lin = nn.Linear(64, 64)
     x = torch.randn(16, 64, requires_grad=True)

@@ -30,7 +30,7 @@ from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts
 from partitioner.scaling import batch_rows, scale_profile
-from pipeline.plan import Candidate, Plan
+from pipeline.plan import Candidate, DeviceMemory, Plan
 from pipeline.runtime.step.recompute import RECOMPUTE_MODES
 from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import SCHEDULES, schedule_options
@@ -200,6 +200,38 @@ def test_smallest_limit_in_the_error_is_exact() -> None:
         search(prof, 2, memory_limit=least * (1 - 1e-9), **kw)  # type: ignore[arg-type]
 
 
+def test_the_search_keeps_each_ranks_device_reserve() -> None:
+    """A device's workspaces and headroom come off every rank's limit before anything is fitted: a
+    limit that holds the weights is refused at once when it does not hold them beside the reserve;
+    the smallest limit is the CPU's grown by exactly the reserve; the winner fits within it."""
+    prof = synthetic(8, seed=3)
+    kw = dict(batch_size=4, sample_rows=4, bandwidth=1e8, latency=1e-4)
+    least = _least(prof, 2, **kw)  # on CPU: nothing reserved
+    device = DeviceMemory(device="cuda:0", workspace_bytes=8 * 2**20, block_bytes=512, headroom=0.1)
+    gpu = dataclasses.replace(prof, device_memory=device)
+    static = least_memory(prof, 2.0)
+    floor = max(sum(static) / 2, max(static))
+    kept = (
+        r"each rank's limit keeps 8.00 MiB for the matrix products' workspaces on cuda:0 .*memory_headroom=\)"
+    )
+    with pytest.raises(ValueError, match=rf"before any activation \({kept}\); it needs at least .* lower"):
+        search(gpu, 2, memory_limit=floor * 1.001, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"that fits is ([0-9.e+]+) bytes per rank .*\({kept}\)") as info:
+        search(gpu, 2, memory_limit=device.limit_for(floor) * 1.001, **kw)  # type: ignore[arg-type]
+    reserved = float(str(info.value).split("that fits is ")[1].split(" bytes")[0])
+    assert reserved == pytest.approx(device.limit_for(least), rel=1e-9)
+    plan = search(gpu, 2, memory_limit=reserved, **kw)  # type: ignore[arg-type]
+    assert plan.device_memory == device and max(plan.rank_needs) <= reserved * 0.9 * (1 + 1e-12)
+    assert plan.candidates[0].peak_bytes == rank_peaks(plan)  # the runners-up's peaks: the walk, as before
+    with pytest.raises(ValueError, match="too small for every configuration"):
+        search(gpu, 2, memory_limit=reserved * (1 - 1e-9), **kw)  # type: ignore[arg-type]
+    # the headroom is the caller's to set: none keeps only the workspaces
+    none = search(gpu, 2, memory_limit=reserved, memory_headroom=0.0, **kw)  # type: ignore[arg-type]
+    assert none.device_memory == dataclasses.replace(device, headroom=0.0)
+    with pytest.raises(ValueError, match=r"memory_headroom \(-0.1\) must be a fraction in \[0, 1\)"):
+        search(gpu, 2, memory_limit=reserved, memory_headroom=-0.1, **kw)  # type: ignore[arg-type]
+
+
 def test_a_limit_below_the_static_bytes_is_refused_before_any_schedule_is_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -365,6 +397,13 @@ def test_scaling_is_linear_or_fits_a_per_call_overhead() -> None:
     at16 = scale_profile(prof, 4, 16, second=(other, 8))
     for a, b in zip(prof.layers, at16.layers, strict=True):
         assert b.forward_time == pytest.approx(a.forward_time + 3e-3)
+    # the allocator's rounding, a share of the bytes: fixed per tensor, so it weighs more at fewer rows
+    rounded = dataclasses.replace(
+        prof, device_memory=DeviceMemory(device="cuda:0", block_bytes=512, rounding=0.01)
+    )
+    assert scale_profile(rounded, 4, 1).device_memory.rounding == pytest.approx(0.04)
+    assert scale_profile(rounded, 4, 8).device_memory == rounded.device_memory  # at more rows: kept (a bound)
+    assert twice.device_memory == prof.device_memory == DeviceMemory()
     assert batch_rows((torch.zeros(5, 2), {"y": torch.zeros(5)})) == 5
     with pytest.raises(ValueError, match=r"disagree on their rows"):
         batch_rows((torch.zeros(5, 2), torch.zeros(4)))

@@ -27,6 +27,7 @@ from partitioner import (
     solve,
 )
 from partitioner.memory import coefficients
+from pipeline.plan import DeviceMemory
 from pipeline.reference.models import gpt, gpt_loss, mlp
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
@@ -193,6 +194,67 @@ def test_recompute_memory_limit_is_kept(small_gpt) -> None:  # type: ignore[no-u
     assert max(plan.rank_peaks) <= limit
     with pytest.raises(ValueError, match=r"recompute='always', where a stage keeps up to .* bytes of inputs"):
         partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
+
+
+def _least_of(
+    error: pytest.ExceptionInfo[ValueError], what: str = "the smallest limit that fits is "
+) -> float:
+    return float(str(error.value).split(what)[1].split(" ")[0].rstrip(";("))
+
+
+def test_a_limit_keeps_the_devices_reserve(small_gpt) -> None:  # type: ignore[no-untyped-def]
+    """What the device holds beyond the walk (one H200's workspaces, faked here: the CPU's are 0),
+    its allocator's rounding and the headroom come off each rank's limit: a limit that holds the
+    weights and activations but not them beside is refused, naming them and the fixes; the
+    smallest limit is the CPU's grown by exactly the reserve; the plan carries it."""
+    model, sample, prof = small_gpt
+    assert prof.device_memory == DeviceMemory()  # profiled on CPU: nothing beyond the tensors
+    opts = {"schedule": "gpipe", "n_microbatches": 4}
+    device = DeviceMemory(
+        device="cuda:0", workspace_bytes=64 * 2**20, block_bytes=512, rounding=0.01, headroom=0.1
+    )
+    gpu = dataclasses.replace(prof, device_memory=device)
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
+        partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
+    least = _least_of(info)  # the weights, gradients, optimizer state and activations: the CPU's
+    cpu = partition(model, 2, sample, profile=prof, memory_limit=least * 1.01, **opts)
+    assert cpu.device_memory == DeviceMemory() and cpu.rank_needs == cpu.rank_peaks
+    assert cpu == partition(
+        model, 2, sample, profile=prof, memory_limit=least * 1.01, memory_headroom=0.0, **opts
+    )
+    kept = (r"each rank's limit keeps 64.00 MiB for the matrix products' workspaces on cuda:0 "
+            r"\(torch.backends.cuda.cublas_workspace_size, CUBLAS_WORKSPACE_CONFIG\), 1.00% of the "
+            r"counted bytes for the allocator's rounding to 512 B, and 10% of itself free "
+            r"\(memory_headroom=\)")  # fmt: skip
+    with pytest.raises(ValueError, match=rf"is too small: no split into 2 stages fits it; the smallest limit "
+                       rf"that fits is [0-9.e+]+ \({kept}\); raise memory_limit or lower memory_headroom or "
+                       r"the workspaces, or use more ranks") as info:  # fmt: skip
+        partition(model, 2, sample, profile=gpu, memory_limit=least * 1.01, **opts)
+    reserved = _least_of(info)
+    assert reserved == pytest.approx(device.limit_for(least), rel=1e-12)
+    plan = partition(model, 2, sample, profile=gpu, memory_limit=reserved, **opts)
+    assert plan.device_memory == device and plan.memory_limit == [reserved] * 2
+    assert plan.rank_needs == [device.need(x) for x in plan.rank_peaks]
+    assert max(plan.rank_needs) <= reserved * (1 - device.headroom) * (1 + 1e-12)
+    with pytest.raises(ValueError, match="the smallest limit that fits is"):
+        partition(model, 2, sample, profile=gpu, memory_limit=math.nextafter(reserved, 0.0), **opts)
+    with pytest.raises(ValueError, match=r"limits must grow by a factor of at least [0-9.e+]+ \(each rank's"):
+        partition(model, 2, sample, profile=gpu, memory_limit=[least * 1.01] * 2, **opts)
+    # the headroom is the caller's to set, and each plan records what it kept
+    none = partition(model, 2, sample, profile=gpu, memory_limit=reserved * 0.9, memory_headroom=0.0, **opts)
+    assert none.device_memory == dataclasses.replace(device, headroom=0.0)
+    free = plan_for(gpu, plan.balance, **opts)
+    assert free.device_memory == device and free.rank_peaks == plan.rank_peaks  # the walk is the CPU's
+    with pytest.raises(ValueError, match=r"memory_headroom \(1.0\) must be a fraction in \[0, 1\)"):
+        partition(model, 2, sample, profile=gpu, memory_limit=reserved, memory_headroom=1.0, **opts)
+    # two stages per rank: the reserve is the rank's, kept once whatever its stages
+    inter = {"schedule": "interleaved-1f1b", "n_microbatches": 4}
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
+        partition(model, 2, sample, profile=prof, memory_limit=1.0, **inter)
+    least = _least_of(info)
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
+        partition(model, 2, sample, profile=gpu, memory_limit=least, **inter)
+    assert _least_of(info) == pytest.approx(device.limit_for(least), rel=1e-12)
 
 
 def _synthetic(n: int, f: float, b: float, w: float) -> Profile:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import partitioner
-from pipeline.plan import Candidate, Plan, SearchStats, StagePlan, TracedGraph
+from pipeline.plan import Candidate, DeviceMemory, Plan, SearchStats, StagePlan, TracedGraph
 from pipeline.schedules.peaks import PARTS, StageBytes
 
 
@@ -52,6 +52,10 @@ def _candidate(balance: list[int], step: float, recompute: str | tuple[str, ...]
                      balance=balance, step_time=step, bubble=0.25, peak_bytes=[3e6, 2.5e6])  # fmt: skip
 
 
+# one H200's as the review found them: two 32 MiB workspaces, 512 B blocks; the default headroom
+_H200 = DeviceMemory(
+    device="cuda:0", workspace_bytes=64 * 2**20, block_bytes=512, rounding=0.002, headroom=0.1
+)
 _GRAPH = TracedGraph(method="export", fingerprint="9f2c", sample=[([2, 8], "int64")], layers=["tok", "head"])
 
 
@@ -111,6 +115,7 @@ def test_json_round_trips_every_field() -> None:
         micro_batch_rows=8,
         micro_batch_shape=[8, 64],
         memory_limit=[5e6, 6e6],
+        device_memory=_H200,
     )
     defaults = Plan(balance=[1, 1])
     for f in dataclasses.fields(Plan):  # every field is set away from its default, so the test sees it
@@ -128,6 +133,7 @@ def test_json_round_trips_every_field() -> None:
     assert isinstance(back.graph, TracedGraph) and isinstance(back.search, SearchStats)
     assert all(isinstance(c, Candidate) for c in back.candidates)
     assert back.candidates[1].recompute == ("always",) * 4  # a tuple again, as given
+    assert isinstance(back.device_memory, DeviceMemory) and back.usable_limits() == plan.usable_limits()
     assert Plan.from_json(Plan(balance=[3, 4]).to_json()) == Plan(balance=[3, 4])  # no predictions
 
 
@@ -329,6 +335,7 @@ def test_a_plan_written_before_the_length_figures_reads_as_linear() -> None:
         ({"micro_batch_rows": 2.5}, ValueError, r"micro_batch_rows \(2.5\) must be an integer >= 0"),
         ({"micro_batch_shape": [8]}, ValueError, r"micro_batch_shape \(\[8\]\) must be \[rows, length\]"),
         ({"memory_limit": [1e9]}, ValueError, r"memory_limit has 1 entries for 2 ranks; give one per rank"),
+        ({"device_memory": {"rounding": 0}}, TypeError, r"device_memory must be a DeviceMemory, got dict"),
     ],
 )  # fmt: skip
 def test_bad_findings_are_named(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
@@ -362,3 +369,48 @@ def test_a_plan_prints_each_ranks_program() -> None:
     assert [str(x) for x in tied.program(0).tail()] == [
         "wait reduce 0", "all_reduce ties 0,1", "broadcast loss 1 0,1", "all_reduce loss replicas",
     ]  # fmt: skip
+
+
+# ---- what a rank's device holds beyond the walk (DeviceMemory): one rule for fit, need and messages
+
+
+def test_device_memory_reserves_workspaces_rounding_and_headroom() -> None:
+    d = _H200
+    limit = 1e9
+    usable = d.usable(limit)
+    assert usable == pytest.approx((limit * 0.9 - 64 * 2**20) / 1.002)
+    assert d.need(usable) == pytest.approx(limit * 0.9) and d.limit_for(usable) == pytest.approx(limit)
+    plan = Plan(balance=[1, 1], rank_peaks=[usable, 1e8], memory_limit=[limit, limit], device_memory=d)
+    assert plan.usable_limits() == [usable, usable] and plan.usable_limits([2e9]) == [d.usable(2e9)]
+    assert plan.rank_needs == [d.need(usable), d.need(1e8)]
+    assert "device memory per rank: peak + 67.11 MB workspaces + 0.20% rounding = 900.00, 167.31 MB on " \
+        "cuda:0; 10% of the limit kept free" in plan.table()  # fmt: skip
+    assert "64.00 MiB for the matrix products' workspaces" in d.describe()
+    assert "memory_headroom=" in d.describe() and "CUBLAS_WORKSPACE_CONFIG" in d.describe()
+
+
+def test_cpu_device_memory_reserves_nothing() -> None:
+    """The default is a CPU's: the limit is the walk's own, and the table is as without it."""
+    d = DeviceMemory()
+    assert not d.reserves and (d.usable(123.0), d.need(123.0), d.limit_for(123.0)) == (123.0, 123.0, 123.0)
+    plan = Plan(balance=[1, 1], rank_peaks=[1e6, 2e6], memory_limit=[5e6, 5e6])
+    assert plan.rank_needs == plan.rank_peaks and plan.usable_limits() == plan.memory_limit
+    assert "device memory" not in plan.table()
+    old = json.loads(plan.to_json())
+    del old["device_memory"]  # a plan written before the field reads as a CPU's
+    assert Plan.from_json(json.dumps(old)) == plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workspace_bytes": -1.0}, r"DeviceMemory.workspace_bytes \(-1.0\) must be a finite number >= 0"),
+        ({"rounding": float("nan")}, r"DeviceMemory.rounding \(nan\) must be a finite number >= 0"),
+        ({"block_bytes": 0}, r"DeviceMemory.block_bytes \(0\) must be an integer >= 1 \(1: no rounding\)"),
+        ({"headroom": 1.0}, r"DeviceMemory.headroom \(1.0\) must be a fraction in \[0, 1\)"),
+        ({"headroom": True}, r"DeviceMemory.headroom \(True\) must be a fraction in \[0, 1\)"),
+    ],
+)
+def test_bad_device_memory_is_named(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DeviceMemory(**kwargs)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from torch import nn
 from partitioner import plan_for, profile
 from partitioner.figures import Profile
 from partitioner.lengths import share
+from pipeline.plan import DeviceMemory
 from pipeline.reference.models import gpt, gpt_loss, with_documents
 from pipeline.runtime.inputs.varlen import (
     StepCosts,
@@ -383,6 +384,15 @@ def test_a_plan_bounds_each_step_by_its_memory(toy: tuple[nn.Sequential, Profile
         step([64, 8, 8, 8, 8])
     roomy = plan.replace(memory_limit=[2 * plan.rank_peaks[0]])  # the limit partition was given, when it was
     assert order(*_groups([(1, 64), (4, 8)]), sched, step_costs(roomy, sched))[2]
+    # a device that keeps workspaces and a headroom: the steps get the limit less that (0.3 x the peak)
+    device = DeviceMemory(device="cuda:0", workspace_bytes=1.5 * plan.rank_peaks[0], headroom=0.1)
+    reserved = roomy.replace(device_memory=device)
+    costs = step_costs(reserved, sched)
+    assert costs.memory is not None and costs.memory.limits == reserved.usable_limits()
+    with pytest.raises(
+        ValueError, match=r"the memory_limit the plan was made under, less the device's reserve"
+    ):
+        order(*_groups([(2, 32), (2, 32)]), sched, costs)
 
 
 @pytest.mark.parametrize(

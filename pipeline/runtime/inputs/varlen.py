@@ -57,8 +57,9 @@ Memory. Where the plan carries the memory walk's figures per stage (``StagePlan.
 micro-batch holds, each figure with its own length² share, e.g. scores a kernel materialises),
 each candidate is walked rank by rank (``pipeline.schedules.peaks``, the partitioner's own walk)
 with every micro-batch's figures grown to its shape by the same rule; an order fits when every
-rank's peak is within the ``memory_limit`` the plan was made under, or, when it was made without
-one, within the plan's own predicted peak (the plan was accepted at its micro-batch). None fits:
+rank's peak is within the ``memory_limit`` the plan was made under, less what its device holds
+beyond the walk (``Plan.usable_limits``: workspaces, rounding, headroom), or, when it was made
+without one, within the plan's own predicted peak (the plan was accepted at its micro-batch). None fits:
 a ValueError naming the step's longest micro-batch, its best peak, the limit and the fix.
 
 Loss by tokens. Micro-batch i's loss (``loss_fn``, a mean over the tokens its targets do not mark
@@ -557,8 +558,9 @@ def step_costs(plan: Plan | None, sched: Schedule) -> StepCosts:
     balance): F 1, B 2 and W 1 for every stage (B 1 when split), scaled by the tokens alone.
 
     Memory, where the plan carries the walk's figures (``StagePlan.held``) and its shape: every
-    rank's peak must stay within the ``memory_limit`` the plan was made under, or else within the
-    plan's own predicted peak (``Plan.rank_peaks``: the plan was accepted at its micro-batch)."""
+    rank's peak must stay within the ``memory_limit`` the plan was made under less its device's
+    reserve (``Plan.usable_limits``), or else within the plan's own predicted peak
+    (``Plan.rank_peaks``: the plan was accepted at its micro-batch)."""
     stages = plan.stages if plan is not None else []
     k, split = sched.n_stages, sched.split_backward
     if plan is None or len(stages) != k or not all(st.forward_time > 0 for st in stages):
@@ -582,7 +584,9 @@ def step_costs(plan: Plan | None, sched: Schedule) -> StepCosts:
         return StepCosts(seconds, squared)
     rows, length = plan.micro_batch_shape
     held = [st.held for st in stages]
-    limits, bound = plan.memory_limit, "the memory_limit the plan was made under"
+    limits, bound = plan.usable_limits(), "the memory_limit the plan was made under"
+    if plan.device_memory.reserves:
+        bound += f", less the device's reserve: {plan.device_memory.describe()}"
     if not limits:
         limits, bound = (
             plan.rank_peaks,

@@ -17,7 +17,10 @@ tensors, a Parameter wrapping it) held it last::
 
 Storages that existed before entering are not counted: ``peak`` is the extra memory of what runs
 inside. It counts tensor bytes, not an allocator's cached blocks or fragmentation, and it slows
-every op down (a Python call each), so nothing timed should run inside it.
+every op down (a Python call each), so nothing timed should run inside it. ``made`` and
+``rounded`` add up every storage counted since the start, the second rounded up to
+``block[device]`` bytes (an allocator's block; 1 where absent): how much an allocator's rounding
+adds to those tensors (``partitioner.device_memory``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call, misc]
         super().__init__()  # type: ignore[no-untyped-call]
         self.now: defaultdict[str, int] = defaultdict(int)
         self.peak: defaultdict[str, int] = defaultdict(int)
+        self.made: defaultdict[str, int] = defaultdict(int)  # every storage counted, in bytes
+        self.rounded: defaultdict[str, int] = defaultdict(int)  # the same, each rounded up to block[device]
+        self.block: dict[str, int] = {}
         self._sizes: dict[int, tuple[str, int]] = {}  # id(storage) -> (device, nbytes), while alive
         self._lock = threading.Lock()  # finalizers and autograd's device threads may run anywhere
 
@@ -76,6 +82,9 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call, misc]
             if key in self._sizes or size == 0:
                 return
             self._sizes[key] = (device, size)
+            block = self.block.get(device, 1)
+            self.made[device] += size
+            self.rounded[device] += -(-size // block) * block
             self.now[device] += size
             self.peak[device] = max(self.peak[device], self.now[device])
         weakref.finalize(storage, self._free, key)
