@@ -31,6 +31,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+# first: NCCL_RUNTIME_CONNECT=0 unless set, before anything could make an NCCL communicator (nccl_env.py)
+from pipeline.nccl_env import LazyConnectWarning
 from pipeline.schedules.actions import Action, Kind, format_action, parse_action
 from pipeline.schedules.schedule import SCHEDULES, Schedule, ScheduleError, forward_only, schedule
 from pipeline.schedules.simulate import simulate
@@ -95,6 +97,7 @@ __all__ = [
     "Action",
     "DistInfo",
     "Kind",
+    "LazyConnectWarning",
     "PeerFailure",
     "Pipeline",
     "PipelineTimeout",

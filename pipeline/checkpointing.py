@@ -54,6 +54,7 @@ release, with a FutureWarning.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -82,6 +83,7 @@ from pipeline.checkpoint.folder import LATEST, candidates, latest, read_manifest
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.runs import ConfigMismatch
 from pipeline.checkpoint.state import Stateful
+from pipeline.runtime.comm import world
 from pipeline.runtime.pipe import Pipeline
 
 __all__ = [
@@ -150,27 +152,36 @@ def save(
             f"save() needs pipe= (a Pipeline or nn.Module) and optimizer= (a torch.optim.Optimizer), got "
             f"pipe={type(pipe).__name__}, optimizer={type(optimizer).__name__}"
         )
-    text, config_text, flat, error = "", "", {}, None
-    try:
-        text = state.extra_text(extra)
-        config_text = runs.config_text(config)
-        if isinstance(pipe, Pipeline):
-            pipe.check_values()  # never save a meta model's uninitialised memory
-        model = state.model_of(pipe)
-        flat = state.collect(
-            model, optimizer, lr_scheduler, grad_scaler, text, step, ranks.rank(), ranks.world()
-        )
-    except (TypeError, ValueError, RuntimeError) as exc:
-        error = exc
-    texts = ranks.together(error, (text, config_text))
-    for i, what in enumerate(("extra", "config")):
-        differ = [r for r, t in enumerate(texts) if t[i] != texts[0][i]]
-        if differ:
-            raise ValueError(
-                f"save() got a different {what} on rank {differ[0]} ({texts[differ[0]][i]}) than on rank 0 "
-                f"({texts[0][i]}); {what} is saved once for all ranks: pass the same value on every rank"
+    with _call(pipe, "checkpointing.save"):
+        text, config_text, flat, error = "", "", {}, None
+        try:
+            text = state.extra_text(extra)
+            config_text = runs.config_text(config)
+            if isinstance(pipe, Pipeline):
+                pipe.check_values()  # never save a meta model's uninitialised memory
+            model = state.model_of(pipe)
+            flat = state.collect(
+                model, optimizer, lr_scheduler, grad_scaler, text, step, ranks.rank(), ranks.world()
             )
-    return _write(Path(folder), step, flat, keep, config, run_id)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            error = exc
+        texts = ranks.together(error, (text, config_text))
+        for i, what in enumerate(("extra", "config")):
+            differ = [r for r, t in enumerate(texts) if t[i] != texts[0][i]]
+            if differ:
+                raise ValueError(
+                    f"save() got a different {what} on rank {differ[0]} ({texts[differ[0]][i]}) than on "
+                    f"rank 0 ({texts[0][i]}); {what} is saved once for all ranks: pass the same value on "
+                    "every rank"
+                )
+        return _write(Path(folder), step, flat, keep, config, run_id)
+
+
+def _call(pipe: object, what: str) -> contextlib.AbstractContextManager[None]:
+    """A checkpoint of a Pipeline under the NCCL emulation is a call after construction: the world
+    group's communicator and pairs its collectives use were made then, or it raises (world.py)."""
+    emulated = isinstance(pipe, Pipeline) and pipe.comm is not None and pipe.comm.emulated
+    return world.calling(emulated, what)
 
 
 def _write(
@@ -240,10 +251,11 @@ def resume(
         raise TypeError(
             "resume() needs config= (the run's settings, a dict) to compare with the checkpoint's"
         )
-    chosen = choose(root)
-    if chosen is None:
-        return None
-    extra, changes = _restore(chosen, pipe, optimizer, lr_scheduler, grad_scaler, config, allow_changes)
+    with _call(pipe, "checkpointing.resume"):
+        chosen = choose(root)
+        if chosen is None:
+            return None
+        extra, changes = _restore(chosen, pipe, optimizer, lr_scheduler, grad_scaler, config, allow_changes)
     found = chosen.manifest
     step = found.step if found is not None else int(chosen.path.name.rsplit("-", 1)[-1])
     run_id = found.run_id if found is not None else runs.remembered(root) or ""
@@ -307,7 +319,8 @@ def load(
         return _load_legacy(_chosen(path).path, legacy_args, {**legacy_kwargs, **given})
     if pipe is None:
         raise TypeError("load() needs pipe= (the Pipeline, or nn.Module, to load into)")
-    extra, _ = _restore(_chosen(path), pipe, optimizer, lr_scheduler, grad_scaler, config, allow_changes)
+    with _call(pipe, "checkpointing.load"):
+        extra, _ = _restore(_chosen(path), pipe, optimizer, lr_scheduler, grad_scaler, config, allow_changes)
     return extra
 
 

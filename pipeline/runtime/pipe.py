@@ -146,12 +146,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline import nccl_env
 from pipeline.plan import Plan
-from pipeline.runtime.comm import emulation
+from pipeline.runtime.comm import emulation, world
 from pipeline.runtime.comm.agree import agree, summary
 from pipeline.runtime.comm.arrival import arrive, creating
 from pipeline.runtime.comm.p2p import Comm, PeerFailure, PipelineTimeout, world_store
-from pipeline.runtime.comm.transport import transport_class
+from pipeline.runtime.comm.transport import process_group, transport_class
 from pipeline.runtime.inputs import pretrained
 from pipeline.runtime.inputs.microbatch import Batch
 from pipeline.runtime.inputs.varlen import Packed, VarLen, step_costs
@@ -239,6 +240,7 @@ class Pipeline:
         members = tuple(dist.get_process_group_ranks(pg)) if nccl else ()
         arrived = None  # the ranks that arrived, whose creation guard watches the communicators made next
         if nccl:
+            nccl_env.check(_nccl_version())  # a LazyConnectWarning where NCCL may connect inside a step
             arrived = arrive(world_store(), members, dist.get_rank(), timeout, "the Pipeline's construction")
         dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
         with creating(arrived, "the pipeline's mesh and groups"):
@@ -263,6 +265,10 @@ class Pipeline:
                                  global_names=named)  # fmt: skip
             if arrived is not None:
                 arrived.board = self.comm.board
+            if nccl:  # checkpoints run on the world group: its communicator, its pairs with rank 0
+                with creating(arrived, "the world group's communicator and its pairs with rank 0"):
+                    key = (self.comm.board.store, self.comm.board.key)  # the pipeline's failure key
+                    world.connect(timeout, key, f"{self._prefix}/world")
         if device is None:  # where the backend communicates: CUDA on NCCL, else the CPU
             device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.device = torch.device(device)
@@ -433,7 +439,7 @@ class Pipeline:
             raise ValueError(f"dst ({dst!r}) must be a rank of the pipeline's group, 0 to {world - 1}")
         local = {s: mod.state_dict() for s, mod in zip(self._stage_ids, self._modules, strict=True)}
         key = f"{self._prefix}/state{next(self._gathers)}"
-        with self._publish_failure():
+        with self._publish_failure(), self._stepping():
             self.check_values()
             return gather_state_dict(local, self.comm, dst, key, self._comm_device())
 
@@ -453,7 +459,7 @@ class Pipeline:
             raise ValueError(f"max_norm ({max_norm!r}) must be a number >= 0, e.g. 1.0")
         gs = self._grads()
         once = [p.grad for p in self.parameters() if p.grad is not None and self.tied.counted(p)]
-        with self._publish_failure(), self._strict_devices():  # a tied weight's copies count once
+        with self._publish_failure(), self._strict_devices(), self._stepping():  # tied copies count once
             total = grads.total_norm(once, norm_type, self.comm, self._comm_device(), self._dp_comm())
         value = float(total)
         # every rank has the same value, so every rank raises the same error
@@ -492,7 +498,8 @@ class Pipeline:
             local = [f.to(device, torch.float32) for f in found.values()]
             flag = torch.stack(local).amax() if local else torch.zeros((), device=device)
             name = "the scaler's overflow flag"
-            agreed = grads.any_flag(flag, self.comm, self._dp_comm(), name, "unscale_")
+            with self._stepping():
+                agreed = grads.any_flag(flag, self.comm, self._dp_comm(), name, "unscale_")
         for d, f in found.items():
             f.copy_(agreed.to(d, f.dtype))
         if not found:  # no gradient here: step() still needs this optimizer's record
@@ -501,7 +508,7 @@ class Pipeline:
     def grads_finite(self) -> bool:
         """True when no gradient of any stage holds an inf or NaN: the same answer on every rank."""
         gs = self._grads()
-        with self._publish_failure(), self._strict_devices():
+        with self._publish_failure(), self._strict_devices(), self._stepping():
             return grads.all_finite(gs, self.comm, self._comm_device(), self._dp_comm())
 
     # ---- the step
@@ -616,7 +623,8 @@ class Pipeline:
             raise
 
     def _stepping(self) -> contextlib.AbstractContextManager[Any]:
-        """Under the NCCL emulation: the inside of a call, where no communicator may be made."""
+        """Under the NCCL emulation: the inside of a call, where no communicator may be made and no
+        collective algorithm or pair connected (everything a call uses was, at construction)."""
         return (
             emulation.stepping() if self.comm is not None and self.comm.emulated else contextlib.nullcontext()
         )
@@ -699,9 +707,15 @@ class Pipeline:
         events, group = self.executor.events, self.comm.group if self.comm is not None else None
         if self.comm is None or self.comm.world_size == 1:
             return self.timeline()
-        gathered: list[Any] = [None] * self.comm.world_size if self.rank == 0 else []
-        first = dist.get_global_rank(group, 0) if group is not None else 0  # gather_object's dst is global
-        dist.gather_object(events, gathered if self.rank == 0 else None, dst=first, group=group)
+        gathered: list[Any] = [None] * self.comm.world_size
+        what = "the timelines' all-gather (gather_timeline)"
+        with self._stepping():
+            if self.comm.emulated:  # torch posts it: checked as if posted here
+                emulation.uses(process_group(group), self.comm.world_size, dist.get_rank(), what)
+            # an all-gather, not a gather: ProcessGroupNCCL sends a gather's parts to the root as
+            # messages, each pair's first connecting it here; a collective's algorithms were connected
+            # when the group's communicator was made (NCCL_RUNTIME_CONNECT=0)
+            dist.all_gather_object(gathered, events, group=group)
         if self.rank != 0:
             return None
         return Timeline([e for part in gathered for e in part], self.schedule.n_ranks)
@@ -723,6 +737,14 @@ def _check_set(unset: dict[int, str]) -> None:
     """``Pipeline.check_values`` on its record of unset tensors."""
     if unset:
         raise ValueError(unset_message(list(unset.values())))
+
+
+def _nccl_version() -> tuple[int, ...] | None:
+    """The NCCL torch was built with, None where unknown (a CPU build: the emulation)."""
+    try:
+        return tuple(int(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+    except Exception:
+        return None
 
 
 def _check_prefetch(prefetch: object) -> None:

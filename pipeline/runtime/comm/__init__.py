@@ -4,5 +4,6 @@
 the strict NCCL ``emulation``: posting, ordering on a ``stream``, waits with a timeout),
 ``channels`` (NCCL's two-rank lanes), ``collectives``, ``board`` (the failure key), ``watchdog``
 (timeouts, liveness of peers), ``arrival`` (every rank present before NCCL makes a communicator),
-``proc`` and ``agree`` (ranks agreeing on a configuration). Imports no other room.
+``proc``, ``agree`` (ranks agreeing on a configuration) and ``world`` (the world group's
+communicator and pairs, made at construction for checkpoints). Imports no other room.
 """

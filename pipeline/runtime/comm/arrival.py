@@ -7,8 +7,9 @@ first operation; a split of the world's communicator in ``dist.new_group`` once 
 bound) that no timeout or failure watch of ours can enter: a rank whose peer died before it waits
 there for good, and names nobody. So on the NCCL path (emulated too) each rank first records its
 process in the world's store and waits, with the pipeline's timeout and its peers' liveness, until
-every rank of the pipeline's group has come; only then are the mesh, the channels, the tie groups
-and their first messages made (collectives.py)::
+every rank of the pipeline's group has come; only then are the mesh, the channels, the world
+group's communicator (world.py), the replicas' and tie groups and their first messages made
+(collectives.py)::
 
     rank 0   arrive --- wait for 1, 2 ......................... mesh, channels, communicators
     rank 1   arrive --- wait for 2 ... rank 2's pid is gone ---> PeerFailure(rank 2 ...)   (its host)

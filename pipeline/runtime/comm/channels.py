@@ -18,9 +18,11 @@ channel waits on another and no send ever holds the host or the compute
 stream back: a schedule runs exactly when it runs in the validator's
 non-blocking-send model, its default, interleaved with m > p included.
 
-Messages between ranks that are not neighbours (only ``gather_state_dict``'s,
-outside the step) go on the pipeline's group itself. A message is posted as one
-group on its channel (several tensors: one NCCL
+Messages between ranks that are not neighbours (``gather_state_dict``'s and
+``predict(dst=)``'s, outside the schedule) go on the pipeline's group itself
+(``off_channel``: every such pair, whose first message is sent at construction,
+since NCCL connects a pair at its first message; collectives.py). A message is
+posted as one group on its channel (several tensors: one NCCL
 group, which completes when all of it is matched, as the peer's single group
 does); ``post`` returns one transfer per group, as NCCL returns one work per
 batch. Collectives never use the channels, so they never queue behind them.
@@ -55,6 +57,7 @@ __all__ = [
     "Transfer",
     "abort_nccl",
     "channels_for",
+    "post_ops",
 ]
 
 # one op of a group: (tensor, peer rank in the pipeline's group, is a send)
@@ -116,7 +119,9 @@ class Channels:
         self._group = weakref.ref(group if group is not None else c10d._get_default_group())
         pairs = sorted({(a, (a + d) % n) for a in range(n) for d in (1, -1) if (a + d) % n != a})
         self.directions = pairs  # (src, dst) of every channel, in the one order every rank uses
-        self.prepared = False  # each channel's first message sent (Comm, at construction)
+        # every other ordered pair, whose messages go on the group itself (the same order everywhere)
+        self.off_channel = [(a, b) for a in range(n) for b in range(n) if a != b and (a, b) not in pairs]
+        self.prepared = False  # the first message of each channel and off-channel pair sent (at construction)
         # (src, dst) -> (group, dst-or-src's rank in it, its global rank)
         self._lanes: dict[tuple[int, int], tuple[Any, int, int]] = {}
         for row in rows:  # the same order on every rank: dist.new_group is collective
@@ -135,32 +140,11 @@ class Channels:
 
     def post(self, ops: Sequence[Op], what: str) -> Transfer:
         """Post ``ops`` as one group; receives fill their tensors once the transfer is ordered."""
-        if self.emulated:
-            works: list[Any] = []
-            sent: list[torch.Tensor] = []
-            received: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for t, q, send in ops:
-                pg, peer, _ = self._lane(q, send)
-                emulation.first_use(pg, dist.get_world_size(pg), 2, what)
-                be = pg._get_backend(torch.device("cpu"))
-                if send:
-                    works.append(be.send([t], peer, 0))
-                    sent.append(t)
-                else:
-                    staging = torch.empty_like(t)
-                    works.append(be.recv([staging], peer, 0))
-                    received.append((t, staging))
-            return EmuTransfer(works, sent, received, what)
         lanes = {self._lane(q, send) for _, q, send in ops}
         if len(lanes) != 1:  # an NCCL group on several channels would couple them again
             raise RuntimeError(f"{what}: one NCCL group must stay on one channel, got {len(lanes)}")
-        ((pg, _, global_peer),) = lanes
-        tensors = [t for t, _, _ in ops]
-        # always batched, one tensor too: ProcessGroupNCCL runs a batch on the group's communicator
-        # but a lone send/recv on a second one, keyed by the pair, with its own stream and setup;
-        # the channel would be two queues, not one FIFO (and hold two communicators' memory)
-        p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, global_peer, pg) for t, _, send in ops]
-        return NcclTransfer(list(dist.batch_isend_irecv(p2p)), tensors)
+        ((pg, peer, global_peer),) = lanes
+        return post_ops(pg, [(t, peer, global_peer, send) for t, _, send in ops], what, self.emulated)
 
     def pairs(self) -> Pairs:
         """The gloo pairs a failure closes (the emulation's channels); none on NCCL."""
@@ -175,6 +159,36 @@ class Channels:
             close_pairs(self.pairs())
             return
         abort_nccl([pg for pg, _, _ in self._lanes.values()])
+
+
+def post_ops(
+    pg: Any, ops: Sequence[tuple[torch.Tensor, int, int, bool]], what: str, emulated: bool
+) -> Transfer:
+    """Post ``ops`` (tensor, the peer's rank in ``pg``, its global rank, whether a send) as one group
+    on ``pg``: a channel, or a group itself; ``emulated``: on gloo, under the NCCL emulation, whose
+    rules each message is checked against (``emulation.message``)."""
+    if emulated:
+        me, size = dist.get_rank(), dist.get_world_size(pg)
+        be = pg._get_backend(torch.device("cpu"))
+        works: list[Any] = []
+        sent: list[torch.Tensor] = []
+        received: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t, peer, global_peer, send in ops:
+            emulation.message(pg, size, me if send else global_peer, global_peer if send else me, what)
+            if send:
+                works.append(be.send([t], peer, 0))
+                sent.append(t)
+            else:
+                staging = torch.empty_like(t)
+                works.append(be.recv([staging], peer, 0))
+                received.append((t, staging))
+        return EmuTransfer(works, sent, received, what)
+    tensors = [t for t, _, _, _ in ops]
+    # always batched, one tensor too: ProcessGroupNCCL runs a batch on the group's communicator
+    # but a lone send/recv on a second one, keyed by the pair, with its own stream and setup;
+    # the channel would be two queues, not one FIFO (and hold two communicators' memory)
+    p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, pg) for t, _, peer, send in ops]
+    return NcclTransfer(list(dist.batch_isend_irecv(p2p)), tensors)
 
 
 def abort_nccl(groups: Sequence[Any]) -> None:

@@ -35,6 +35,24 @@ communicators  NCCL makes a group's communicator at the group's first operation,
             keeps a dead peer from being waited for there, and its creation guard
             ends a rank whose peer dies inside it).
 
+connections  A communicator's connections are made apart from it, each a blocking
+            handshake with peers inside the ``dist.*`` call that first needs it:
+            a collective algorithm's (ring, tree ...) when the communicator is
+            made if ``NCCL_RUNTIME_CONNECT=0`` (what ``import pipeline`` sets,
+            nccl_env.py), else at the first collective that picks it, by size;
+            a pair's point-to-point connection at the first message between the
+            two, at any setting. So inside a step or another call after
+            construction (``stepping``: step, evaluate, predict, the optimizer
+            step's companions, gather_state_dict, checkpointing) a collective on
+            a communicator made without ``NCCL_RUNTIME_CONNECT=0`` raises
+            (``collective``: no warm-up proves the algorithm a later size picks
+            connected), and so does a message between two ranks that none
+            exchanged on that group before (``message``). The variable is read
+            as each communicator is made (NCCL reads it once per process, at the
+            first: one process here can test both). What torch posts itself
+            (checkpointing's collectives, gathers of Python objects) is declared
+            before it runs (``uses``) and checked the same way.
+
 Host-to-device copies of the inputs (``copy``) are emulated the same way: the
 copy reads as poison until compute is ordered after the copy stream it was
 queued on (a prefetched batch used without that ordering gives NaN).
@@ -64,16 +82,20 @@ __all__ = [
     "EmuEvent",
     "EmuStream",
     "EmuTransfer",
+    "collective",
+    "connects_eagerly",
     "copy",
     "current",
     "enabled",
     "first_use",
+    "message",
     "order",
     "poison",
     "record_event",
     "stepping",
     "strict_devices",
     "use",
+    "uses",
     "wait_event",
     "wait_stream",
 ]
@@ -91,16 +113,20 @@ _made: set[int] = set()  # ids of the groups whose communicator exists (groups l
 
 
 _in_step = [False]  # whether this process is inside a step (``stepping``)
+RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"  # nccl_env.VAR: how NCCL connects (see ``connections`` above)
+_connect_mode: dict[int, str | None] = {}  # group id -> NCCL_RUNTIME_CONNECT when its communicator was made
+_pairs: set[tuple[int, int, int]] = set()  # (group id, sender, receiver: global ranks) connected
 
 
 @contextlib.contextmanager
 def stepping() -> Iterator[None]:
-    """The inside of a step: no communicator may be made here."""
-    _in_step[0] = True
+    """The inside of a step (or another call after construction): no communicator may be made or
+    connected here. Nests (a call inside a call)."""
+    outer, _in_step[0] = _in_step[0], True
     try:
         yield
     finally:
-        _in_step[0] = False
+        _in_step[0] = outer
 
 
 def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
@@ -110,7 +136,8 @@ def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
         return
     if _in_step[0]:
         raise RuntimeError(
-            f"NCCL emulation: {what} would be the first operation on its group, inside a step: NCCL "
+            f"NCCL emulation: {what} would be the first operation on its group, inside a step (or another "
+            "call after construction): NCCL "
             "would make the group's communicator here, a blocking rendezvous outside the pipeline's "
             "timeout and failure watch; make every communicator at construction"
         )
@@ -123,6 +150,60 @@ def first_use(group: Any, size: int, taking_part: int, what: str) -> None:
         )
     _rendezvous(group, size, what)
     _made.add(id(group))
+    _connect_mode[id(group)] = os.environ.get(RUNTIME_CONNECT)  # read as NCCL does, when it makes one
+
+
+def connects_eagerly(mode: str | None) -> bool:
+    """Whether a communicator made with ``NCCL_RUNTIME_CONNECT`` = ``mode`` connected every collective
+    algorithm then (0), not at each one's first use (1, or unset: NCCL's default since 2.22)."""
+    return mode is not None and mode.strip() == "0"
+
+
+def collective(group: Any, size: int, what: str) -> None:
+    """A collective on ``group`` (``size`` ranks, all taking part): it makes the communicator if it
+    is the group's first operation (``first_use``); inside a call, its algorithm must have been
+    connected when the communicator was made (``NCCL_RUNTIME_CONNECT=0``)."""
+    first_use(group, size, size, what)
+    mode = _connect_mode.get(id(group))
+    if _in_step[0] and not connects_eagerly(mode):
+        shown = "unset" if mode is None else f"{mode!r}"
+        raise RuntimeError(
+            f"NCCL emulation: {what} is a collective inside a step (or another call after construction) "
+            f"on a communicator made with {RUNTIME_CONNECT} {shown}: NCCL (2.22 and later) then connects "
+            "the algorithm it picks for this call (ring, tree, NVLS ..., by message size) here, a "
+            "blocking handshake outside the pipeline's timeout and failure watch, which no warm-up at "
+            f"construction can prove done for every size; set {RUNTIME_CONNECT}=0 in every rank's "
+            "environment before its first NCCL communicator (import pipeline does when it is unset)"
+        )
+
+
+def message(group: Any, size: int, src: int, dst: int, what: str) -> None:
+    """One message from global rank ``src`` to ``dst`` on ``group`` (``size`` ranks): the group's
+    first operation makes the communicator (``first_use``, with these two alone); the pair's first
+    message connects them, which inside a call raises: NCCL connects a pair at its first message, at
+    any ``NCCL_RUNTIME_CONNECT``."""
+    first_use(group, size, 2, what)
+    key = (id(group), src, dst)
+    if key in _pairs:
+        return
+    if _in_step[0]:
+        raise RuntimeError(
+            f"NCCL emulation: {what} would be the first message from rank {src} to rank {dst} on its "
+            "group, inside a step (or another call after construction): NCCL connects the pair here "
+            "(at any NCCL_RUNTIME_CONNECT), a blocking handshake with the peer outside the pipeline's "
+            "timeout and failure watch; send one message per pair that a call uses at construction"
+        )
+    _pairs.add(key)
+
+
+def uses(group: Any, size: int, me: int, what: str, pairs: Iterable[tuple[int, int]] = ()) -> None:
+    """Operations torch posts itself on ``group`` (``size`` ranks; this process is global rank
+    ``me``): collectives, and messages between the ``pairs`` of global ranks (sender, receiver) this
+    rank is an end of, each checked as if posted here (``collective``, ``message``)."""
+    collective(group, size, what)
+    for src, dst in pairs:
+        if me in (src, dst):
+            message(group, size, src, dst, f"{what} (rank {src} -> rank {dst})")
 
 
 def _rendezvous(group: Any, size: int, what: str) -> None:

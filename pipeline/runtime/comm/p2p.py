@@ -85,9 +85,9 @@ class Comm:
     ) -> None:
         """``failure``: the (store, key) of the failure key when it is shared beyond ``group`` (a
         mesh's replicas watch one key); ``pipelines``: every pipeline's global ranks when ``group``
-        is one of several (the channels of all are made together); ``p2p=False``: collectives only,
-        no channels; ``global_names``: errors name global ranks (in a mesh, where a group rank is
-        ambiguous)."""
+        is one of several (the channels of all are made together); ``p2p=False``: no channels
+        (collectives; its few messages, the world's first ones, go on the group itself);
+        ``global_names``: errors name global ranks (in a mesh, where a group rank is ambiguous)."""
         self.group = group
         self.key_prefix = key_prefix  # this pipeline's keys in the store (every executor's)
         self.rank = dist.get_rank(group)

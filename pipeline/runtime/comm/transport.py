@@ -25,7 +25,8 @@ backend (where it would be a native crash or a silent hang).
 gloo posts each tensor with the backend's own ``send`` / ``recv`` (group-local
 ranks, no Python wrappers). The NCCL path posts each message as one group on
 its channel (one two-rank group per direction, so that no direction or
-collective waits on another); ``order(works, stream)`` makes the consuming
+collective waits on another; a group without channels, on the group itself:
+the world's first messages, world.py); ``order(works, stream)`` makes the consuming
 stream wait for the transfer on the device. ``STAGEWISE_EMULATE_NCCL=1`` on a
 gloo group takes the NCCL path on gloo, with NCCL's rules made strict
 (emulation.py).
@@ -74,7 +75,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from pipeline.runtime.comm import emulation
 from pipeline.runtime.comm.board import FailureBoard
-from pipeline.runtime.comm.channels import Channels, Transfer, abort_nccl
+from pipeline.runtime.comm.channels import Channels, Op, Transfer, abort_nccl, post_ops
 from pipeline.runtime.comm.emulation import EmuStream, EmuTransfer
 from pipeline.runtime.comm.watchdog import CHECK_STORE_S, PeerFailure, PipelineTimeout, Watchdog
 
@@ -421,10 +422,17 @@ class NcclTransport(Transport):
 
     def _post(self, sends: Entries, recvs: Entries, what: str) -> list[list[Any]]:
         ch = self.channels
-        assert ch is not None, "a group of one rank has no peers to post to"
-        out = [[ch.post([(t, q, True) for t in ts], what)] if ts else [] for ts, q in sends]
-        out += [[ch.post([(t, q, False) for t in ts], what)] if ts else [] for ts, q in recvs]
+        post: Callable[[list[Op], str], Any] = ch.post if ch is not None else self._post_on_group
+        out = [[post([(t, q, True) for t in ts], what)] if ts else [] for ts, q in sends]
+        out += [[post([(t, q, False) for t in ts], what)] if ts else [] for ts, q in recvs]
         return out
+
+    def _post_on_group(self, ops: list[Op], what: str) -> Any:
+        """A collectives-only group's messages (no channels: the world's first ones, world.py) go on
+        the group itself, one batch each, as a pipeline's between non-neighbours do."""
+        pg = process_group(self.group)
+        glob = [(t, q, dist.get_global_rank(pg, q) if self.group is not None else q, s) for t, q, s in ops]
+        return post_ops(pg, glob, what, self.emulated)
 
     def order(self, works: Sequence[Any], stream: Any, what: str) -> None:
         """An event wait on the device; the host goes on."""
@@ -489,8 +497,9 @@ class EmulatedNccl(NcclTransport):
             t.complete(lambda ws: self.host_wait(ws, what))
 
     def before_collective(self, size: int, what: str) -> None:
-        """Every rank takes part, so the group's communicator is made here (emulation.first_use)."""
-        emulation.first_use(process_group(self.group), size, size, what)
+        """Every rank takes part, so the group's communicator is made here (emulation.first_use); in a
+        call, it must have connected every algorithm when made (emulation.collective)."""
+        emulation.collective(process_group(self.group), size, what)
 
     def abort(self) -> None:
         """The channels' gloo pairs (no NCCL group to abort); nothing without channels."""

@@ -123,6 +123,9 @@ class Replicas:
         self.comm = Comm(
             groups.dp, f"{key_prefix}/dp", timeout, failure=failure, p2p=False, global_names=True
         )
+        # its communicator now (every algorithm connected: NCCL_RUNTIME_CONNECT=0), not at the step's
+        # rows all-reduce: the broadcast below makes none where this rank's stages hold no tensor
+        self.comm.collectives.make_group()
         state = _state(modules.values())
         sizes = ",".join(
             f"{str(k[0]).removeprefix('torch.')}:{sum(t.numel() for t in ts)}" for k, ts in state.items()
