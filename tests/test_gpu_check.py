@@ -104,7 +104,8 @@ def test_every_feature_row_passes_against_one_process(ranks: list[dict[str, Any]
     rows = gpu_check.feature_rows([r["features"] for r in ranks], CPU, "nccl-emulated")
     assert [row[0] for row in rows] == [f"nccl-emulated {f.name}, 2 ranks" for f in gpu_check.FEATURES]
     assert [row for row in rows if row[1] != "ok"] == []
-    assert all(before == after for before, after in (r["env"] for r in ranks))  # set for its row only
+    envs = [r["env"] for r in ranks]  # the drain's variable before and after the rows: set for its row only
+    assert all(before == after for before, after in envs), envs
 
 
 def _scale_tensors(results: list[gpu_check.Result]) -> None:
