@@ -24,7 +24,9 @@ Rows (letters: p ranks, v stages per rank, m micro-batches):
                          predict(dst=0) at p = the world; load_pretrained into a meta-built model;
                          a drain mid-step (STAGEWISE_DRAIN_AT for one rank, and a device-wide
                          synchronize in a forward hook of a middle stage): done within the
-                         pipeline's timeout, same loss and gradients
+                         pipeline's timeout, same loss and gradients; a synchronize that hangs
+                         ends its rank at a deadline, stacks on stderr (without torchrun the
+                         drain has a launch of its own: that is its FAIL row, not the table's end)
   killed rank            rank 1 SIGKILLed mid-step: named within seconds, no process left behind
   step time              ours vs torch.distributed.pipelining (1F1B), same model and devices
 
@@ -32,14 +34,17 @@ Without CUDA the GPU rows say "skipped" and the multi-rank rows run on 2 CPU ran
 the strict NCCL emulation (STAGEWISE_EMULATE_NCCL), which runs the same NCCL code path on
 gloo; a step-time row then also shows the emulation's own overhead. Exit status 1 on any FAIL.
 
-Under torchrun every rank runs the multi-rank rows first; the results are gathered over a gloo group
-and the world is destroyed, and only then does rank 0 run the one-GPU rows, alone: no rank waits
-for them.
+Under torchrun every rank runs the multi-rank rows first (the drain last: a rank its deadline ends
+ends the job, its stacks on stderr; run without torchrun for the table); the results are gathered
+over a gloo group and the world is destroyed, and only then does rank 0 run the one-GPU rows,
+alone: no rank waits for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import functools
 import gc
 import json
@@ -50,7 +55,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -464,12 +469,17 @@ def control_group() -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_CONTROL_TIMEOUT_S))
 
 
-def _launched() -> dict[str, Any]:
-    """One rank of ``launch``: every multi-rank check."""
-    return _rank_checks(control_group())
+def _launched(features: Sequence[str]) -> dict[str, Any]:
+    """One rank of ``launch``: every multi-rank check, with the features named."""
+    return _rank_checks(control_group(), _named(features))
 
 
-def _rank_checks(control: Any) -> dict[str, Any]:
+def _launched_alone(features: Sequence[str]) -> dict[str, Any]:
+    """One rank of a ``launch`` of its own: the features named (see ``ALONE``)."""
+    return {"features": run_features(control_group(), _named(features))}
+
+
+def _rank_checks(control: Any, features: Sequence[Feature]) -> dict[str, Any]:
     """On every rank: each schedule x dtype (loss, evaluation, grads, held, peak memory), step times,
     and each feature row (``run_features``)."""
     p, dev, emulate = dist.get_world_size(), _device(), emulation.enabled()
@@ -494,7 +504,7 @@ def _rank_checks(control: Any) -> dict[str, Any]:
             )
             out["busy"] = out["busy"] and pipe.busy_time > 0
     out["time"] = _step_times(p, dev, emulate)  # first: a failed feature may leave the world unusable
-    out["features"] = run_features(control)
+    out["features"] = run_features(control, features)
     return out
 
 
@@ -944,6 +954,19 @@ def _judge_pretrained(results: list[Result], ref: Result) -> tuple[str, str]:
 
 
 DRAIN_ENV = "STAGEWISE_DRAIN_AT"  # read by the executor: "R:K", "R:*" or "random:SEED" (issue 42)
+_DRAIN_DEADLINE_S = 2 * _TIMEOUT_S  # past the pipeline's own timeouts, which end every other wait
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Past ``seconds`` this process writes every thread's stack to stderr and exits (code 1): for a
+    wait nothing else can end (``torch.cuda.synchronize`` behind a transfer whose peer waits on this
+    rank), which would otherwise hold the check, and its GPUs, until NCCL's own timeout."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 class DeviceSyncAt:
@@ -990,7 +1013,8 @@ def _run_drain(dev: torch.device) -> Result:
     try:
         pipe = Pipeline(model, plan, loss_fn=gpt_loss, timeout=_TIMEOUT_S)
         start = time.perf_counter()
-        loss = pipe.step(x, y)
+        with deadline(_DRAIN_DEADLINE_S):
+            loss = pipe.step(x, y)
         wall = time.perf_counter() - start
     finally:
         hook.remove()
@@ -1030,6 +1054,13 @@ FEATURES = (
     Feature("load_pretrained", _run_pretrained, _reference_pretrained, _judge_pretrained),
     Feature("drain mid-step", _run_drain, _reference_drain, _judge_drain),
 )
+# run in a launch of their own when not under torchrun: a rank that one of them ends (a drain's
+# synchronize that nothing can interrupt: its deadline) takes that launch down, not the table
+ALONE = ("drain mid-step",)
+
+
+def _named(names: Sequence[str]) -> tuple[Feature, ...]:
+    return tuple(f for f in FEATURES if f.name in names)
 
 
 def run_features(control: Any, features: Sequence[Feature] = FEATURES) -> dict[str, tuple[str, Any]]:
@@ -1145,10 +1176,24 @@ def _guarded(rows: list[Row], check: Callable[[list[Row]], None]) -> None:
         rows.append((getattr(check, "__name__", "a check"), "FAIL", f"{type(exc).__name__}: {first}"))
 
 
-def _multi_rank_rows(per_rank: list[dict[str, Any]], dev: torch.device, backend: str) -> list[Row]:
+def _multi_rank_rows(
+    per_rank: list[dict[str, Any]], dev: torch.device, backend: str, features: Sequence[Feature]
+) -> list[Row]:
     """Every multi-rank row but the killed rank's, judged on ``dev`` against one process."""
     rows = _matrix_rows(per_rank, dev, backend)
-    return rows + feature_rows([r["features"] for r in per_rank], dev, backend)
+    return rows + feature_rows([r["features"] for r in per_rank], dev, backend, features)
+
+
+def _alone_rows(p: int, backend: str, dev: torch.device) -> list[Row]:
+    """The ``ALONE`` features' rows, from a launch of their own: a rank that one of them ended is
+    their FAIL, naming the rank (its stacks are on stderr)."""
+    features = _named(ALONE)
+    try:
+        per_rank = launch(_launched_alone, p, ALONE, backend=backend, timeout=600.0)
+    except RankError as exc:
+        last = (str(exc).strip().splitlines() or [""])[-1][:160]
+        return [(f"{backend} {f.name}, {p} ranks", "FAIL", f"rank {exc.rank}: {last}") for f in features]
+    return feature_rows([r["features"] for r in per_rank], dev, backend, features)
 
 
 def _under_torchrun(cuda: bool, name: str) -> int:
@@ -1158,7 +1203,7 @@ def _under_torchrun(cuda: bool, name: str) -> int:
     init_distributed("nccl" if cuda else None)  # None: gloo, or its NCCL emulation if exported
     emulate, rank, dev = emulation.enabled(), dist.get_rank(), _device()
     control = control_group()
-    mine = _rank_checks(control)
+    mine = _rank_checks(control, FEATURES)  # the drain last: its deadline may end a rank (and the job)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine, group=control)
     del mine, control
@@ -1168,7 +1213,7 @@ def _under_torchrun(cuda: bool, name: str) -> int:
         return 0
     print(f"torch {torch.__version__}, {len(per_rank)} ranks under torchrun, {name}")
     rows = _single_gpu_rows()  # the 1-rank NCCL row makes its own group now that the world is gone
-    rows += _multi_rank_rows(per_rank, dev, "nccl-emulated" if emulate else "nccl")
+    rows += _multi_rank_rows(per_rank, dev, "nccl-emulated" if emulate else "nccl", FEATURES)
     rows.append(("killed rank", "skipped", "torchrun tears the job down: run without torchrun"))
     return _print(rows)
 
@@ -1188,9 +1233,11 @@ def main() -> int:
         if cuda:
             rows.append(("NCCL on several GPUs: schedules, memory, features, killed", "skipped",
                          "needs >= 2 GPUs"))  # fmt: skip
-    per_rank = launch(_launched, p, backend=backend, timeout=600.0)
+    rest = tuple(f.name for f in FEATURES if f.name not in ALONE)
+    per_rank = launch(_launched, p, rest, backend=backend, timeout=600.0)
     dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    rows += _multi_rank_rows(per_rank, dev, backend)
+    rows += _multi_rank_rows(per_rank, dev, backend, _named(rest))
+    rows += _alone_rows(p, backend, dev)
     check_killed(rows, p, backend)
     return _print(rows)
 

@@ -159,6 +159,21 @@ def test_a_row_failed_on_one_rank_is_its_fail_and_the_rest_are_skipped(ranks: li
     ]
 
 
+def test_a_deadline_ends_a_wait_that_nothing_else_can_end() -> None:
+    """The drain row's guard: a synchronize stuck behind a peer cannot be interrupted, so past the
+    deadline the rank writes its stacks and exits (its launch, or torchrun, then names it)."""
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from scripts.gpu_check import deadline\n"
+        "with deadline(0.3):\n    pass\n"
+        "time.sleep(0.6); print('cancelled', flush=True)\n"  # a deadline left in time fires nothing
+        "with deadline(0.3):\n    time.sleep(60)\n"
+    )
+    root = str(SCRIPT.parent.parent)
+    proc = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == "cancelled\n", proc.stdout + proc.stderr
+    assert "Timeout (0:00:00.300000)!" in proc.stderr and 'File "<string>", line 6' in proc.stderr
+
+
 # ---- the whole script
 
 
