@@ -21,8 +21,8 @@ stays on the device until ``finish``'s last line reads it: the call's one host s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
