@@ -28,7 +28,9 @@ from pipeline.reference.models import mlp
 from pipeline.runtime.comm import emulation, stream
 from pipeline.runtime.comm.emulation import DEFAULT, EmuStream, EmuTransfer
 from pipeline.runtime.pipe import Pipeline
+from pipeline.runtime.steps import host_sync_site
 from tests.dist import job, run_ranks
+from tests.host_reads import host_reads, innermost_library_line
 from tests.pipe_common import CarriesIds
 
 BATCH, WIDTH, DEPTH = 8, 8, 8
@@ -333,60 +335,36 @@ def test_a_killed_rank_is_named_within_seconds_and_leaves_no_process(tmp_path: P
 # ---- host synchronisation inside a step
 
 # On CUDA, reading a device tensor on the host (.item(), .tolist(), float(), .cpu()) waits for the
-# device to drain: inside a step it stalls the host's run-ahead and the overlap. These are the only
-# reads a step makes; each is named. A new one fails the test below.
-ALLOWED_READS = {
-    "runtime/steps.py:finish",  # the returned loss, at the step's end (the one sync allowed)
-    "runtime/replicas.py:global_mean",  # the loss's mean over the replicas, at the step's end
-}
+# device to drain: inside a step it stalls the host's run-ahead and the overlap. A step reads once, at
+# the site the library names (steps.HOST_SYNC, the returned loss; scripts/gpu_check.py allows only it
+# on a GPU); a new read anywhere fails the test below.
 
 
-def _host_reads() -> tuple[dict[str, int], list[str]]:
-    """Where (pipeline file:function) a second step reads tensors on the host, under the emulation;
-    and the step headers still in the store after both steps (each is deleted by its last reader)."""
-    import collections
-    import traceback
-
+def _host_reads() -> tuple[list[tuple[str, int] | None], list[str]]:
+    """Where (the innermost pipeline/ file and line) a second step reads tensors on the host, under
+    the emulation; and the step headers still in the store after both steps (each is deleted by its
+    last reader)."""
     p = dist.get_world_size() // 2
     model, _ = mlp(width=WIDTH, depth=DEPTH, batch_size=BATCH)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     plan = Plan(balance=[DEPTH // p] * p, schedule="zb-h1", n_microbatches=4, dp=2)
     pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss, timeout=30.0)
     pipe.step(x, y)  # the first step: its setup reads what it needs once
-    sites: collections.Counter[str] = collections.Counter()
-    names = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
-    real = {n: getattr(torch.Tensor, n) for n in names}
-
-    def reading(n: str) -> Any:
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            for frame in reversed(traceback.extract_stack()[:-1]):
-                if "/pipeline/" in frame.filename:
-                    sites[f"{frame.filename.split('/pipeline/')[1]}:{frame.name}"] += 1
-                    break
-            return real[n](self, *args, **kwargs)
-
-        return read
-
-    for n in names:
-        setattr(torch.Tensor, n, reading(n))
-    try:
-        pipe.step(x, y)
-    finally:
-        for n in names:
-            setattr(torch.Tensor, n, real[n])
+    sites = [innermost_library_line(stack) for stack in host_reads(lambda: pipe.step(x, y))]
     dist.barrier()
     comm = pipe.comm
     assert comm is not None
     keys = [f"{comm.key_prefix}/header{n}{end}" for n in (1, 2) for end in ("", "/read")]
-    return dict(sites), [key for key in keys if comm.store.check([key])]
+    return sites, [key for key in keys if comm.store.check([key])]
 
 
 _READS = job(4, _host_reads, timeout=60.0, backend="nccl-emulated")
 
 
 def test_a_step_reads_the_device_only_where_named(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """2 replicas of a 2-rank zb-h1 pipeline: every host read of a step is one of ALLOWED_READS."""
+    """2 replicas of a 2-rank zb-h1 pipeline: every rank reads once in a step, at HOST_SYNC's line
+    (the replicas' mean loss stays on the device until then)."""
+    file, line = host_sync_site()
     for rank, (sites, headers_left) in enumerate(_READS.results(tmp_path_factory)):
-        assert set(sites) <= ALLOWED_READS, (rank, sites)
-        assert "runtime/steps.py:finish" in sites, rank
+        assert sites == [(str(Path(file).resolve()), line)], (rank, sites)
         assert headers_left == [], rank  # the store does not grow with the steps

@@ -174,12 +174,13 @@ class Replicas:
                 "every replica's Pipeline from the same model and Plan (and bucket_mb)"
             )
 
-    def global_mean(self, value: float, weight: float) -> float:
+    def global_mean(self, pair: torch.Tensor) -> torch.Tensor:
         """The replicas' losses weighted by what their batches weigh (rows, or a variable-length
-        step's target tokens): the mean over the global batch."""
-        pair = self.comm.tensor([value * weight, weight], torch.float64)
-        self.comm.all_reduce(pair, dist.ReduceOp.SUM, "the loss's all-reduce over the replicas")
-        return float(pair[0] / pair[1])
+        step's target tokens): the mean over the global batch. ``pair``: this replica's (mean loss,
+        weight), float64 on the device; the mean stays there (the step reads it once, at its end)."""
+        total = torch.stack([pair[0] * pair[1], pair[1]])
+        self.comm.all_reduce(total, dist.ReduceOp.SUM, "the loss's all-reduce over the replicas")
+        return total[0] / total[1]
 
     def begin_step(self, record: bool) -> None:
         self.reducer.begin_step(record)

@@ -13,12 +13,15 @@ measures memory); a ``StepRunner`` does the work of each call, in this order::
     predict    schedule's program, its tail (the loss), the outputs to the ranks that ask
 
 The loss that ``finish`` returns is the batch's mean on every rank: each micro-batch's loss weighted
-by its rows on the last stage's rank, broadcast over the pipeline, averaged over the replicas.
+by its rows on the last stage's rank, broadcast over the pipeline, averaged over the replicas. It
+stays on the device until ``finish``'s last line reads it: the call's one host synchronisation
+(``HOST_SYNC``).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +51,7 @@ from pipeline.runtime.trace.ties import TiedGrads
 from pipeline.schedules.program import Collective, Program, ReduceWait
 from pipeline.schedules.schedule import Schedule, forward_only
 
-__all__ = ["Inputs", "Prepared", "StepRunner"]
+__all__ = ["HOST_SYNC", "Inputs", "Prepared", "StepRunner", "host_sync_site"]
 
 Inputs = Batch | list[torch.Tensor]  # a batch, or a variable-length step's sequences (varlen.py)
 
@@ -324,13 +327,18 @@ class StepRunner:
         weighs the replicas' losses alike."""
         last = self.stages.get(self.last)
         comm = self.comm
-        pair = comm.zeros((2,), torch.float64) if comm is not None else torch.zeros((2,), dtype=torch.float64)
+        # on the device (the Comm's, else the stages'): read on the host only at the end, once
+        pair = (
+            comm.zeros((2,), torch.float64)
+            if comm is not None
+            else torch.zeros((2,), dtype=torch.float64, device=self.device)
+        )
         if last is not None:  # each micro-batch loss weighted by its share: the batch's mean
             losses = torch.stack(last.losses).float()
             shares = from_host(last.weights, torch.float32, losses.device)
             pair[0] += (losses * shares).sum().to(pair.device)  # float32 to float64: exact
             pair[1] += float(sum(units))
-        mean: float | None = None
+        mean: torch.Tensor | None = None  # the replicas' global mean, on the device
         for x in program.tail():
             if isinstance(x, ReduceWait):
                 assert self.replicas is not None
@@ -342,6 +350,30 @@ class StepRunner:
                 comm.broadcast(pair, x.root, f"the loss from rank {comm.name(x.root)}")
             elif isinstance(x, Collective):  # the loss over the replicas
                 assert self.replicas is not None
-                value, weight = pair.tolist()
-                mean = self.replicas.global_mean(value, weight)
-        return float(pair[0]) if mean is None else mean
+                mean = self.replicas.global_mean(pair)
+        loss = pair[0] if mean is None else mean
+        return float(loss)  # HOST_SYNC (below): the call's one host synchronisation
+
+
+# The one host synchronisation of a step (and of evaluate and predict): the loss read on the host at
+# the end of ``finish``; on CUDA the host waits there for the call's queued work. Named here, beside
+# it, as (function, its source line), for scripts/gpu_check.py, which allows this site and no other
+# under ``torch.cuda.set_sync_debug_mode``; tests/test_host_sync.py checks that it is the one read.
+HOST_SYNC = ("StepRunner.finish", "return float(loss)")
+
+
+def host_sync_site() -> tuple[str, int]:
+    """``HOST_SYNC`` as (source file, line number): its line (the code, a comment aside), found exactly
+    once in its function's source."""
+    qualname, text = HOST_SYNC
+    target: Any = globals()[qualname.split(".")[0]]
+    for part in qualname.split(".")[1:]:
+        target = getattr(target, part)
+    lines, first = inspect.getsourcelines(target)
+    found = [first + k for k, line in enumerate(lines) if line.split("#")[0].strip() == text]
+    if len(found) != 1:
+        raise RuntimeError(
+            f"HOST_SYNC names the line {text!r} in {qualname}, which has it {len(found)} times, expected "
+            "once: the step's host synchronisation moved; make HOST_SYNC name the line that reads the loss"
+        )
+    return str(inspect.getsourcefile(target)), found[0]
