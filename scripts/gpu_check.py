@@ -12,7 +12,7 @@ Rows (letters: p ranks, v stages per rank, m micro-batches):
   pinned copy stream     Executor.to_device behind a busy copy stream: pinned, ordered before compute
   one GPU, interleaved   all stages on one rank (v = 2..4) vs one process; busy time from CUDA events
   host syncs             a step under set_sync_debug_mode: one sync, at the site the library names
-                         (pipeline.runtime.steps.HOST_SYNC, the returned loss), none elsewhere
+                         (pipeline.runtime.step.steps.HOST_SYNC, the returned loss), none elsewhere
   NCCL <schedule>        every entry of the schedule registry (its fewest v; m = 2p, and m = p too
                          where m must be a multiple of p), fp32 and bf16, step and evaluate on p
                          ranks vs one process running the same micro-batches
@@ -77,9 +77,10 @@ from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss
 from pipeline.runtime.comm import emulation
 from pipeline.runtime.comm.channels import NcclTransfer
+from pipeline.runtime.inputs.varlen import VarLen
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.steps import HOST_SYNC, host_sync_site
-from pipeline.runtime.varlen import VarLen
+from pipeline.runtime.step.drain import ENV as DRAIN_ENV
+from pipeline.runtime.step.steps import HOST_SYNC, host_sync_site
 from pipeline.schedules.registry import REGISTRY
 from pipeline.schedules.schedule import schedule_options
 
@@ -953,7 +954,6 @@ def _judge_pretrained(results: list[Result], ref: Result) -> tuple[str, str]:
 # a drain: a rank waits for its posted transfers, and a device-wide sync mid-step
 
 
-DRAIN_ENV = "STAGEWISE_DRAIN_AT"  # read by the executor: "R:K", "R:*" or "random:SEED" (issue 42)
 _DRAIN_DEADLINE_S = 2 * _TIMEOUT_S  # past the pipeline's own timeouts, which end every other wait
 
 

@@ -1,4 +1,4 @@
-"""The step's one host synchronisation is where the library says (``pipeline.runtime.steps.HOST_SYNC``).
+"""The step's one host synchronisation is where the library says (``pipeline.runtime.step.steps.HOST_SYNC``).
 
 scripts/gpu_check.py runs a step on a GPU under ``torch.cuda.set_sync_debug_mode`` and allows one
 sync, at the site ``HOST_SYNC`` names (``host_sync_site()``: its function and line). Here, on CPU:
@@ -21,9 +21,9 @@ from torch import nn
 
 from pipeline.plan import Plan
 from pipeline.reference.models import gpt, gpt_loss
-from pipeline.runtime import steps
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.steps import HOST_SYNC, StepRunner, host_sync_site
+from pipeline.runtime.step import steps
+from pipeline.runtime.step.steps import HOST_SYNC, StepRunner, host_sync_site
 from scripts import gpu_check
 from tests.host_reads import host_reads
 

@@ -28,7 +28,7 @@ from pipeline.reference.models import mlp
 from pipeline.runtime.comm import emulation, stream
 from pipeline.runtime.comm.emulation import DEFAULT, EmuStream, EmuTransfer
 from pipeline.runtime.pipe import Pipeline
-from pipeline.runtime.steps import host_sync_site
+from pipeline.runtime.step.steps import host_sync_site
 from tests.dist import job, run_ranks
 from tests.host_reads import host_reads, innermost_library_line
 from tests.pipe_common import CarriesIds
