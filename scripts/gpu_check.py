@@ -9,7 +9,7 @@ Rows (letters: p ranks, v stages per rank, m micro-batches):
                          runs late) consumed through the runtime's ordering: right; the same without
                          ordering, and ordered on another stream (the old bug), must read poison,
                          or the check could not see a missing ordering (FAIL)
-  pinned copy stream     Executor.to_device behind a busy copy stream: pinned, ordered before compute
+  pinned copy stream     Placer.to_device behind a busy copy stream: pinned, ordered before compute
   one GPU, interleaved   all stages on one rank (v = 2..4) vs one process; busy time from CUDA events
   host syncs             a step under set_sync_debug_mode: one sync, at the site the library names
                          (pipeline.runtime.step.steps.HOST_SYNC, the returned loss), none elsewhere
@@ -168,13 +168,13 @@ def check_stream_ordering(rows: list[Row]) -> None:
 
 
 def check_copy_stream(rows: list[Row]) -> None:
-    label = "pinned copy stream (Executor.to_device)"
+    label = "pinned copy stream (Placer.to_device)"
     if not torch.cuda.is_available():
         rows.append((label, "skipped", "no CUDA device"))
         return
     dev = torch.device("cuda")
     model, _, _ = _model(2)
-    ex = _pipe(model, 1, "gpipe", 1, 1, dev).executor
+    ex = _pipe(model, 1, "gpipe", 1, 1, dev).runner.placer
     host = torch.randn(1 << 22)
     with torch.cuda.stream(ex.copy_stream):  # type: ignore[arg-type]
         torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # the copy stream is busy: compute must wait for the copy

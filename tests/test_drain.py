@@ -278,6 +278,8 @@ def test_without_the_rule_the_drain_names_the_receive_that_never_comes(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     got = _UNRULED.results(tmp_path_factory)
-    assert got[0].startswith("PipelineTimeout: rank 0 timed out"), got[0]
-    assert "waiting for 0RECV_B0 from rank 1, posted before the device-wide sync forced at 0F1" in got[0]
-    assert "STAGEWISE_DRAIN_AT" in got[0]
+    # rank 0 times out on the receive, or learns first that rank 1 timed out on the send rank 0 holds
+    # back: either way its error names the receive the drain waited for
+    assert got[0].startswith(("PipelineTimeout: rank 0 timed out", "PeerFailure: rank 1 failed")), got[0]
+    named = "0RECV_B0 from rank 1, posted before the device-wide sync forced at 0F1 (STAGEWISE_DRAIN_AT)"
+    assert named in got[0], got[0]

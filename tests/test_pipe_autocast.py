@@ -51,7 +51,7 @@ def _autocast_and_threads() -> dict[str, Any]:
                         timeout=10.0)  # fmt: skip
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pipe.step(x, y)
-        ex = pipe.executor
+        ex = pipe.runner.describer  # what the step was described as
         micro = ex.micro[0]  # the micro-batches' one signature
         assert len(set(ex.micro)) == 1 and micro[0][0][0] == BATCH // M
         between = ex.out_sig[0][micro] if pipe.rank == 0 else ex.in_sig[1][micro]  # as sent, and as received

@@ -124,7 +124,8 @@ def _matrix() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     params = {n: t.detach().clone() for n, t in pipe.named_parameters()}
-    out["prefetch"] = (losses, params, pipe.runner.prefetch_used, pipe.needs_inputs, pipe.needs_targets)
+    used = pipe.runner.placer.prefetch_used
+    out["prefetch"] = (losses, params, used, pipe.needs_inputs, pipe.needs_targets)
     return out
 
 

@@ -41,14 +41,15 @@ def test_a_call_takes_the_prefetched_copy_only_of_the_same_objects() -> None:
     assert pipe.needs_inputs and pipe.needs_targets  # one rank holds every stage
     x1, y1, x2, y2 = torch.randn(5, 3), torch.randn(5, 2), torch.randn(6, 3), torch.randn(6, 2)
     first = pipe.step(x1, y1, prefetch=[x2, y2])  # a DataLoader's [x, y] will do
-    assert set(pipe.runner.prefetched) == {"inputs", "targets"} and pipe.runner.prefetch_used == 0
+    placer = pipe.runner.placer
+    assert set(placer.prefetched) == {"inputs", "targets"} and placer.prefetch_used == 0
     assert pipe.evaluate(x1, y1) > 0  # other objects: copied as usual, the prefetched copy kept
-    assert set(pipe.runner.prefetched) == {"inputs", "targets"} and pipe.runner.prefetch_used == 0
+    assert set(placer.prefetched) == {"inputs", "targets"} and placer.prefetch_used == 0
     second = pipe.step(x2, y2)
-    assert not pipe.runner.prefetched and pipe.runner.prefetch_used == 2
+    assert not placer.prefetched and placer.prefetch_used == 2
     with torch.no_grad():
         ref = [float(nn.functional.mse_loss(model(x), y)) for x, y in ((x1, y1), (x2, y2))]
     assert abs(first - ref[0]) < 1e-6 and abs(second - ref[1]) < 1e-6
     pipe.predict(x1, prefetch=(x2, None))  # predict prefetches inputs alone
-    assert set(pipe.runner.prefetched) == {"inputs"}
-    assert pipe.predict(x2).shape == (6, 2) and pipe.runner.prefetch_used == 3
+    assert set(placer.prefetched) == {"inputs"}
+    assert pipe.predict(x2).shape == (6, 2) and placer.prefetch_used == 3

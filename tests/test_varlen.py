@@ -536,10 +536,10 @@ def _emulated(
     for seed in SEEDS:
         xs, ys = _data(seed)
         losses.append(pipe.step(xs if pipe.needs_inputs else None, ys if pipe.needs_targets else None))
-        shapes.append([tuple(sig[0][0]) for sig in pipe.executor.micro])
-    ex = pipe.executor
+        shapes.append([tuple(sig[0][0]) for sig in pipe.runner.describer.micro])
+    described = pipe.runner.describer
     distinct = len({sig for step in shapes for sig in step})
-    return losses, grads_of(pipe.named_parameters()), shapes, ex.fake_derivations, distinct  # type: ignore[return-value]
+    return losses, grads_of(pipe.named_parameters()), shapes, described.fake_derivations, distinct  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("opts", [OPTS, DOCS], ids=["padded", "documents"])
@@ -577,8 +577,8 @@ def _one_row_first() -> list[tuple[int, list[tuple[int, int]]]]:
     out, seen = [], set()
     for x, y in [(xs[:M], ys[:M]), *(_data(seed) for seed in SEEDS)]:
         pipe.step(x if pipe.needs_inputs else None, y if pipe.needs_targets else None)
-        shapes = {tuple(sig[0][0]) for sig in pipe.executor.micro}
-        out.append((pipe.executor.fake_derivations, sorted(shapes - seen)))
+        shapes = {tuple(sig[0][0]) for sig in pipe.runner.describer.micro}
+        out.append((pipe.runner.describer.fake_derivations, sorted(shapes - seen)))
         seen |= shapes
     return out  # type: ignore[return-value]
 

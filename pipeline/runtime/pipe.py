@@ -344,8 +344,8 @@ class Pipeline:
         )  # fmt: skip
         if varlen is not None:
             self.runner.varlen = (varlen, step_costs(self.plan, self.schedule))
-            self.executor.shape_rules = True
-            self.executor.one_row = varlen.documents
+            self.runner.describer.shape_rules = True
+            self.runner.describer.one_row = varlen.documents
         self.last_loss_rank = self.runner.last_loss_rank  # the last stage's rank
 
     # ---- construction

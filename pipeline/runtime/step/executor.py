@@ -5,12 +5,11 @@
 ``Executor`` binds the rank's program once (``Schedule.program``, the step as
 data; runtime/program.py: messages and bound instructions) and runs it at every step:
 
-    step:  header + signatures (metadata.py; each micro-batch signature set up once: B rows
-           split into m give at most two, a varlen step one per (rows, length))
-           -> per instruction: post a comm block (the first: receives only) | compute (its
+    step:  (the micro-batches prepared, described and placed: prepare.py's four moves; this is run)
+           per instruction: post a comm block (the first: receives only) | compute (its
               input ordered before it only now, then the sends that input proves delivered)
            | free the sends that no receive proved delivered (at the end)
-           -> order what is still pending (the header's send)
+           -> order what is still pending
 
 Every receive is consumed through ``Comm.order(works, compute stream)``: on
 gloo the host waits; on NCCL the compute stream waits for the transfer on the
@@ -20,8 +19,8 @@ and are posted with the compute stream current, so the channel's stream is
 ordered after their allocation and after the compute that produced a send
 (NCCL keeps the tensors alive until their work is waited for, which every
 receive and send here is). Receives are posted one block ahead on every
-backend: each NCCL channel is a FIFO of one direction (channels.py), so an
-early receive holds nothing back.
+backend where that is safe (program.py): each NCCL channel is a FIFO of one
+direction (channels.py), so an early receive holds nothing back.
 
 On a GPU the host never waits for a transfer, so it could run arbitrarily far
 ahead, allocating buffers for transfers the device has not reached. Before
@@ -56,38 +55,24 @@ from typing import Any
 import torch
 
 from pipeline.runtime.comm import emulation, stream
-from pipeline.runtime.comm.p2p import NCCL_DTYPES, Comm
-from pipeline.runtime.inputs.microbatch import Batch, Signature, batch_rows, from_tuple, signature
+from pipeline.runtime.comm.p2p import Comm
+from pipeline.runtime.inputs.microbatch import Batch, from_tuple
 from pipeline.runtime.step.clock import StepClock
+from pipeline.runtime.step.describe import Described
 from pipeline.runtime.step.drain import ENV as _DRAIN_ENV
 from pipeline.runtime.step.drain import drain_at
 from pipeline.runtime.step.memory import ActivationMeter
-from pipeline.runtime.step.metadata import (
-    Signatures,
-    check_sendable,
-    derive_signatures,
-    exchange_header,
-    exchange_rules,
-    send_tensors,
-    set_specs,
-)
+from pipeline.runtime.step.metadata import send_tensors
+from pipeline.runtime.step.place import Placed
 from pipeline.runtime.step.program import Msg, compile_rank
 from pipeline.runtime.step.stage import StageRuntime
-from pipeline.runtime.trace.shape_rules import ShapeRule
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.timeline import TimedAction
 
-__all__ = ["RUN_AHEAD", "Executor", "Prefetched"]
+__all__ = ["RUN_AHEAD", "Executor"]
 
 RUN_AHEAD = 2  # compute actions the host may queue past the last one the device finished
-
-
-def _map(batch: Any, fn: Any) -> Any:
-    """``fn`` on each tensor of a tensor or tuple; anything else as it is (checked where it is used)."""
-    if isinstance(batch, tuple):
-        return tuple(_map(t, fn) for t in batch)
-    return fn(batch) if isinstance(batch, torch.Tensor) else batch
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
@@ -100,15 +85,6 @@ def _normal(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-class Prefetched:
-    """A batch whose copy to the device was started ahead of its step (``Executor.prefetch``)."""
-
-    __slots__ = ("copy", "event", "host")
-
-    def __init__(self, host: Any, copy: Any, event: stream.Event) -> None:
-        self.host, self.copy, self.event = host, copy, event
 
 
 class Executor:
@@ -135,7 +111,6 @@ class Executor:
         self.nccl = comm is not None and comm.nccl
         self.emulated = comm is not None and comm.emulated
         self.compute_stream = stream.current_stream(device, self.emulated)
-        self.copy_stream = stream.new_stream(device, self.emulated, "copy")
         self.clock = StepClock(device, self.compute_stream, rank)
         # one meter per rank, shared by its stages (a hand-over between them is one storage) and by
         # the evaluation executor, which runs on the same stages but keeps no step's peak
@@ -154,22 +129,7 @@ class Executor:
         self._ends: deque[tuple[Action, stream.Event]] = deque(maxlen=RUN_AHEAD)
         # recent receives, for the stuck report: their transfers only (ordered ones hold no tensors)
         self._ordered: deque[tuple[str, list[Any]]] = deque(maxlen=4 * RUN_AHEAD)
-        # signatures: per autocast state, per local stage, per micro-batch signature (set up once each)
-        self._input_key: tuple[tuple[Signature, ...], int] | None = None
-        self._version = 0
-        self._derived: dict[int, tuple[Signatures, Signatures]] = {}
-        self.micro: tuple[Signature, ...] = ()  # this step's micro-batch signatures (stage 0's input)
-        self.sizes: list[int] = []  # the rows of this step's micro-batches
-        self.units: list[int] = []  # what they weigh: their rows, or a varlen step's target tokens
-        self.in_sig: Signatures = {}  # per local stage, per micro-batch signature, this autocast state
-        self.out_sig: Signatures = {}
-        self.extra: tuple[int, ...] = ()  # the words rank 0 added to this step's header
-        # a variable-length run meets new shapes every step: each stage's shape rule, per autocast
-        # state, computes their signatures without fake tensors or messages (shape_rules.py)
-        self.shape_rules = False
-        self.one_row = False  # every micro-batch is one row (rows of documents): rules for one row
-        self._rules: dict[int, dict[int, ShapeRule]] = {}
-        self.fake_derivations = 0  # micro-batch signatures set up stage by stage (fake tensors or their memo)
+        self.units: list[int] = []  # what this step's micro-batches weigh (Described.units)
         # the bound instructions call back through a weak proxy: holding this executor itself would
         # make a cycle, and a Pipeline in a cycle lives until a garbage collection, with its process
         # groups (a gloo worker still finishing a collective when the interpreter finalizes aborts it)
@@ -180,6 +140,7 @@ class Executor:
         self.on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None = None
         self._program = compiled.program
         self._msgs = compiled.msgs
+        self.msgs = compiled.msgs  # what the describer gives their specs (describe.py)
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
         # a device-wide sync forced after chosen computes (drain.py; none unless the environment asks)
         self._drain_at = drain_at(rank, [len(actions) for actions in sched.compute]) if self.p > 1 else None
@@ -202,34 +163,12 @@ class Executor:
             raise ValueError(f"rank {self.rank} runs no {a} in this schedule")
         self._hooks[a] = (before, after)
 
-    # ---- inputs
-
-    def to_device(self, batch: Any) -> Any:
-        """``batch`` (a tensor or tuple of them) on this rank's device: pinned, copied on the copy stream,
-        ordered before what compute runs next."""
-        return self.take_prefetched(self.prefetch(batch))
-
-    def prefetch(self, batch: Any) -> Prefetched:
-        """Start ``batch``'s copy to the device on the copy stream; compute is not ordered after it
-        until ``take_prefetched`` (so the copy overlaps whatever compute is queued meanwhile)."""
-        device, copies = self.device, self.copy_stream
-        copy = _map(batch, lambda t: stream.start_copy(stream.pin(t, device), device, copies))
-        return Prefetched(batch, copy, stream.record_event(self.copy_stream))
-
     def follow_current_stream(self) -> None:
         """Compute runs on the caller's current stream, read at every step (not only at construction):
-        a step under ``torch.cuda.stream(s)`` runs its stages on s, so receives and input copies must
-        order s, not the stream that was current when the Pipeline was built."""
+        a step under ``torch.cuda.stream(s)`` runs its stages on s, so receives must order s, not the
+        stream that was current when the Pipeline was built."""
         current = stream.current_stream(self.device, self.emulated)
         self.compute_stream = self.clock.compute = current
-
-    def take_prefetched(self, pre: Prefetched) -> Any:
-        """The prefetched copy, with the compute stream ordered after it (an event wait, no host sync)."""
-        self.follow_current_stream()
-        stream.wait_event(self.compute_stream, pre.event)
-        for t in _tensors(pre.copy):  # made on the copy stream, used on compute: not reused before
-            stream.record_stream(t, self.compute_stream)
-        return pre.copy
 
     # ---- communication, called by the bound instructions
 
@@ -285,64 +224,13 @@ class Executor:
         it = iter(buffers)
         return tuple(next(it) if k else None for k in m.mask)
 
-    # ---- metadata
-
-    def _exchange_header(self, extra: tuple[int, ...]) -> tuple[tuple[Signature, ...], int]:
-        micro = [signature(x) for x in self.inputs] if self.inputs else None
-        sigs, mode, self.extra = exchange_header(self.comm, self.rank, self.p, self.device, micro, extra)
-        return sigs, mode
-
-    def _setup(self, micro: tuple[Signature, ...], mode: int) -> None:
-        """Every local stage's input and output signatures for the micro-batch signatures not seen
-        before under this autocast state; the messages' specs for this step's."""
-        self._version += 1
-        self.in_sig, self.out_sig = self._derived.setdefault(mode, ({}, {}))
-        key = f"{self.key_prefix}/sig{self._version}"
-        sched, stages, comm = self.sched, self.stages, self.comm
-        rules = self._rules.get(mode)
-        known = list(next(iter(self.in_sig.values()), {}))  # set up at earlier steps: the same everywhere
-        if self.shape_rules and rules is None and known and any(sig not in known for sig in micro):
-            # new shapes after the first step's: from here on rules pay for their trace
-            at = f"{self.key_prefix}/rules{self._version}"
-            made = exchange_rules(known, self.in_sig, stages, sched, comm, at, self.one_row)
-            if made is not None:
-                self._rules[mode] = rules = made
-        self.fake_derivations += derive_signatures(
-            micro, stages, sched, self.rank, comm, key, self.in_sig, self.out_sig, rules
-        )
-        self.micro, self.sizes = micro, [sig[0][0][0] for sig in micro]
-        set_specs(self._msgs, self.in_sig, self.out_sig, micro)
-        if self.nccl:
-            check_sendable(self._msgs, NCCL_DTYPES, "NCCL")
-
-    def _check_targets(self) -> None:
-        """On the last stage's rank: the targets have the inputs' rows (the header's), split alike."""
-        if not self.targets or self.targets[0] is None:
-            return
-        got = [batch_rows(y, what="targets") for y in self.targets]
-        if got != self.sizes:
-            raise ValueError(
-                f"the targets have {sum(got)} rows but the inputs (on stage 0's rank) {sum(self.sizes)}; "
-                "pass the targets of the same batch as the inputs"
-            )
-
     # ---- the step
 
-    def run(
-        self,
-        inputs: list[Batch],
-        targets: list[Any],
-        record: bool,
-        extra: tuple[int, ...] = (),
-        units: list[int] | None = None,
-        check: Callable[[tuple[int, ...]], None] | None = None,
-    ) -> None:
-        """One step over prepared micro-batches (``inputs`` on stage 0's rank, ``targets`` on the last's).
-
-        ``extra``: words rank 0 adds to the step's header (every rank reads them as ``self.extra``);
-        ``units``: what each micro-batch's loss weighs (its share of their sum) where not its rows:
-        a varlen step's target tokens; ``check(words)``: called with the header's extra words before
-        any compute (the last stage's rank checks its targets against rank 0's inputs)."""
+    def run(self, placed: Placed, described: Described, record: bool) -> None:
+        """One step over micro-batches already described (every rank agreed on their signatures, the
+        messages have their specs) and placed (on the device: ``inputs`` on stage 0's rank,
+        ``targets`` on the last's): the program, and nothing else."""
+        inputs, targets = placed.xs, placed.ys
         self.inputs, self.targets = inputs, targets
         self.follow_current_stream()
         clock = self.clock
@@ -357,14 +245,7 @@ class Executor:
             self.meter.begin_step(owned)
         try:
             with emulation.strict_devices(self.emulated):
-                key = self._exchange_header(extra)
-                if key != self._input_key:  # the autocast state changes the dtypes between stages too
-                    self._setup(*key)
-                    self._input_key = key
-                if check is not None:
-                    check(self.extra)
-                self._check_targets()
-                self.units = units if units is not None else self.sizes
+                self.units = described.units
                 share = self.on_rows(self.units) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
                     st.set_rows(self.units, share)
