@@ -124,14 +124,19 @@ def _leaves_the_creation_in_time(folder: str) -> None:
     arrived.close()
 
 
-def test_neither_guard_ends_a_process_that_left_the_creation(tmp_path: Path) -> None:
+def _exit_code(target: Any, tmp_path: Path) -> int | None:
+    """``target(folder)``'s exit status in a process of its own (a guard may end it), 30 s at most."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    proc = ctx.Process(target=_leaves_the_creation_in_time, args=(str(tmp_path),))
+    proc = ctx.Process(target=target, args=(str(tmp_path),))
     proc.start()
     proc.join(30.0)
     proc.kill()
-    assert proc.exitcode == 0
+    return proc.exitcode
+
+
+def test_neither_guard_ends_a_process_that_left_the_creation(tmp_path: Path) -> None:
+    assert _exit_code(_leaves_the_creation_in_time, tmp_path) == 0
 
 
 def test_a_failure_on_the_board_is_what_the_creation_guard_reports(tmp_path: Path) -> None:
@@ -187,13 +192,7 @@ def _creates_beside_a_remote_peer(folder: str) -> None:
 
 
 def test_the_creation_guard_never_ends_a_rank_for_a_remote_peers_pid(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    proc = ctx.Process(target=_creates_beside_a_remote_peer, args=(str(tmp_path),))
-    proc.start()
-    proc.join(30.0)
-    proc.kill()
-    assert proc.exitcode == 0
+    assert _exit_code(_creates_beside_a_remote_peer, tmp_path) == 0
 
 
 # ---- in a Pipeline, under the emulation
