@@ -166,6 +166,14 @@ def test_drain_points_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(picks) > 3
 
 
+def test_a_training_steps_compute_past_a_forward_only_programs_end_drains_nowhere_there() -> None:
+    # evaluate's program on rank 2 has 4 computes, its step 6: K = 5 is the step's, not an error
+    forward = drain_at(2, [4, 4, 4], "2:5", training=False)
+    assert forward is not None and not any(forward(0, k) for k in range(4))
+    with pytest.raises(ValueError, match="never reaches compute 5"):
+        drain_at(2, [4, 4, 4], "2:5")
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [("2", "is not one of 'R:K'"), ("3:1", "with R in [0, 3)"), ("0:x", "'R:*'"), ("random:", "random:SEED"),

@@ -38,9 +38,13 @@ ENV = "STAGEWISE_DRAIN_AT"
 DrainAt = Callable[[int, int], bool]
 
 
-def drain_at(rank: int, computes: list[int], value: str | None = None) -> DrainAt | None:
+def drain_at(
+    rank: int, computes: list[int], value: str | None = None, training: bool = True
+) -> DrainAt | None:
     """Where rank ``rank`` drains, from ``value`` (default: the environment's ``STAGEWISE_DRAIN_AT``);
-    ``computes``: each rank's number of computes per step. None when it is unset."""
+    ``computes``: each rank's number of computes per step. None when it is unset. ``R:K`` names a
+    training step's compute: a forward-only program (evaluate, predict) with fewer drains at none
+    past its end rather than refuse what the training step takes."""
     text = (os.environ.get(ENV, "") if value is None else value).strip()
     if not text:
         return None
@@ -63,7 +67,7 @@ def drain_at(rank: int, computes: list[int], value: str | None = None) -> DrainA
         if tail == "*":
             return lambda step, k: True
         at = int(tail)
-        if at >= computes[rank]:
+        if at >= computes[rank] and training:
             raise ValueError(
                 f"{ENV}={text!r}: rank {rank} runs {computes[rank]} computes per step (0 to "
                 f"{computes[rank] - 1}), so it never reaches compute {at}; name one of those"

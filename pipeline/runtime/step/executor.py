@@ -143,7 +143,8 @@ class Executor:
         self.msgs = compiled.msgs  # what the describer gives their specs (describe.py)
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
         # a device-wide sync forced after chosen computes (drain.py; none unless the environment asks)
-        self._drain_at = drain_at(rank, [len(actions) for actions in sched.compute]) if self.p > 1 else None
+        computes = [len(actions) for actions in sched.compute]
+        self._drain_at = drain_at(rank, computes, training=self.training) if self.p > 1 else None
         self._steps = 0  # steps run: what a drawn drain point depends on
 
     # ---- measurements of the last step
