@@ -139,8 +139,7 @@ class Executor:
         # data parallelism: told the step's rows, gives the replica's share of the global batch (B_d / B)
         self.on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None = None
         self._program = compiled.program
-        self._msgs = compiled.msgs
-        self.msgs = compiled.msgs  # what the describer gives their specs (describe.py)
+        self.msgs = compiled.msgs  # by comm action; the describer gives them their specs (describe.py)
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
         # a device-wide sync forced after chosen computes (drain.py; none unless the environment asks)
         computes = [len(actions) for actions in sched.compute]
@@ -296,7 +295,7 @@ class Executor:
         event = self._ends[-1][1]
         if not stream.event_done(event):
             self.comm.poll(lambda: stream.event_done(event), lambda: f"{a} to finish, in {held}")
-        posted = {id(m): m for m in (*self._msgs.values(), *self._sent) if m.works}
+        posted = {id(m): m for m in (*self.msgs.values(), *self._sent) if m.works}
         for m in posted.values():
             assert m.works is not None
             transport.drain(m.works, f"{m.what}, posted before {held}")
@@ -310,7 +309,7 @@ class Executor:
 
     def _drain(self) -> None:
         # the program waited for every receive and freed every send; what is left is the header's
-        open_ = [a for a, m in self._msgs.items() if m.works is not None]
+        open_ = [a for a, m in self.msgs.items() if m.works is not None]
         assert not open_, f"rank {self.rank}'s program left messages open: {open_}"
         assert self.comm is not None or not self._sent
         for m in self._sent:
@@ -324,7 +323,7 @@ class Executor:
         """After a failure: drop the step's tensors and works, so that the next step starts clean."""
         # works still pending stay referenced (with their tensors) until the next failure: gloo
         # completes them with an error once the failure has closed the group's connections
-        msgs = (*self._msgs.values(), *self._local.values(), *self._sent)
+        msgs = (*self.msgs.values(), *self._local.values(), *self._sent)
         self._abandoned = [m.works for m in msgs if m.works is not None]
         for m in msgs:
             m.value, m.tensors, m.works = None, [], None
