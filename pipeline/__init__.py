@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from pipeline.runtime.inputs.varlen import VarLen
     from pipeline.runtime.pipe import Pipeline
     from pipeline.runtime.step.recompute import CHECKPOINT_MODES, RECOMPUTE_MODES
+    from pipeline.runtime.tensor.llama import parallelize_llama
     from pipeline.startup import StartupError
 
 # The runtime (torch, processes) loads on first use, so that ``import pipeline.schedules`` is pure data.
@@ -61,6 +62,7 @@ _LAZY = {
     "StartupError": "pipeline.startup",
     "PipelineTimeout": "pipeline.runtime.comm.p2p",
     "Pipeline": "pipeline.runtime.pipe",
+    "parallelize_llama": "pipeline.runtime.tensor.llama",
     "CHECKPOINT_MODES": "pipeline.runtime.step.recompute",
     "RECOMPUTE_MODES": "pipeline.runtime.step.recompute",
     "VarLen": "pipeline.runtime.inputs.varlen",
@@ -115,6 +117,7 @@ __all__ = [
     "forward_only",
     "init_distributed",
     "launch",
+    "parallelize_llama",
     "parse_action",
     "render_grid",
     "schedule",

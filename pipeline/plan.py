@@ -218,7 +218,10 @@ class Plan:
     n_microbatches: int = 0  # 0: the default, m = p (filled in when the plan is made)
     n_virtual: int = 0  # 0: the default for the schedule
     recompute: Recompute = "never"  # one mode, or a tuple of one per stage (see recompute_of)
-    dp: int = 1  # pipeline replicas (data parallelism): the world is dp x n_ranks
+    dp: int = 1  # pipeline replicas (data parallelism): the world is dp x shard x n_ranks x tp
+    shard: int = 1  # FSDP2 per stage: each stage's parameters, gradients and optimizer state in shard parts
+    tp: int = 1  # tensor parallelism: each stage's layers split over tp ranks (a parallelize_fn)
+    zero: int = 2  # with shard > 1: 2 keeps parameters gathered through a step, 3 reshards after use
     # predictions; empty for a plan that was not predicted
     stages: list[StagePlan] = field(default_factory=list)
     bottleneck: float = 0.0
@@ -273,6 +276,16 @@ class Plan:
             raise ValueError(
                 f"dp ({self.dp!r}) must be an integer >= 1: the number of pipeline replicas (1: no data "
                 "parallelism)"
+            )
+        for name, what in (("shard", "FSDP parts of each stage (1: no sharding)"),
+                           ("tp", "tensor-parallel ranks per stage (1: none)")):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be an integer >= 1: the number of {what}")
+        if self.zero not in (2, 3) or isinstance(self.zero, bool):
+            raise ValueError(
+                f"zero ({self.zero!r}) must be 2 (parameters gathered once per step and kept through it) "
+                "or 3 (resharded after each forward and backward: less memory, more all-gathers)"
             )
         if self.stages and len(self.stages) != len(balance):
             raise ValueError(f"plan has {len(self.stages)} stage predictions for {len(balance)} stages")
@@ -337,8 +350,8 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """All ranks of a run of this plan: dp replicas of p ranks."""
-        return self.dp * self.n_ranks
+        """All ranks of a run of this plan: dp replicas of ``shard`` x p x ``tp`` ranks."""
+        return self.dp * self.shard * self.n_ranks * self.tp
 
     @property
     def n_layers(self) -> int:
@@ -429,9 +442,10 @@ class Plan:
         return cls(**data)
 
     def summary(self) -> str:
-        """The configuration in one line: ``[1f1b, m=4, v=1, recompute never]``, with ``, dp=2`` when
-        the pipeline is replicated."""
-        dp = f", dp={self.dp}" if self.dp > 1 else ""
+        """The configuration in one line: ``[1f1b, m=4, v=1, recompute never]``, with ``, dp=2``,
+        ``, shard=2, zero=2`` and ``, tp=2`` where those dimensions are used."""
+        dp = "".join(f", {k}={getattr(self, k)}" for k in ("dp", "shard", "tp") if getattr(self, k) > 1)
+        dp += f", zero={self.zero}" if self.shard > 1 else ""
         mode = self.recompute if isinstance(self.recompute, str) else f"({', '.join(self.recompute)})"
         return f"[{self.schedule}, m={self.n_microbatches}, v={self.n_virtual}, recompute {mode}{dp}]"
 

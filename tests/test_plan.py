@@ -91,6 +91,9 @@ def test_json_round_trips_every_field() -> None:
         n_virtual=2,
         recompute="except_last",
         dp=3,
+        shard=2,
+        tp=2,
+        zero=3,
         stages=[
             first,
             _stage(1, 3, 0.5, 0.5, 0.25),

@@ -4,7 +4,9 @@
         |
     step/        one rank's step: the program bound and run, stages' F/B/W, memory, the tail
         |
-    replicas/    data parallelism across pipeline replicas: the mesh, gradient reduction, gathers
+    replicas/    data parallelism: the mesh, replicas' gradient reduction, FSDP shards, gathers
+        |
+    tensor/      tensor parallelism inside a stage: a parallelize_fn, Llama's split
         |
     trace/       a model as stages: tracing, sizes and shapes, materialisation, tied weights
         |
@@ -25,6 +27,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "comm": (),
     "inputs": ("comm",),
     "trace": ("comm", "inputs"),
-    "replicas": ("comm", "inputs", "trace"),
-    "step": ("comm", "inputs", "trace", "replicas"),
+    "tensor": ("comm", "inputs", "trace"),
+    "replicas": ("comm", "inputs", "trace", "tensor"),
+    "step": ("comm", "inputs", "trace", "tensor", "replicas"),
 }

@@ -160,11 +160,13 @@ from pipeline.runtime.options import check_group, check_model, resolve
 from pipeline.runtime.replicas import replicas
 from pipeline.runtime.replicas.dp import DEFAULT_BUCKET_MB, Reduction, check_bucket_mb
 from pipeline.runtime.replicas.gather import gather_state_dict
+from pipeline.runtime.replicas.mesh import COMPOSED
 from pipeline.runtime.step import grads, memory
 from pipeline.runtime.step.executor import Executor
 from pipeline.runtime.step.metadata import begin_call
 from pipeline.runtime.step.stage import LossFn, StageRuntime
 from pipeline.runtime.step.steps import Inputs, StepRunner
+from pipeline.runtime.tensor.parallel import ParallelizeFn, parallelize_stages
 from pipeline.runtime.trace.graph_stages import plan_stages
 from pipeline.runtime.trace.materialize import unset_message
 from pipeline.runtime.trace.ties import TiedGrads
@@ -220,6 +222,7 @@ class Pipeline:
         timeout: float = 300.0,
         init_fn: Callable[[nn.Module], None] | None = None,
         varlen: VarLen | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
     ) -> None:
         options = resolve(
             plan,
@@ -243,8 +246,17 @@ class Pipeline:
             nccl_env.check(_nccl_version())  # a LazyConnectWarning where NCCL may connect inside a step
             arrived = arrive(world_store(), members, dist.get_rank(), timeout, "the Pipeline's construction")
         dp = options.plan.dp if options.plan is not None else None if mesh is not None else 1
+        shard = options.plan.shard if options.plan is not None else 1
+        tp = options.plan.tp if options.plan is not None else 1
+        self.zero = options.plan.zero if options.plan is not None else 2
+        composed = shard > 1 or tp > 1 or tuple(getattr(mesh, "mesh_dim_names", None) or ()) == COMPOSED
+        p = options.schedule.n_ranks
         with creating(arrived, "the pipeline's mesh and groups"):
-            groups = replicas.resolve(dp, options.schedule.n_ranks, group, mesh, distributed, timeout)
+            if composed:
+                groups = replicas.resolve_composed(dp or 1, shard, p, tp, group, mesh, distributed, timeout)
+            else:
+                groups = replicas.resolve(dp, p, group, mesh, distributed, timeout)
+        self.shard, self.tp = shard, tp
         check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
@@ -282,6 +294,22 @@ class Pipeline:
         self._transient = set(names) - saved  # non-persistent buffers
         with self._publish_failure():  # a rank that cannot build its stages: its peers must not wait
             local, ties = plan_stages(model, shape, self._stage_ids, self.device, init_fn, self._unset)
+        if (shard > 1 or tp > 1) and ties:
+            raise ValueError(
+                f"this plan shards (shard={shard}) or splits (tp={tp}) its stages, but the model ties "
+                f"{ties[0].describe()}: a tied weight's copies on several "
+                "ranks are not sharded yet; untie it (e.g. a separate head weight), or make the plan with "
+                "shard=1 and tp=1"
+            )
+        if tp > 1:
+            with self._publish_failure():
+                traced = shape.graph is not None
+                parallelize_stages(local, groups.tp_mesh, parallelize_fn, traced)
+        elif parallelize_fn is not None:
+            raise ValueError(
+                "parallelize_fn was given but the plan has tp=1, so nothing would call it; make the plan "
+                "with tp > 1 (partition(..., tp=2)) or leave parallelize_fn out"
+            )
         self._modules = [local[s] for s in self._stage_ids]
         self.fingerprint = shape.graph.fingerprint if shape.graph is not None else ""  # a traced model
         self.module: nn.Module = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
@@ -316,8 +344,12 @@ class Pipeline:
             with self._publish_failure(), creating(arrived, "the replicas' groups"):
                 self._replicas = replicas.Replicas(
                     groups, self._prefix, failure, timeout, modules, self.schedule, self.rank,
-                    self.executor, bucket_mb, config,
+                    self.executor, bucket_mb, config, self.zero,
                 )  # fmt: skip
+            sharded = self._replicas.sharded
+            if sharded is not None:
+                for st in self.stages.values():
+                    st.sharded, st.gathered = True, sharded.gathered
         params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
         shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
         at = "the tied weights' groups"

@@ -63,7 +63,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -80,6 +80,7 @@ __all__ = [
     "DEFAULT_BUCKET_MB",
     "Collectives",
     "GradReducer",
+    "Hooked",
     "Reduction",
     "assign_parameters",
     "check_bucket_mb",
@@ -105,6 +106,15 @@ def check_bucket_mb(bucket_mb: float) -> float:
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
         raise ValueError(f"bucket_mb ({bucket_mb!r}) must be a number of megabytes > 0, e.g. 25.0")
     return float(bucket_mb)
+
+
+class Hooked(Protocol):
+    """What the replicas need of the rank's executor (step/executor.py; named here, not imported: the
+    step room sits above this one): calls around each compute, and the step's rows once known."""
+
+    on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None
+
+    def hook(self, a: Action, before: Callable[[], None], after: Callable[[], None]) -> None: ...
 
 
 def reduction_points(sched: Schedule, rank: int) -> dict[Action, int]:

@@ -24,6 +24,16 @@ buckets launched as soon as a stage's last weight gradient is done, so that
 it overlaps the rest of the schedule (runtime/dp.py): it tolerates the slower
 network between nodes.
 
+Composed (``plan.shard`` > 1 or ``plan.tp`` > 1), the mesh has torchtitan's four named dims,
+``("dp_replicate", "dp_shard", "pp", "tp")`` (``COMPOSED``), any of them of size 1, innermost last:
+global rank g = ((d * shard + h) * p + r) * tp + t. Tensor parallelism all-reduces inside every
+layer, so its ranks are adjacent (one node, NVLink); the pipeline's point-to-point traffic comes
+next, for the reason above; FSDP's all-gather and reduce-scatter (once per step, overlapped) and
+the replicas' all-reduce tolerate the slowest links. Each (replica, shard, tp) cell runs its own
+pipeline of p ranks (``Layout.pipelines``); the data the step sees is the same on the tp ranks of a
+cell and different across (d, h): the "data" group of a rank is its (dp_replicate x dp_shard)
+ranks (``Layout.replicas``, of size dp x shard).
+
 The mesh is a ``torch.distributed.device_mesh.DeviceMesh`` with dims named
 ``("dp", "pp")``, made with ``init_device_mesh`` (``build_mesh``) or given by
 the caller (``check_mesh``). A rank's pipeline rank is its rank in the "pp"
@@ -44,11 +54,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
-    "DIMS", "Layout", "bound_timeouts", "build_mesh", "check_mesh", "check_world", "layout_of",
-    "layout_table",
+    "COMPOSED", "DIMS", "Layout", "bound_timeouts", "build_composed", "build_mesh", "check_composed",
+    "check_mesh", "check_world", "composed_layout", "layout_of", "layout_table",
 ]  # fmt: skip
 
 DIMS = ("dp", "pp")
+COMPOSED = ("dp_replicate", "dp_shard", "pp", "tp")
 
 # the "dp" and "pp" groups made, by world (the default group), then by (device type, dp, p): every
 # rank makes its Pipelines in the same order, so the cache hits (and the collective group creations
@@ -72,6 +83,8 @@ class Layout:
     pipeline: list[int]  # global ranks of this rank's pipeline, by pipeline rank
     replicas: list[int]  # global ranks of this rank's "dp" group, by replica
     pipelines: list[list[int]]  # every pipeline's global ranks, by replica then pipeline rank
+    shard: int = 1  # FSDP parts of each stage (the "dp_shard" dim); dp counts replicas x shard
+    tp: int = 1  # tensor-parallel ranks of each stage (the "tp" dim)
 
 
 def check_world(world: int, dp: int, p: int) -> None:
@@ -110,8 +123,9 @@ def bound_timeouts(mesh: DeviceMesh, seconds: float) -> None:
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
     if set_timeout is None:
         return
-    for name in DIMS:
-        set_timeout(datetime.timedelta(seconds=seconds), mesh.get_group(name))
+    names = tuple(mesh.mesh_dim_names or ())
+    for name in (*names, "data") if names == COMPOSED else names:
+        set_timeout(datetime.timedelta(seconds=seconds), mesh[name].get_group())
 
 
 def check_mesh(mesh: Any, dp: int, p: int) -> DeviceMesh:
@@ -172,3 +186,73 @@ def layout_table(dp: int, p: int, stages_of: Any = None) -> str:
         stages = ",".join(map(str, stages_of(r))) if stages_of is not None else str(r)
         lines.append(f"{g:>4}  {d:>7}  {r:>7}  {stages}")
     return "\n".join(lines)
+
+
+def build_composed(dp: int, shard: int, p: int, tp: int, device_type: str) -> DeviceMesh:
+    """The ("dp_replicate", "dp_shard", "pp", "tp") mesh over the world, tp innermost, with its
+    ("dp_replicate", "dp_shard") ranks flattened into a "data" dim (the step's rows, the loss)."""
+    world = dist.get_world_size()
+    if world != dp * shard * p * tp:
+        raise ValueError(
+            f"the plan is for dp={dp} x shard={shard} x pp={p} x tp={tp} = {dp * shard * p * tp} ranks but "
+            f"the world has {world}; start {dp * shard * p * tp} ranks or make the plan for this world "
+            f"(partition(..., n_ranks, dp=..., shard=..., tp=...) with dp x shard x n_ranks x tp = {world})"
+        )
+    mesh = init_device_mesh(device_type, (dp, shard, p, tp), mesh_dim_names=COMPOSED)
+    mesh["dp_replicate", "dp_shard"]._flatten("data")
+    return mesh
+
+
+def check_composed(mesh: Any, dp: int, shard: int, p: int, tp: int) -> DeviceMesh:
+    """A caller's composed mesh: a DeviceMesh with the dims ``COMPOSED`` of the plan's sizes over the
+    world; its data dim is flattened here."""
+    sizes = (dp, shard, p, tp)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh with dims {COMPOSED}, got "
+            f"{type(mesh).__name__}; make one with init_device_mesh(device_type, {sizes}, "
+            f"mesh_dim_names={COMPOSED}) or pass mesh=None"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = tuple(int(n) for n in mesh.mesh.shape)
+    if names != COMPOSED or shape != sizes:
+        got = dict(zip(names, shape, strict=False)) if names else f"unnamed dims {shape}"
+        raise ValueError(
+            f"mesh has {got}, but this plan (dp={dp}, shard={shard}, pp={p}, tp={tp}) needs a mesh "
+            f"init_device_mesh(device_type, {sizes}, mesh_dim_names={COMPOSED}) (any of them may be 1); "
+            "or make the plan for the mesh's sizes"
+        )
+    world = dist.get_world_size()
+    if mesh.mesh.numel() != world:
+        raise ValueError(
+            f"mesh {dict(zip(names, shape, strict=True))} has {mesh.mesh.numel()} ranks but the world has "
+            f"{world}; the mesh must span the world (its pipelines' channels are made by every rank of it)"
+        )
+    mesh["dp_replicate", "dp_shard"]._flatten("data")
+    return mesh
+
+
+def composed_layout(mesh: DeviceMesh) -> Layout:
+    """This rank's place in a composed mesh: its pipeline (the "pp" dim), its data group (the
+    flattened dp_replicate x dp_shard dims) and every pipeline of the world."""
+    dp, shard, p, tp = (int(n) for n in mesh.mesh.shape)
+    grid = mesh.mesh  # (dp, shard, p, tp)
+    pipelines = [
+        [int(g) for g in grid[d, h, :, t].tolist()]
+        for d in range(dp)
+        for h in range(shard)
+        for t in range(tp)
+    ]
+    data = mesh["data"].get_group()
+    pp = mesh.get_group("pp")
+    return Layout(
+        dp=dp * shard,
+        p=p,
+        replica=dist.get_rank(data),
+        pp_rank=dist.get_rank(pp),
+        pipeline=[int(g) for g in dist.get_process_group_ranks(pp)],
+        replicas=[int(g) for g in dist.get_process_group_ranks(data)],
+        pipelines=sorted(pipelines, key=lambda r: r[0]),
+        shard=shard,
+        tp=tp,
+    )

@@ -27,27 +27,31 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.runtime.comm.agree import agree, summary
 from pipeline.runtime.comm.p2p import Comm
-from pipeline.runtime.replicas.dp import GradReducer, Reduction, assign_parameters, reduction_points
+from pipeline.runtime.replicas.dp import GradReducer, Hooked, Reduction, assign_parameters, reduction_points
 from pipeline.runtime.replicas.mesh import (
     Layout,
     bound_timeouts,
+    build_composed,
     build_mesh,
+    check_composed,
     check_mesh,
     check_world,
+    composed_layout,
     layout_of,
 )
-from pipeline.schedules.actions import Action
+from pipeline.runtime.replicas.sharded import ShardedStages
 from pipeline.schedules.schedule import Schedule
 
-__all__ = ["Groups", "Replicas", "resolve"]
+__all__ = ["Groups", "Replicas", "resolve", "resolve_composed"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,40 @@ class Groups:
 
     mesh: Any  # DeviceMesh, or None when not replicated
     pp: Any  # the pipeline's group (None: the world)
-    dp: Any  # the replicas' group, None when not replicated
+    dp: Any  # the replicas' group, None when not replicated (composed: the dp_replicate x dp_shard ranks)
     layout: Layout | None
+    shard_mesh: Any = None  # composed with shard > 1: FSDP's mesh, ("dp_shard",) or HSDP's 2-D one
+    tp_mesh: Any = None  # composed with tp > 1: the stage's tensor-parallel ranks
+
+
+def resolve_composed(
+    dp: int, shard: int, p: int, tp: int, group: Any, mesh: Any, distributed: bool, timeout: float
+) -> Groups:
+    """The groups of a composed plan (shard > 1 or tp > 1) on the ("dp_replicate", "dp_shard", "pp",
+    "tp") mesh, given or made (mesh.py)."""
+    n = dp * shard * p * tp
+    if not distributed:
+        raise RuntimeError(
+            f"this plan runs dp={dp} x shard={shard} x pp={p} x tp={tp} = {n} ranks but torch.distributed "
+            f"is not initialised in this process; start {n} ranks with pipeline.launch(fn, {n}, ...) or "
+            f"torchrun --nproc-per-node {n} (then call pipeline.init_distributed() before Pipeline)"
+        )
+    if group is not None:
+        raise ValueError(
+            "group= and a composed plan (shard > 1 or tp > 1) do not mix: the pipeline runs on the 'pp' "
+            "dim of its mesh; pass mesh= (or neither, and the mesh is made from the plan)"
+        )
+    if mesh is None:
+        mesh = build_composed(dp, shard, p, tp, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        bound_timeouts(mesh, timeout)
+    else:
+        mesh = check_composed(mesh, dp, shard, p, tp)
+    shard_mesh = None
+    if shard > 1:
+        shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
+    tp_mesh = mesh["tp"] if tp > 1 else None
+    data = mesh["data"].get_group() if dp * shard > 1 else None
+    return Groups(mesh, mesh.get_group("pp"), data, composed_layout(mesh), shard_mesh, tp_mesh)
 
 
 def resolve(dp: int | None, p: int, group: Any, mesh: Any, distributed: bool, timeout: float) -> Groups:
@@ -91,15 +127,6 @@ def resolve(dp: int | None, p: int, group: Any, mesh: Any, distributed: bool, ti
     return Groups(mesh, mesh.get_group("pp"), mesh.get_group("dp"), layout_of(mesh))
 
 
-class Hooked(Protocol):
-    """What the replicas need of the rank's executor (step/executor.py; named here, not imported: the
-    step room sits above this one): calls around each compute, and the step's rows once known."""
-
-    on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None
-
-    def hook(self, a: Action, before: Callable[[], None], after: Callable[[], None]) -> None: ...
-
-
 class Replicas:
     """One rank's data-parallel side: the "dp" Comm, the broadcast, the agreement, the reducer."""
 
@@ -115,9 +142,12 @@ class Replicas:
         executor: Hooked,
         bucket_mb: float,
         config: str,
+        zero: int = 2,
     ) -> None:
         """``config``: this rank's pipeline in one line (schedule, m, balance), which its replicas must
-        share; checked here, before anything of different sizes could meet in a collective."""
+        share; checked here, before anything of different sizes could meet in a collective. With a
+        shard mesh (``groups.shard_mesh``) the stages are then sharded (sharded.py, ZeRO-``zero``) and
+        FSDP reduces their gradients: the reducer here only weighs the replicas' rows."""
         assert groups.layout is not None
         self.layout, self.bucket_mb = groups.layout, bucket_mb
         self.comm = Comm(
@@ -135,6 +165,10 @@ class Replicas:
         points = reduction_points(sched, rank)
         lowered = list(sched.lowered()[rank])
         owned = assign_parameters(modules, points, lowered)
+        self.sharded: ShardedStages | None = None
+        if groups.shard_mesh is not None:  # after the broadcast: FSDP shards each rank's full copy
+            self.sharded = ShardedStages(modules, groups.shard_mesh, zero, sched, rank, executor)
+            owned = {s: [] for s in modules}
         # a split backward accumulates a parameter once per layer holding it: launch such a stage at its end
         early = [s for s in modules if not (sched.split_backward and _shares_parameters(modules[s]))]
         self.reducer = GradReducer(
@@ -143,7 +177,8 @@ class Replicas:
         executor.on_rows = self._rows_known
         reducer = self.reducer
         for a, s in points.items():
-            executor.hook(a, functools.partial(reducer.arm, s), functools.partial(reducer.launch, s))
+            if self.sharded is None:
+                executor.hook(a, functools.partial(reducer.arm, s), functools.partial(reducer.launch, s))
 
     def _rows_known(self, sizes: Sequence[int]) -> Callable[[], torch.Tensor]:
         """The executor has read this step's micro-batch rows off the header: their all-reduce starts,
@@ -184,8 +219,13 @@ class Replicas:
 
     def begin_step(self, record: bool) -> None:
         self.reducer.begin_step(record)
+        if self.sharded is not None:
+            self.sharded.begin_step()
 
     def wait(self, stages: Iterable[int]) -> None:
+        if self.sharded is not None:  # FSDP reduced each stage at its last gradient action
+            self.reducer.share()  # the rows' all-reduce ends in its step
+            return
         self.reducer.wait(stages)
 
     @property
@@ -205,7 +245,8 @@ def _state(modules: Iterable[nn.Module]) -> dict[tuple[torch.dtype, torch.device
         for t in (*mod.parameters(), *mod.buffers()):
             if id(t) not in seen and t.numel() > 0:
                 seen.add(id(t))
-                by_kind.setdefault((t.dtype, t.device), []).append(t)
+                local = t.to_local() if isinstance(t, DTensor) else t  # a tp shard: the same slice
+                by_kind.setdefault((local.dtype, local.device), []).append(local)
     return by_kind
 
 

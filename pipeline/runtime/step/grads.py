@@ -24,6 +24,11 @@ is then all-reduced over the replicas too, summed and divided by their number
 (MAX for the inf-norm and the flag), so that each parameter counts once and
 every rank of the world gets the same number.
 
+Sharded gradients (DTensors: FSDP's shards over "dp_shard", tensor parallelism's over "tp") are
+summed the same way per (mesh, placements), with one extra all-reduce of that part over each mesh
+dim they are split on (a Replicate dim holds copies, counted once): the part is then the whole
+tensors' on every rank that holds a piece, and joins the plain gradients' part above.
+
 The finite check is GradScaler's fused kernel with a scale of exactly 1.0:
 it sets a flag for any inf or NaN (multiplying by 1.0 leaves every value as it
 was), then one all-reduce (MAX) of the flag gives every rank the same answer.
@@ -32,9 +37,11 @@ was), then one all-reduce (MAX) of the flag gives every rank the same answer.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipeline.runtime.comm.p2p import Comm
 
@@ -68,7 +75,20 @@ def total_norm(
     ranks hold the same parameters. Call on every rank."""
     q = check_norm_type(norm_type)
     part = torch.zeros((), dtype=torch.float32, device=device)
-    for (_, dtype), group in _groups(grads).items():
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    by_layout: dict[tuple[Any, tuple[Any, ...]], list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_layout.setdefault((g.device_mesh, tuple(g.placements)), []).append(g.to_local())
+    for (mesh, placements), local in by_layout.items():
+        mine = total_norm(local, q, None, device)
+        mine = mine if q == math.inf else mine.pow(q)
+        op = dist.ReduceOp.MAX if q == math.inf else dist.ReduceOp.SUM
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                dist.all_reduce(mine, op, group=mesh.get_group(dim))
+        part = torch.maximum(part, mine) if q == math.inf else part + mine
+    for (_, dtype), group in _groups(plain).items():
         acc = torch.promote_types(dtype, torch.float32)
         norms = torch.stack(torch._foreach_norm(group, q, dtype=acc))
         mine = norms.max() if q == math.inf else norms.pow(q).sum()
@@ -87,7 +107,8 @@ def total_norm(
 def clip_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
     """Scale ``grads`` by ``clamp(max_norm / (total + 1e-6), max=1)``, as torch's clip_grad_norm_ does."""
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for (dev, _), group in _groups(grads).items():
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # a shard scales alone
+    for (dev, _), group in _groups(local).items():
         torch._foreach_mul_(group, coef.to(dev))
 
 
@@ -96,11 +117,16 @@ def all_finite(
 ) -> bool:
     """True when no gradient of any rank holds an inf or NaN; the same answer on every rank."""
     flag = torch.zeros((), dtype=torch.float32, device=device)
-    for (dev, _), group in _groups(grads).items():
+    meshes = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for (dev, _), group in _groups(local).items():
         found = torch.zeros(1, dtype=torch.float32, device=dev)
         one = torch.ones(1, dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0 == x
         flag = torch.maximum(flag, found.to(device).reshape(()))
+    for mesh in meshes.values():  # a shard's overflow is every holder's (their answers must agree)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return bool(any_flag(flag, comm, replicas, "the all-finite flag", "grads_finite") == 0)
 
 

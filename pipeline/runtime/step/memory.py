@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipeline.runtime.step.live import LiveBytes
 
@@ -77,7 +78,9 @@ class ActivationMeter:
 
     def begin_step(self, owned: Iterable[torch.Tensor]) -> None:
         """Start a step's peak from what is held now; ``owned``: parameters and buffers (skipped)."""
-        self._owned = {t.untyped_storage().data_ptr() for t in owned}
+        # a DTensor (a shard of FSDP's or tensor parallelism's) has its storage in its local tensor
+        local = (t.to_local() if isinstance(t, DTensor) else t for t in owned)
+        self._owned = {t.untyped_storage().data_ptr() for t in local}
         with self._lock:
             self.peak = self.now
 

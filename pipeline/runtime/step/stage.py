@@ -39,6 +39,7 @@ kept output gradients as tokens in its ``_Saved``, released with it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,10 @@ class StageRuntime:
         self.live = 0  # micro-batches whose state is held
         self.peak = 0  # the most held at once since reset_peak()
         self.meter = ActivationMeter()  # bytes held for backward; the executor shares its rank's
+        # sharded (FSDP): the module's parameters are swapped for their gathered copies while they are
+        # in use, so W reads them when it runs; ``gathered()`` keeps them gathered for a fake forward
+        self.sharded = False
+        self.gathered: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -264,7 +269,10 @@ class StageRuntime:
     def weight(self, i: int) -> None:
         """W of micro-batch ``i`` (split backward only): weight gradients, then free it."""
         saved = self._saved[i]
-        for (outs, gs), params in zip(saved.grads, self.layer_params, strict=True):
+        every = self.layer_params
+        if self.sharded:
+            every = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        for (outs, gs), params in zip(saved.grads, every, strict=True):
             if outs and params:
                 torch.autograd.backward(outs, gs, inputs=params)
         self._free(i)
@@ -284,7 +292,12 @@ class StageRuntime:
     def infer(self, sig: Signature) -> Signature:
         """The output signature for an input signature, without computing (fake tensors); once per
         process for the same stage structure, signature and autocast state (shape_memo.py)."""
-        return memoised(self.module, sig, self.device, lambda: self._fake_forward(sig))
+
+        def fake() -> Signature:
+            with self.gathered():
+                return self._fake_forward(sig)
+
+        return memoised(self.module, sig, self.device, fake)
 
     def _fake_forward(self, sig: Signature) -> Signature:
         """The output signature for an input signature, without computing (fake tensors).

@@ -45,6 +45,7 @@ from pipeline.schedules.schedule import Schedule, forward_only
 
 __all__ = ["HOST_SYNC", "Inputs", "StepRunner", "host_sync_site"]
 
+
 class StepRunner:
     """Rank ``rank``'s step, evaluate and predict over ``stages`` (see the module docstring)."""
 
@@ -176,6 +177,8 @@ class StepRunner:
         finally:
             for mod, training in modes:
                 mod.training = training
+            if self.replicas is not None and self.replicas.sharded is not None:
+                self.replicas.sharded.reshard()  # what FSDP's hooks gathered for the forwards
             for st in self.stages.values():
                 st.discard()
             if last is not None:
