@@ -85,7 +85,7 @@ def total_norm(
         mine = mine if q == math.inf else mine.pow(q)
         op = dist.ReduceOp.MAX if q == math.inf else dist.ReduceOp.SUM
         for dim, placement in enumerate(placements):
-            if placement.is_shard():
+            if not placement.is_replicate():  # Shard, or FSDP-over-tp's _StridedShard (no Shard)
                 dist.all_reduce(mine, op, group=mesh.get_group(dim))
         part = torch.maximum(part, mine) if q == math.inf else part + mine
     for (_, dtype), group in _groups(plain).items():

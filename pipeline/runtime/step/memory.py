@@ -141,9 +141,12 @@ def _unpack(held: Any) -> torch.Tensor:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages of ``tensors`` (Nones skipped): views and repeats count once."""
+    """Bytes of the distinct storages of ``tensors`` (Nones skipped): views and repeats count once; a
+    DTensor's (a shard's) are its local tensor's, what this rank holds."""
     seen: dict[int, int] = {}
     for t in tensors:
+        if t is not None and isinstance(t, DTensor):
+            t = t.to_local()
         if t is not None and not t.is_meta:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()

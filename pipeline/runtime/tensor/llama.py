@@ -29,7 +29,8 @@ _ROWWISE = ("o_proj", "down_proj")
 
 def parallelize_llama(stage: nn.Module, tp_mesh: Any) -> None:
     """Split every Llama-family attention and MLP of ``stage`` over ``tp_mesh``; ValueError naming the
-    module when tp does not divide its heads or widths."""
+    module when tp does not divide its heads or widths. A stage without them (the embedding, the
+    head) stays whole on every tp rank."""
     tp = int(tp_mesh.size())
     plan: dict[str, Any] = {}
     for name, module in stage.named_modules():
@@ -53,12 +54,8 @@ def parallelize_llama(stage: nn.Module, tp_mesh: Any) -> None:
                 plan[f"{name}.{child}" if name else child] = (
                     ColwiseParallel() if child in _COLWISE else RowwiseParallel()
                 )
-    if not plan:
-        raise ValueError(
-            f"parallelize_llama found no q/k/v/o or gate/up/down projection in {type(stage).__name__}; "
-            "it splits Llama-family decoder layers (transformers' LlamaAttention / LlamaMLP and kin): give "
-            "your own parallelize_fn for other blocks"
-        )
+    if not plan:  # an embedding or a head alone: replicated on the tp ranks, as torchtitan's norms are
+        return
     parallelize_module(stage, tp_mesh, plan)
 
 

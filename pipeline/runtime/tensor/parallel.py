@@ -44,7 +44,8 @@ def parallelize_stages(
     modules: Mapping[int, nn.Module], tp_mesh: Any, parallelize_fn: ParallelizeFn | None, traced: bool
 ) -> None:
     """Each local stage split over ``tp_mesh`` by ``parallelize_fn``, in place; ValueError when that
-    cannot be (no function, a traced model, a function that splits nothing)."""
+    cannot be (no function, a traced model). A stage the function leaves whole (an embedding alone)
+    runs whole on each tp rank."""
     if parallelize_fn is None:
         raise ValueError(
             "this plan has tp > 1 but no parallelize_fn was given: pass Pipeline(..., parallelize_fn=f) "
@@ -63,12 +64,6 @@ def parallelize_stages(
     for s, module in modules.items():
         _same_on_every_tp_rank(module, group)
         parallelize_fn(module, tp_mesh)
-        if not any(isinstance(p, DTensor) for p in module.parameters()):
-            raise ValueError(
-                f"parallelize_fn left every parameter of stage {s} a plain tensor, so the stage would "
-                "run whole on each tp rank; split its layers (parallelize_module with ColwiseParallel / "
-                "RowwiseParallel on its linear layers), or make the plan with tp=1"
-            )
         module.register_forward_hook(_plain_outputs)
 
 
