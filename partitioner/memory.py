@@ -23,6 +23,10 @@ It follows the runtime's holders one by one, so it equals what ``pipe.memory_sta
 
 So a balance that fits the rows fits the walk: what a run holds never exceeds the limit.
 
+Static bytes (weights, gradients, optimizer state, buffers) have one rule, ``Composition.static``
+(``partitioner.composition``): one rank's share under FSDP (``shard``) and tensor parallelism
+(``tp``), read by the walk's figures (``stage_bytes``) and the rows' bounds (``layer_bounds``) alike.
+
 Beyond the walk. The walk counts tensor storages (what ``memory_stats`` counts on CPU); a device
 holds more, measured once by the profile (``Profile.device_memory``, ``partitioner.device_memory``):
 its matrix products' workspaces (cuBLAS/cuBLASLt, two per rank: the forward's thread and autograd's),
