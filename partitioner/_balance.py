@@ -58,7 +58,7 @@ def balance_of(profile: Profile, shape: Plan, sched: Schedule, net: Options, siz
     cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)
     limits, rows = None, None
     if net.memory_limit is not None:
-        layer_rows, offset = memory_rows(profile, sched, recompute, net.optimizer_state_factor)
+        layer_rows, offset = memory_rows(profile, sched, recompute, net.composition)
         rows = [grouped(row, sizes) for row in layer_rows]
         limits = check_fit(net, rows, offset, recompute, k, v)
     group_balance = solve(
@@ -108,7 +108,7 @@ class Modes:
                 profile, net.cost, recompute=mode, n_microbatches=m, split_backward=sched.split_backward
             )
             out.prefix.append(_prefix(grouped(costs, sizes)))
-            rows, offset = memory_rows(profile, sched, mode, net.optimizer_state_factor)
+            rows, offset = memory_rows(profile, sched, mode, net.composition)
             out.memory.append([_prefix(grouped(row, sizes)) for row in rows])
             out.offset.append(offset)
         cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)

@@ -125,6 +125,7 @@ def measure(
         backward_time=timing.backward.value,
         flops=flops,
         param_bytes=nbytes(params),
+        linear_weight_bytes=_linear_weight_bytes(module),
         activation_bytes=nbytes(out),
         saved_bytes=saved,
         output_shape=tuple(head.shape) if head is not None else (),
@@ -406,3 +407,11 @@ def _timed(
             first_s = spent
         if settled([s[0] + s[1] for s in samples], run.repeat, spent, first_s):
             return samples
+
+
+def _linear_weight_bytes(module: nn.Module | None) -> int:
+    """Bytes of the weights of ``module``'s ``nn.Linear`` modules (itself included), each storage once."""
+    if module is None:
+        return 0
+    weights = {id(m.weight): m.weight for m in module.modules() if isinstance(m, nn.Linear)}
+    return sum(w.nelement() * w.element_size() for w in weights.values())

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from partitioner._fit import fits, smallest
 from partitioner._inputs import _check_memory
+from partitioner.composition import Composition, collective_link
 from partitioner.costs import COSTS, links
 from partitioner.device_memory import with_headroom
 from partitioner.overhead import NO_RUNTIME, RuntimeCosts
@@ -39,6 +40,8 @@ class Options:
         self.memory_limit: list[float] | None = None
         self.scalar_limit = True
         self.optimizer_state_factor = 2.0
+        # FSDP and tensor parallelism (with the optimizer's factor): every static byte's one rule
+        self.composition = Composition()
         self.runtime = NO_RUNTIME  # the runtime's seconds per action and message (partitioner.overhead)
         self.placement = "loop"  # where stage s lives: the schedule's (pipeline.schedules.schedule.rank_of)
         self.memory_headroom: float | None = None  # the share of a limit kept free; None: the device's
@@ -48,6 +51,20 @@ class Options:
         """These options on the device the profile measured (``Profile.device_memory``), with the
         ``memory_headroom`` given, if any."""
         self.device = with_headroom(found, self.memory_headroom)
+        return self
+
+    def composed(
+        self,
+        shard: int,
+        tp: int,
+        zero: int,
+        bandwidth: float | Sequence[float] | None,
+        latency: float | Sequence[float] | None,
+    ) -> Options:
+        """These options for ``shard`` FSDP parts and ``tp`` tensor-parallel ranks per stage under
+        ZeRO-``zero``, their collectives over the slowest of the links given (already checked)."""
+        link = collective_link(bandwidth, latency)
+        self.composition = Composition(shard, tp, zero, self.optimizer_state_factor, *link)
         return self
 
     def stage_limits(self, x: float, base: Sequence[float], offset: Sequence[float], k: int) -> list[float]:
@@ -92,7 +109,8 @@ class Options:
         """``runtime``: what the simulated step charges per action and message (None: nothing;
         the auto search passes ``DEFAULT_RUNTIME`` when given none); ``placement``: the schedule's
         (its registry entry's), where each stage and so each cut lives; ``memory_headroom``: the
-        share of each limit kept free (None: the profiled device's, ``partitioner.device_memory``)."""
+        share of each limit kept free (None: the profiled device's, ``partitioner.device_memory``).
+        FSDP and tensor parallelism: ``composed``."""
         out = cls()
         if memory_headroom is not None:
             check_headroom(memory_headroom)
@@ -115,6 +133,7 @@ class Options:
                 "state per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
             )
         out.optimizer_state_factor = optimizer_state_factor
+        out.composition = Composition(optimizer_state_factor=float(optimizer_state_factor))
         if runtime is not None and not isinstance(runtime, RuntimeCosts):
             raise TypeError(
                 f"runtime ({runtime!r}) must be a partitioner.overhead.RuntimeCosts (or None for the default)"

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from partitioner._options import Options
+from partitioner.composition import Composition
 from partitioner.costs import (
     backward_time,
     cut_problems,
@@ -103,14 +104,17 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         for mode in set(modes)
     }
     per_stage = [by_mode[mode][s] for s, mode in enumerate(modes)]
-    rows, offsets = memory_rows(profile, sched, shape.recompute, net.optimizer_state_factor)
+    rows, offsets = memory_rows(profile, sched, shape.recompute, net.composition)
     mem = stage_memory(rows, balance)
     sent = cut_bytes(profile.graph)
     extras = stage_extras(k, p, net.runtime, net.rank_of)  # the runtime's own seconds per action and message
     w_extra = net.runtime.action if split else 0.0
     squared = squared_seconds(profile)  # per layer: (F, whole B, input, weight) seconds growing as length²
     # per stage: what the memory walk holds of one micro-batch, each figure with its length² share
-    held = held_bytes(profile, balance, net.optimizer_state_factor)
+    held = held_bytes(profile, balance, net.composition)
+    rule = net.composition  # FSDP's collectives (tensor parallelism's are in the profile's times)
+    local = [math.fsum(rule.local(lp.param_bytes, lp.linear_weight_bytes) for lp in layers[a:b])
+             for a, b in itertools.pairwise([0, *itertools.accumulate(balance)])]  # fmt: skip
     stages, start = [], 0
     for s, size in enumerate(balance):
         stop = start + size
@@ -129,6 +133,8 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
             parts = math.fsum(backward_time(lp, True) for lp in lps) / speeds[s]
             weight = backward * (weight / parts) if parts > 0 else 0.0
         f_extra, b_extra = extras[s]
+        gather = rule.per_microbatch(local[s], split)  # ZeRO-3: before each F and each B
+        f_extra, b_extra = f_extra + gather, b_extra + gather
         weight = min(weight, backward) + w_extra
         backward += b_extra + w_extra  # B (input gradient, or the whole) and W each run as an action
         # the seconds that grow as length² (partitioner.lengths): F's; B's as the schedule runs it,
@@ -163,6 +169,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         [st.backward_time for st in stages],
         [st.weight_time for st in stages],
     )
+    step += rule.per_step(local, net.rank_of, p, split)  # FSDP's once-per-step collectives
     graph: TracedGraph | None = None
     begins: list[str] = []  # the layer each stage after the first begins with
     if profile.traced is not None:  # what Pipeline checks the model against, and where it cuts
@@ -195,7 +202,7 @@ def _share(part: float, whole: float) -> float:
 
 
 def memory_rows(
-    profile: Profile, sched: Schedule, recompute: Recompute, optimizer_state_factor: float
+    profile: Profile, sched: Schedule, recompute: Recompute, optimizer_state_factor: float | Composition
 ) -> tuple[list[list[float]], list[float]]:
     """The memory rows ``solve`` takes (row s: what each layer costs at most on stage s) and, per
     stage, the bytes on top whatever its layers (its input and output buffers, each at the largest
@@ -239,7 +246,7 @@ def _coefficients(sched: Schedule, modes: tuple[str, ...]) -> list[dict[str, flo
     return _COEFS[key]
 
 
-def least_memory(profile: Profile, optimizer_state_factor: float) -> list[float]:
+def least_memory(profile: Profile, optimizer_state_factor: float | Composition) -> list[float]:
     """Per layer, the least bytes it adds to its rank's walked peak under any schedule, mode and
     balance: its static bytes (weights, gradients, optimizer state, buffers, weight copies)."""
     return layer_bounds(profile, optimizer_state_factor)["least"]

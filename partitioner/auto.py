@@ -54,6 +54,7 @@ from partitioner._fit import fits, smallest
 from partitioner._inputs import _prefix
 from partitioner._options import Options, reserve_fix, reserve_text
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
+from partitioner.composition import Composition, tensor_parallel
 from partitioner.costs import (
     backward_time,
     cut_groups,
@@ -120,6 +121,9 @@ def search(
     optimizer_state_factor: float = 2.0,
     runtime: RuntimeCosts | None = None,
     memory_headroom: float | None = None,
+    shard: int = 1,
+    tp: int = 1,
+    zero: int = 2,
     second: tuple[Profile, int] | None = None,
     keep: int = 10,
     within: float = 0.1,
@@ -130,7 +134,9 @@ def search(
     ``profile`` was taken at ``sample_rows`` rows (``second``: another profile at other rows, for
     the per-call overhead); ``runtime``: the runtime's seconds per action and message
     (``partitioner.overhead``; None: ``DEFAULT_RUNTIME``); ``memory_headroom``: the share of each
-    limit kept free (None: the profiled device's, ``partitioner.device_memory``)."""
+    limit kept free (None: the profiled device's, ``partitioner.device_memory``); ``shard``, ``tp``,
+    ``zero``: each rank's share of the composition (``partitioner.composition``; checked by
+    ``partition``): its memory and time, and the plan records them."""
     start = time.perf_counter()
     p = n_ranks
     runtime = DEFAULT_RUNTIME if runtime is None else runtime  # m and v change how many actions run
@@ -144,7 +150,8 @@ def search(
     # the least any m reserves (scaling to fewer rows only grows the rounding): refuses no config that fits
     device = with_headroom(profile.device_memory, memory_headroom)
     if memory_limit is not None:
-        _refuse_below_static(profile, p, memory_limit, optimizer_state_factor, device)
+        static = Composition(shard, tp, zero, optimizer_state_factor)  # the static bytes need no link
+        _refuse_below_static(profile, p, memory_limit, static, device)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
     nets: dict[tuple[int, str], Options] = {}  # per (v, placement)
@@ -172,7 +179,7 @@ def search(
                         runtime,
                         placement,
                         memory_headroom,
-                    )
+                    ).composed(shard, tp, zero, bandwidth, latency)  # the raw links: one figure for every v
                 except ValueError as err:  # e.g. p - 1 links given: no interleaving
                     skipped.append(f"{name} v={v}: {err}")
                     continue
@@ -183,7 +190,9 @@ def search(
                     skipped.append(f"{name} v={v} m={m}: {err}")
                     continue
                 if m not in scaled:
-                    scaled[m] = scale_profile(profile, sample_rows, batch_size // m, second)
+                    # one tp rank's compute at m's rows (the collectives' link is every net's)
+                    at_m = scale_profile(profile, sample_rows, batch_size // m, second)
+                    scaled[m] = tensor_parallel(at_m, nets[v, placement].composition)
                     # the rounding grows at fewer rows: each m's nets see its own (set before use)
                 split = entry(name).split_backward
                 key = (m, split, p * v, placement)
@@ -249,8 +258,9 @@ def _evaluate(
 ) -> list[Plan]:
     """The plans of the group's configs that fit and may be within ``slack`` times the best step
     (``best[0]``, updated here)."""
+    rule = net.composition
     shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
-                 n_virtual=group.v, dp=dp)  # fmt: skip
+                 n_virtual=group.v, dp=dp, shard=rule.shard, tp=rule.tp, zero=rule.zero)  # fmt: skip
     sched = unchecked(group.schedule, p, group.m, group.v)
     k = shape.n_stages
     per_stage = Modes.build(profile, sched, net, sizes, [list(RECOMPUTE_MODES)] * k)
@@ -454,7 +464,7 @@ def _refuse_below_static(
     profile: Profile,
     p: int,
     memory_limit: float | Sequence[float],
-    optimizer_state_factor: float,
+    optimizer_state_factor: float | Composition,
     device: DeviceMemory,
 ) -> None:
     """At once, before any schedule is built: a limit that cannot hold the weights, gradients and
@@ -484,13 +494,13 @@ def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
     """False when no balance fits even the layers' static bytes (weights, gradients, optimizer
     state, buffers): then no schedule, m or mode can fit, and no schedule is built."""
     assert net.memory_limit is not None  # the search calls it only with a limit
-    row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
+    row = _prefix(grouped(least_memory(profile, net.composition), sizes))
     return fits([row], net.stage_limits(1.0, net.memory_limit, [0.0] * k, k), k)
 
 
 def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
     """A lower bound on the smallest limit (or factor) that fits k stages: ``_may_fit``'s rows."""
-    row = _prefix(grouped(least_memory(profile, net.optimizer_state_factor), sizes))
+    row = _prefix(grouped(least_memory(profile, net.composition), sizes))
     p = net.n_ranks
     base = [1.0] * p if net.scalar_limit or net.memory_limit is None else net.memory_limit
     return smallest([row], k, *net.affine(base, [0.0] * k, k))

@@ -72,6 +72,10 @@ class LayerProfile:
     in-place op), so what a later layer saves of it, a stage's input buffer already holds;
     ``input_grad_aliases``: its backward returns a view of its output's gradient (a view's does).
 
+    ``linear_weight_bytes``: the bytes of the weights of its ``nn.Linear`` modules (the layer itself
+    or any inside it), among ``param_bytes``: what a Megatron-style tensor parallelism splits
+    (``partitioner.composition``); biases, norms and embeddings are not counted.
+
     ``params``: the names of the parameters it holds, each by the first name the model gives it
     (a weight tied between two layers has the same name in both: ties are layers' shared names).
 
@@ -117,6 +121,7 @@ class LayerProfile:
     closing_weight_transient_bytes: int = 0
     sendable: bool = True
     params: tuple[str, ...] = ()
+    linear_weight_bytes: int = 0  # of param_bytes, nn.Linear weights: what tensor parallelism splits
     input_flops: int = 0
     weight_flops: int = 0
     samples: int = 0

@@ -35,6 +35,7 @@ from torch import nn
 from partitioner._measure import Rejected, Run, WithTarget, measure
 from partitioner._profiling import LossFn, loss_figures
 from partitioner._trees import tensors, tree_map
+from partitioner.composition import Composition
 from partitioner.figures import LayerProfile, Profile
 from partitioner.memory import stage_bytes
 from pipeline.schedules.peaks import PARTS, StageBytes
@@ -141,7 +142,9 @@ def squared_seconds(profile: Profile) -> list[tuple[float, ...]]:
     return out
 
 
-def held_bytes(profile: Profile, balance: Sequence[int], optimizer_state_factor: float) -> list[StageBytes]:
+def held_bytes(
+    profile: Profile, balance: Sequence[int], optimizer_state_factor: float | Composition
+) -> list[StageBytes]:
     """``stage_bytes`` of ``balance`` at the profile's shape, each figure with its length-squared share
     (``StageBytes.squared``) from ``stage_bytes`` of the probe's; without a probe, none."""
     held = stage_bytes(profile, balance, optimizer_state_factor)

@@ -23,6 +23,10 @@ It follows the runtime's holders one by one, so it equals what ``pipe.memory_sta
 
 So a balance that fits the rows fits the walk: what a run holds never exceeds the limit.
 
+Static bytes (weights, gradients, optimizer state, buffers) have one rule, ``Composition.static``
+(``partitioner.composition``): one rank's share under FSDP (``shard``) and tensor parallelism
+(``tp``), read by the walk's figures (``stage_bytes``) and the rows' bounds (``layer_bounds``) alike.
+
 Beyond the walk. The walk counts tensor storages (what ``memory_stats`` counts on CPU); a device
 holds more, measured once by the profile (``Profile.device_memory``, ``partitioner.device_memory``):
 its matrix products' workspaces (cuBLAS/cuBLASLt, two per rank: the forward's thread and autograd's),
@@ -61,6 +65,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from partitioner.composition import Composition, composition_of
 from partitioner.figures import LayerProfile, Profile
 from pipeline.runtime.step.recompute import check_mode
 from pipeline.schedules.actions import Kind
@@ -121,9 +126,9 @@ def layer_memory(
             "per parameter byte (2.0 for Adam, 1.0 for SGD with momentum, 0.0 for plain SGD)"
         )
     zeros = [0] * len(param_bytes)
-    static = np.asarray(param_bytes, np.float64) * (2.0 + optimizer_state_factor)
-    for once in (buffer_bytes, cache_bytes):
-        static = static + np.asarray(once or zeros, np.float64)
+    other = np.asarray(buffer_bytes or zeros, np.float64) + np.asarray(cache_bytes or zeros, np.float64)
+    rule = Composition(optimizer_state_factor=optimizer_state_factor)  # one rank holding it all
+    static = rule.static(np.asarray(param_bytes, np.float64), 0.0, other)
     saved = np.asarray(saved_bytes, np.float64)
     if saved.shape != static.shape:
         raise ValueError(f"saved_bytes has {len(saved)} entries, param_bytes {len(static)}; one per layer")
@@ -137,10 +142,13 @@ def layer_memory(
 def stage_bytes(
     profile: Profile,
     balance: Sequence[int],
-    optimizer_state_factor: float = 2.0,
+    optimizer_state_factor: float | Composition = 2.0,
     saved_io: Sequence[tuple[int, int]] | None = None,
 ) -> list[StageBytes]:
     """Per stage of ``balance``: the figures ``rank_peaks`` walks, from the profile's layers (and loss).
+
+    ``optimizer_state_factor``: the optimizer's bytes per parameter byte, or a ``Composition`` (with
+    FSDP and tensor parallelism: its ``static`` is every layer's static bytes on one rank).
 
     ``saved_io[l]``: bytes of layer l's input and of its output that layer l saves (the loss's
     entry, after the layers': its input and its target); with them a storage two adjacent layers
@@ -156,6 +164,7 @@ def stage_bytes(
     gradient (``input_grad_aliases``), the sent input gradient then held until W.
     """
     layers = list(profile.layers)
+    rule = composition_of(optimizer_state_factor)
     io = list(saved_io) if saved_io is not None else _recorded_io(profile)
     if len(io) == len(layers):
         io.append((0, 0))
@@ -200,8 +209,7 @@ def stage_bytes(
                 kept = True
                 continue
             grads += most
-        static = sum(lp.param_bytes * (2.0 + optimizer_state_factor) + lp.buffer_bytes + lp.cache_bytes
-                     for lp in lps)  # fmt: skip
+        static = sum(rule.static_of(lp) for lp in lps)
         moments = _transients(layers, loss if last else None, io, start, stop)
         out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, *moments))
         start = stop
@@ -282,7 +290,7 @@ def _storages(
     return groups
 
 
-def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, list[float]]:
+def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) -> dict[str, list[float]]:
     """Per layer l (the loss's figures on the last), what it adds to each figure of ``stage_bytes``
     at most, whichever stage holds it: ``static``, ``saved`` (its saved bytes less the storage it
     shares with layer l - 1, never below 0), ``chain``, ``grads``; and ``least``, what it adds at
@@ -297,7 +305,7 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
     figure plus the output gradient it may read (backward, B), its input and output beside (a
     recomputing F), on the last layer the most of that, its closing figure and the loss's."""
     layers = list(profile.layers)
-    n, loss, f = len(layers), profile.loss, 2.0 + optimizer_state_factor
+    n, loss, rule = len(layers), profile.loss, composition_of(optimizer_state_factor)
     io = np.asarray(_recorded_io(profile), np.float64).reshape(-1, 2)
     ins, outs = io[:n, 0], io[:n, 1]
 
@@ -307,11 +315,12 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float) -> dict[str, l
     act = column("activation_bytes")
     shared = np.minimum(np.concatenate([[np.inf], outs[:-1]]), ins)  # with layer l - 1; all of layer 0's
     own = column("saved_bytes") - shared
-    least = column("param_bytes") * f + column("buffer_bytes") + column("cache_bytes")
+    other = column("buffer_bytes") + column("cache_bytes")
+    least = rule.static(column("param_bytes"), column("linear_weight_bytes"), other)
     static = least.copy()
     if loss is not None:  # the loss's figures on the last layer: its input once, its target never
         own[-1] += loss.saved_bytes - min(outs[-1], io[-1, 0]) - io[-1, 1]
-        static[-1] += loss.param_bytes * f + loss.buffer_bytes + loss.cache_bytes
+        static[-1] += rule.static_of(loss)
     unsaved = np.zeros(n, bool)
     unsaved[:-1] = (outs[:-1] == 0) & (ins[1:] == 0)  # a split chain keeps this output itself
     forward = column("forward_transient_bytes")

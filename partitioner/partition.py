@@ -40,6 +40,7 @@ from partitioner._options import Options
 from partitioner._planning import predicted
 from partitioner._trees import tree_map
 from partitioner.auto import _microbatch_counts, check_search, search
+from partitioner.composition import check_composition, check_tensor_parallel, tensor_parallel
 from partitioner.costs import COSTS, cut_groups, layer_costs
 from partitioner.figures import Profile
 from partitioner.graph_profile import profile_graph
@@ -69,6 +70,10 @@ def partition(
     n_virtual: int | None = None,
     recompute: Recompute = "never",
     dp: int = 1,
+    shard: int | str = 1,
+    tp: int | str = 1,
+    zero: int = 2,
+    world_size: int | None = None,
     cost: str = "time",
     memory_limit: float | Sequence[float] | None = None,
     batch_size: int | None = None,
@@ -106,6 +111,13 @@ def partition(
     profiled. Called on every rank of an initialised process group, it runs on rank 0 and every
     rank returns rank 0's plan (see ``partitioner.shared``).
 
+    ``shard``, ``tp``, ``zero``: FSDP parts per stage, tensor-parallel ranks per stage and the ZeRO
+    stage, recorded in the plan; every rank's memory and the step's time are then one rank's of
+    that composition (``partitioner.composition``: parameters, gradients and optimizer state
+    sharded, Linear weights and their layers' compute split over tp, the collectives costed over
+    the links' ``bandwidth`` and ``latency``). Tensor parallelism needs an ``nn.Sequential`` whose
+    layers hold ``nn.Linear`` weights (what a parallelize_fn splits).
+
     ``model`` is an ``nn.Sequential`` (its children are the layers) or any module that
     ``torch.export`` (or else ``torch.fx.symbolic_trace``) can trace with ``sample``: its layers
     are then groups of its traced calls (one per transformer block), a cut costs every tensor
@@ -121,13 +133,30 @@ def partition(
     rank fits ``memory_limit`` (``recompute`` is then searched, not given). ``sample`` may then
     have any rows: the profile is scaled to each micro-batch (``partitioner.scaling``). The plan's
     ``candidates`` lists the runners-up; see ``partitioner.auto``.
+
+    ``world_size`` (with the auto search): every rank of the run, dp x shard x n_ranks x tp.
+    ``shard="auto"`` and/or ``tp="auto"`` then search those sizes (each a divisor of
+    world_size / n_ranks; an integer pins it), dp being what is left: dp = world_size /
+    (n_ranks x shard x tp) (so ``dp`` is not given). Each (dp, shard, tp) gets the whole search
+    above (``batch_size``: one pipeline's rows, as ever), and the answer is the plan of the most
+    rows per second over the world, dp x shard x batch_size / step_time (data parallelism is
+    taken as free; sharding costs its collectives, tensor parallelism its all-reduces); the others
+    that fit are its ``candidates``' peers, not listed. When no (dp, shard, tp) fits, the error
+    names each one's smallest limit.
     """
+    check_composition(shard, tp, zero, world_size)
     if schedule == "auto" or n_microbatches == "auto":
         return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
                      memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor, runtime,
                      memory_headroom,
                      dict(autocast=autocast, loss_fn=loss_fn, target=target, device=device, init_fn=init_fn),
-                     profile)  # fmt: skip
+                     profile, (shard, tp, zero, world_size))  # fmt: skip
+    if world_size is not None:
+        raise ValueError(
+            f"world_size ({world_size!r}) is for the auto search of shard and tp (schedule='auto'); "
+            "without it, omit world_size (the plan's world is dp x shard x n_ranks x tp)"
+        )
+    assert isinstance(shard, int) and isinstance(tp, int)  # check_composition refused "auto" without a world
     if batch_size is not None:
         raise ValueError(
             "batch_size is for the auto search (schedule='auto' or n_microbatches='auto'); without it, "
@@ -138,9 +167,8 @@ def partition(
     v, m = schedule_options(schedule, n_ranks, n_microbatches, n_virtual)
     k = n_ranks * v
     check_autocast(autocast)
-    shape = Plan(
-        balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute, dp=dp
-    )
+    shape = Plan(balance=[1] * k, schedule=schedule, n_microbatches=m, n_virtual=v, recompute=recompute,
+                 dp=dp, shard=shard, tp=tp, zero=zero)  # fmt: skip
     net = Options.make(
         cost,
         n_ranks,
@@ -153,9 +181,12 @@ def partition(
         runtime,
         entry(schedule).placement,
         memory_headroom,
-    )
+    ).composed(shard, tp, zero, bandwidth, latency)
     check_model(model)
+    check_tensor_parallel(model, profile, tp)
     profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
+    check_tensor_parallel(model, profile, tp)
+    profile = tensor_parallel(profile, net.composition)  # one tp rank's compute: the costs and times
     net.measured(profile.device_memory)
     sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
@@ -196,6 +227,9 @@ def plan_for(
     n_virtual: int | None = None,
     recompute: Recompute = "never",
     dp: int = 1,
+    shard: int = 1,
+    tp: int = 1,
+    zero: int = 2,
     cost: str = "time",
     speeds: Sequence[float] | None = None,
     bandwidth: float | Sequence[float] | None = None,
@@ -207,9 +241,12 @@ def plan_for(
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
     with a boundary where the model cannot be cut is planned, and ``plan.problems`` says why
-    no pipeline can run it. ``dp``: pipeline replicas, recorded in the plan."""
+    no pipeline can run it. ``dp``: pipeline replicas, recorded in the plan; ``shard``, ``tp``,
+    ``zero``: as in ``partition`` (``partitioner.composition``)."""
+    check_composition(shard, tp, zero)
     given: Any = balance  # Plan names what is wrong with it
-    shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp)
+    shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp,
+                 shard=shard, tp=tp, zero=zero)  # fmt: skip
     v, m = schedule_options(schedule, shape.n_ranks, n_microbatches, n_virtual)  # the given m and v
     shape = shape.replace(n_microbatches=m, n_virtual=v)
     net = Options.make(
@@ -224,8 +261,10 @@ def plan_for(
         runtime,
         entry(shape.schedule).placement,
         memory_headroom,
-    )
+    ).composed(shard, tp, zero, bandwidth, latency)
     check_balance_layers(shape.balance, len(profile))
+    check_tensor_parallel(nn.Sequential(), profile, tp)  # a profile is of a model's layers: not traced
+    profile = tensor_parallel(profile, net.composition)
     return predicted(profile, shape, shape.build_schedule(), net.measured(profile.device_memory))
 
 
@@ -307,8 +346,10 @@ def _auto(
     memory_headroom: float | None,
     profiling: dict[str, Any],
     profile: Profile | None,
+    composed: tuple[int | str, int | str, int, int | None],
 ) -> Plan:
-    """``partition`` with schedule and/or m searched (``partitioner.auto``), arguments checked first."""
+    """``partition`` with schedule and/or m searched (``partitioner.auto``), arguments checked first;
+    ``composed``: (shard, tp, zero, world_size), each (dp, shard, tp) of the world searched."""
     if schedule != "auto":
         schedule_options(schedule, n_ranks, None, n_virtual)  # the name and v, checked
     if recompute != "never":
@@ -321,6 +362,8 @@ def _auto(
         raise ValueError(f"n_microbatches ({m!r}) must be an integer >= 1, or 'auto'")
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp ({dp!r}) must be an integer >= 1: the number of pipeline replicas")
+    shard, tp, zero, world = composed
+    worlds = factorizations(n_ranks, dp, shard, tp, world)
     check_autocast(profiling["autocast"])
     rows = batch_rows(sample) if profile is None or batch_size is None else 0
     if profile is not None and batch_size is None:
@@ -334,19 +377,86 @@ def _auto(
         memory_headroom=memory_headroom,
     )  # fmt: skip
     check_model(model)
+    for _, _, t in worlds if world is None or tp != "auto" else ():  # a pinned tp: refused before profiling
+        check_tensor_parallel(model, None, t)
     prof = _profiled(model, n_ranks, 1, sample, profile, **profiling)
+    if world is None or tp != "auto":
+        for _, _, t in worlds:
+            check_tensor_parallel(model, prof, t)
+    else:  # tp searched: only the sizes this model can be split by
+        worlds = [(d, s, t) for d, s, t in worlds if t == 1 or _splits(model, prof, t)]
     sample_rows = rows if profile is None else _profile_rows(prof, sample)
     second = None
     if profile is None:  # a second size gives each layer's per-call overhead (partitioner.scaling)
         other = second_rows(rows, batch, _microbatch_counts(batch, m))
         at_other = dict(profiling, target=_with_rows(profiling["target"], rows, other))
         second = (_profiled(model, n_ranks, 1, _with_rows(sample, rows, other), None, **at_other), other)
-    return search(
-        prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit, second=second,
-        schedules=None if schedule == "auto" else [schedule], n_microbatches=m, n_virtual=n_virtual,
-        dp=dp, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
-        optimizer_state_factor=optimizer_state_factor, runtime=runtime, memory_headroom=memory_headroom,
-    )  # fmt: skip
+    plans, refused = [], []
+    for d, s, t in worlds:
+        try:
+            plans.append(search(
+                prof, n_ranks, batch_size=batch, sample_rows=sample_rows, memory_limit=memory_limit,
+                second=second, schedules=None if schedule == "auto" else [schedule], n_microbatches=m,
+                n_virtual=n_virtual, dp=d, cost=cost, speeds=speeds, bandwidth=bandwidth, latency=latency,
+                optimizer_state_factor=optimizer_state_factor, runtime=runtime,
+                memory_headroom=memory_headroom, shard=s, tp=t, zero=zero if s > 1 else 2,
+            ))  # fmt: skip
+        except ValueError as err:
+            if len(worlds) == 1:
+                raise
+            refused.append(f"dp={d}, shard={s}, tp={t}: {err}")
+    if not plans:
+        raise ValueError(
+            f"no (dp, shard, tp) of world_size={world} with n_ranks={n_ranks} fits: " + "; ".join(refused)
+        )
+    # the most rows per second over the world: every (replica, shard) pipeline runs batch_size rows
+    return max(plans, key=lambda plan: plan.dp * plan.shard / plan.step_time if plan.step_time > 0 else 0.0)
+
+
+def factorizations(
+    n_ranks: int, dp: int, shard: int | str, tp: int | str, world_size: int | None
+) -> list[tuple[int, int, int]]:
+    """The (dp, shard, tp) the auto search plans: the given ones without ``world_size``; with it,
+    every one with dp x shard x n_ranks x tp = world_size, ``"auto"`` sizes searched over the divisors
+    of world_size / n_ranks and dp what is left. A ValueError naming the value and the fix."""
+    if world_size is None:
+        assert isinstance(shard, int) and isinstance(tp, int)  # check_composition: "auto" needs a world
+        return [(dp, shard, tp)]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size ({world_size!r}) must be an integer >= 1: every rank of the run")
+    if world_size % n_ranks:
+        raise ValueError(
+            f"world_size ({world_size}) is not a multiple of n_ranks ({n_ranks}): the world is dp x shard x "
+            f"n_ranks x tp ranks; pass a world_size that n_ranks divides, or other n_ranks"
+        )
+    if dp != 1:
+        raise ValueError(
+            f"dp ({dp!r}) is what world_size leaves, dp = world_size / (n_ranks x shard x tp); omit dp, or "
+            "omit world_size and give dp, shard and tp"
+        )
+    rest = world_size // n_ranks
+    sizes = [x for x in range(1, rest + 1) if rest % x == 0]
+    out = [
+        (rest // (s * t), s, t)
+        for s in (sizes if shard == "auto" else [shard])
+        for t in (sizes if tp == "auto" else [tp])
+        if isinstance(s, int) and isinstance(t, int) and rest % (s * t) == 0
+    ]
+    if not out:
+        raise ValueError(
+            f"shard={shard!r} x tp={tp!r} does not divide world_size / n_ranks = {world_size} / {n_ranks} = "
+            f"{rest}; pass sizes whose product divides {rest}, or 'auto'"
+        )
+    return out
+
+
+def _splits(model: nn.Module, profile: Profile, tp: int) -> bool:
+    """Whether tensor parallelism of ``tp`` ranks can split this model (``check_tensor_parallel``)."""
+    try:
+        check_tensor_parallel(model, profile, tp)
+    except ValueError:
+        return False
+    return True
 
 
 def _with_rows(x: Any, rows: int, to_rows: int) -> Any:
