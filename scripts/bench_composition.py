@@ -11,9 +11,9 @@ Four gloo processes (one intra-op thread each) on one DeviceMesh of shape (dp_re
 pp 2, tp 1), global rank g = h * p + r; each (h) runs a pipeline of 2 ranks on its own rows, the same
 rows for both runs:
 
-    ours    Pipeline(model, Plan(balance, "1f1b", m, shard=2, zero=2), mesh=mesh): each stage's layers,
-            then the stage, wrapped with fully_shard on "dp_shard"; ZeRO-2 gathers every unit once at
-            the step's start and reduce-scatters them once after the stage's last backward
+    ours    Pipeline(model, Plan(balance, "1f1b", m, shard=2, zero=2), mesh=mesh): under ZeRO-2 each
+            stage is one FSDP unit on "dp_shard" (its layers too under ZeRO-3), gathered once at the
+            step's start and reduce-scattered once after the stage's last backward
     torch   torch.distributed.pipelining's PipelineStage + Schedule1F1B on the "pp" group, the stage's
             layers then the stage wrapped with fully_shard(mesh["dp_shard"], reshard_after_forward=False)
             as torchtitan does under PP (the stage gathers each unit at its first forward and keeps it
@@ -25,8 +25,9 @@ slowest rank, ``ours/torch`` the median over steps of the two steps' ratio. Para
 
 Collectives: ``torch.distributed.all_gather_single`` and ``reduce_scatter_single`` (what FSDP2 calls,
 torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; also their older names) are wrapped in every
-rank: calls per step and per stage, and the seconds inside them. A unit is one FSDP parameter group (a
-layer with parameters); "per unit" is calls / units: 1 means each parameter once per step, not m times.
+rank: calls per step and per stage, and the seconds inside them. A unit is one FSDP parameter group (ours:
+the stage under ZeRO-2; torch: a layer with parameters); "per unit" is calls / units: 1 means each
+parameter once per step, not m times. The same bytes move either way; ours in fewer calls.
 
 Reduce-scatter hidden: on gloo a collective runs on the host and the call returns when it is done, so
 a rank computes nothing while its own reduce-scatter runs; "RS share" is the time inside it over the

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import pipeline
 from pipeline.plan import Plan
 from pipeline.reference.hf import CausalLM, llama_layers
 from pipeline.reference.models import gpt, gpt_loss, mlp
@@ -147,10 +146,14 @@ def _cases(cases: list[tuple[Any, ...]]) -> dict[str, float]:
 
 # (pp=2, shard=2) on 4 ranks: every schedule under ZeRO-2; ZeRO-3 and recomputation on a spread
 _SHARD = [("mlp", name, 2, 1, 2, "never") for name in REGISTRY]
-_SHARD += [("mlp", name, 2, 1, 3, "always") for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")]
+_SHARD += [
+    ("mlp", name, 2, 1, 3, "always") for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+]
 _SHARD += [("gpt", "1f1b", 2, 1, 3, "never"), ("llama-traced", "zb-h1", 2, 1, 2, "always")]
 # (pp=2, tp=2) on 4 ranks: every schedule, the Llama's blocks split by parallelize_llama
-_TP = [("llama", name, 1, 2, 2, "never") for name in REGISTRY] + [("llama", "interleaved-zb", 1, 2, 2, "always")]
+_TP = [("llama", name, 1, 2, 2, "never") for name in REGISTRY] + [
+    ("llama", "interleaved-zb", 1, 2, 2, "always")
+]
 # 8 ranks: (pp=2, shard=2, tp=2), and HSDP (dp=2 x shard=2 x pp=2)
 _EIGHT = [("llama", "1f1b", 2, 2, 2, "never"), ("llama", "zb-v", 2, 2, 3, "always")]
 _EIGHT_HSDP = [("mlp", "1f1b", 2, 1, 2, "never", 2)]
@@ -250,16 +253,20 @@ def _wrong_world(case: str) -> str:
     net, _ = mlp(width=8, depth=4, batch_size=4)
     try:
         if case == "world":  # 2 x 2 x 2 = 8 ranks planned, 4 started
-            Pipeline(net, Plan(balance=[3, 3], shard=2, tp=2), loss_fn=F.mse_loss)
+            Pipeline(net, Plan(balance=_even(len(net), 2), shard=2, tp=2), loss_fn=F.mse_loss)
         elif case == "mesh":  # a mesh of the wrong shape
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (1, 2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
-            Pipeline(net, Plan(balance=[2, 2, 2], shard=2), loss_fn=F.mse_loss, mesh=mesh)
+            mesh = init_device_mesh(
+                "cpu", (1, 2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp")
+            )
+            Pipeline(net, Plan(balance=_even(len(net), 3), shard=2), loss_fn=F.mse_loss, mesh=mesh)
         else:  # a weight tied across stages
             from pipeline.reference.graph_models import gpt_tied
 
-            model, sample = gpt_tied(vocab_size=16, width=8, n_layers=2, n_heads=2, max_seq_len=8, batch_size=2)
+            model, sample = gpt_tied(
+                vocab_size=16, width=8, n_layers=2, n_heads=2, max_seq_len=8, batch_size=2
+            )
             from partitioner import partition
 
             plan = partition(model, 2, sample, loss_fn=gpt_loss, target=sample, cost="flops")
@@ -302,7 +309,9 @@ def _counted_step(shard: int, zero: int, schedule: str, dp: int = 1) -> dict[str
     net, x = mlp(width=64, depth=4, batch_size=ROWS)
     y = torch.randn(ROWS, 64)
     p = dist.get_world_size() // (dp * shard)
-    plan = Plan(balance=_even(len(net), p), schedule=schedule, n_microbatches=M, dp=dp, shard=shard, zero=zero)
+    plan = Plan(
+        balance=_even(len(net), p), schedule=schedule, n_microbatches=M, dp=dp, shard=shard, zero=zero
+    )
     pipe = Pipeline(net, plan, loss_fn=F.mse_loss)
     opt = torch.optim.AdamW(pipe.parameters())
     rows = ROWS // pipe.dp

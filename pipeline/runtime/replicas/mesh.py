@@ -123,9 +123,8 @@ def bound_timeouts(mesh: DeviceMesh, seconds: float) -> None:
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
     if set_timeout is None:
         return
-    names = tuple(mesh.mesh_dim_names or ())
-    for name in (*names, "data") if names == COMPOSED else names:
-        set_timeout(datetime.timedelta(seconds=seconds), mesh[name].get_group())
+    for name in mesh.mesh_dim_names or ():
+        set_timeout(datetime.timedelta(seconds=seconds), mesh.get_group(name))
 
 
 def check_mesh(mesh: Any, dp: int, p: int) -> DeviceMesh:
@@ -188,9 +187,9 @@ def layout_table(dp: int, p: int, stages_of: Any = None) -> str:
     return "\n".join(lines)
 
 
-def build_composed(dp: int, shard: int, p: int, tp: int, device_type: str) -> DeviceMesh:
-    """The ("dp_replicate", "dp_shard", "pp", "tp") mesh over the world, tp innermost, with its
-    ("dp_replicate", "dp_shard") ranks flattened into a "data" dim (the step's rows, the loss)."""
+def build_composed(dp: int, shard: int, p: int, tp: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ("dp_replicate", "dp_shard", "pp", "tp") mesh over the world, tp innermost, and its
+    ("dp_replicate", "dp_shard") ranks flattened into one "data" dim (the step's rows, the loss)."""
     world = dist.get_world_size()
     if world != dp * shard * p * tp:
         raise ValueError(
@@ -199,13 +198,12 @@ def build_composed(dp: int, shard: int, p: int, tp: int, device_type: str) -> De
             f"(partition(..., n_ranks, dp=..., shard=..., tp=...) with dp x shard x n_ranks x tp = {world})"
         )
     mesh = init_device_mesh(device_type, (dp, shard, p, tp), mesh_dim_names=COMPOSED)
-    mesh["dp_replicate", "dp_shard"]._flatten("data")
-    return mesh
+    return mesh, mesh["dp_replicate", "dp_shard"]._flatten("data")
 
 
-def check_composed(mesh: Any, dp: int, shard: int, p: int, tp: int) -> DeviceMesh:
+def check_composed(mesh: Any, dp: int, shard: int, p: int, tp: int) -> tuple[DeviceMesh, DeviceMesh]:
     """A caller's composed mesh: a DeviceMesh with the dims ``COMPOSED`` of the plan's sizes over the
-    world; its data dim is flattened here."""
+    world; and its data dim, flattened here."""
     sizes = (dp, shard, p, tp)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -228,11 +226,10 @@ def check_composed(mesh: Any, dp: int, shard: int, p: int, tp: int) -> DeviceMes
             f"mesh {dict(zip(names, shape, strict=True))} has {mesh.mesh.numel()} ranks but the world has "
             f"{world}; the mesh must span the world (its pipelines' channels are made by every rank of it)"
         )
-    mesh["dp_replicate", "dp_shard"]._flatten("data")
-    return mesh
+    return mesh, mesh["dp_replicate", "dp_shard"]._flatten("data")
 
 
-def composed_layout(mesh: DeviceMesh) -> Layout:
+def composed_layout(mesh: DeviceMesh, data: DeviceMesh) -> Layout:
     """This rank's place in a composed mesh: its pipeline (the "pp" dim), its data group (the
     flattened dp_replicate x dp_shard dims) and every pipeline of the world."""
     dp, shard, p, tp = (int(n) for n in mesh.mesh.shape)
@@ -243,15 +240,15 @@ def composed_layout(mesh: DeviceMesh) -> Layout:
         for h in range(shard)
         for t in range(tp)
     ]
-    data = mesh["data"].get_group()
+    group = data.get_group()
     pp = mesh.get_group("pp")
     return Layout(
         dp=dp * shard,
         p=p,
-        replica=dist.get_rank(data),
+        replica=dist.get_rank(group),
         pp_rank=dist.get_rank(pp),
         pipeline=[int(g) for g in dist.get_process_group_ranks(pp)],
-        replicas=[int(g) for g in dist.get_process_group_ranks(data)],
+        replicas=[int(g) for g in dist.get_process_group_ranks(group)],
         pipelines=sorted(pipelines, key=lambda r: r[0]),
         shard=shard,
         tp=tp,

@@ -84,16 +84,17 @@ def resolve_composed(
             "dim of its mesh; pass mesh= (or neither, and the mesh is made from the plan)"
         )
     if mesh is None:
-        mesh = build_composed(dp, shard, p, tp, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        mesh, data = build_composed(dp, shard, p, tp, "cuda" if dist.get_backend() == "nccl" else "cpu")
         bound_timeouts(mesh, timeout)
+        bound_timeouts(data, timeout)
     else:
-        mesh = check_composed(mesh, dp, shard, p, tp)
+        mesh, data = check_composed(mesh, dp, shard, p, tp)
     shard_mesh = None
     if shard > 1:
         shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
     tp_mesh = mesh["tp"] if tp > 1 else None
-    data = mesh["data"].get_group() if dp * shard > 1 else None
-    return Groups(mesh, mesh.get_group("pp"), data, composed_layout(mesh), shard_mesh, tp_mesh)
+    group = data.get_group() if dp * shard > 1 else None
+    return Groups(mesh, mesh.get_group("pp"), group, composed_layout(mesh, data), shard_mesh, tp_mesh)
 
 
 def resolve(dp: int | None, p: int, group: Any, mesh: Any, distributed: bool, timeout: float) -> Groups:

@@ -4,14 +4,18 @@
 
 Built on torch's own engine, ``torch.distributed.fsdp.fully_shard``, on the mesh's "dp_shard" dim
 (or HSDP's ("dp_replicate", "dp_shard") when the plan has replicas too: FSDP then all-reduces the
-reduced shards over the replicas itself, and the replicated reducer of dp.py is not made). A stage
-that is an ``nn.Sequential`` gets one FSDP unit per layer that holds parameters, then the stage
-itself; a traced stage (one graph that reads its parameters by name) gets one unit, the stage: its
-inner modules are never called, so their hooks would never gather them.
+reduced shards over the replicas itself, and the replicated reducer of dp.py is not made).
+
+FSDP units. Under ZeRO-2 a stage is one unit: its parameters are gathered for the whole step
+anyway, so one all-gather and one reduce-scatter per stage and step move them, the fewest
+collectives (per-layer units would gather the same bytes in as many calls). Under ZeRO-3 an
+``nn.Sequential`` stage gets one unit per layer that holds parameters, then the stage itself, so
+that only one layer is gathered at a time; a traced stage (one graph that reads its parameters by
+name) stays one unit, since its inner modules are never called and their hooks would never run.
 
 One step of stage s, as the executor runs it::
 
-    begin_step      ZeRO-2: every unit all-gathered once (unshard); no unit syncs gradients
+    begin_step      ZeRO-2: the stage all-gathered once (unshard); no unit syncs gradients
     F_i, B_i, W_i   ZeRO-2: the gathered parameters, every micro-batch; gradients accumulate,
                     unsharded, in each unit (set_requires_gradient_sync(False))
                     ZeRO-3: FSDP's hooks gather each unit before its forward and backward and
@@ -44,11 +48,11 @@ __all__ = ["ShardedStages", "shard_stage"]
 
 
 def shard_stage(module: nn.Module, mesh: Any, reshard: bool, stage: int) -> list[FSDPModule]:
-    """``module`` (one stage) wrapped with ``fully_shard`` on ``mesh``: per layer with parameters when it
-    is an ``nn.Sequential``, then the stage; its FSDP units, the stage last; ``reshard``: after each
-    forward (ZeRO-3). A ValueError naming the stage and the fix when FSDP cannot wrap it."""
+    """``module`` (one stage) wrapped with ``fully_shard`` on ``mesh``; ``reshard``: after each use
+    (ZeRO-3), then per layer with parameters when it is an ``nn.Sequential``, and the stage. Its FSDP
+    units, the stage last. A ValueError naming the stage and the fix when FSDP cannot wrap it."""
     units: list[nn.Module] = []
-    if isinstance(module, nn.Sequential):
+    if reshard and isinstance(module, nn.Sequential):
         units += [layer for layer in module if any(True for _ in layer.parameters())]
     if not any(True for _ in module.parameters()):
         raise ValueError(
@@ -123,8 +127,16 @@ class ShardedStages:
                 group.post_backward()
         state._root_post_backward_final_callback()  # the reduce-scatters joined to the compute stream
 
+    def begin_forward_only(self) -> None:
+        """Before an evaluation's forwards: a stage that is one unit is gathered here (a split stage
+        calls its layers, not the stage, so no hook of the stage's would gather it)."""
+        if not self.free:
+            for units in self.units.values():
+                for unit in units:
+                    unit.unshard()
+
     def reshard(self) -> None:
-        """After a forward-only pass: free what FSDP's hooks gathered."""
+        """After a forward-only pass: free what was gathered for it."""
         for units in self.units.values():
             for unit in units:
                 unit.reshard()

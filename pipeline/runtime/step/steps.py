@@ -163,6 +163,8 @@ class StepRunner:
             self.placer.start_prefetch(prefetch, self.needs_inputs, self.needs_targets)
             for stage in self.modules:
                 stage.eval()
+            if self.replicas is not None and self.replicas.sharded is not None:
+                self.replicas.sharded.begin_forward_only()
             if last is not None:
                 last.keep_outputs, last.want_loss = outputs, want_loss
                 if not want_loss:

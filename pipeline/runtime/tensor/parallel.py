@@ -61,7 +61,7 @@ def parallelize_stages(
             "Llama: pipeline.reference.hf.llama_layers(model)), or make the plan with tp=1"
         )
     group = tp_mesh.get_group()
-    for s, module in modules.items():
+    for module in modules.values():
         _same_on_every_tp_rank(module, group)
         parallelize_fn(module, tp_mesh)
         module.register_forward_hook(_plain_outputs)
