@@ -91,6 +91,16 @@ def _build(model: str) -> Built:
     return net, ref, {n: name_of[id(p)] for n, p in net.named_parameters()}, x, y, _lm_loss
 
 
+def _last_linear_colwise(stage: nn.Module, tp_mesh: Any) -> None:
+    """Splits only a stage's last Linear by its outputs and leaves its output a DTensor (sharded over
+    the features): the Pipeline must hand on a plain, whole tensor."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    linears = [name for name, m in stage.named_modules() if isinstance(m, nn.Linear)]
+    if linears:
+        parallelize_module(stage, tp_mesh, {linears[-1]: ColwiseParallel(use_local_output=False)})
+
+
 def _traced_plan(net: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int) -> Plan:
     from partitioner import partition
 
@@ -108,7 +118,11 @@ def _case(model: str, schedule: str, shard: int, tp: int, zero: int, recompute: 
     else:
         plan = Plan(balance=_even(len(net), p * v), schedule=schedule, n_virtual=v)  # type: ignore[arg-type]
     plan = plan.replace(n_microbatches=M, dp=dp, shard=shard, tp=tp, zero=zero, recompute=recompute)
-    fn = parallelize_llama if tp > 1 else None
+    fn = (parallelize_llama if model == "llama" else _last_linear_colwise) if tp > 1 else None
+    if dist.get_rank() % tp or dist.get_rank() >= p * tp:  # all but the first pipeline of tp rank 0:
+        with torch.no_grad():  # other values, which the Pipeline must replace by that pipeline's
+            for param in net.parameters():
+                param.mul_(1.5)
     pipe = Pipeline(net, plan, loss_fn=loss_fn, parallelize_fn=fn)
     rows = ROWS // pipe.dp
     mine = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
@@ -151,9 +165,9 @@ _SHARD += [
 ]
 _SHARD += [("gpt", "1f1b", 2, 1, 3, "never"), ("llama-traced", "zb-h1", 2, 1, 2, "always")]
 # (pp=2, tp=2) on 4 ranks: every schedule, the Llama's blocks split by parallelize_llama
-_TP = [("llama", name, 1, 2, 2, "never") for name in REGISTRY] + [
-    ("llama", "interleaved-zb", 1, 2, 2, "always")
-]
+_TP = [("llama", name, 1, 2, 2, "never") for name in REGISTRY]
+_TP += [("llama", "interleaved-zb", 1, 2, 2, "always")]
+_TP += [("mlp", "zb-h1", 1, 2, 2, "never")]  # a stage's output left a DTensor by its parallelize_fn
 # 8 ranks: (pp=2, shard=2, tp=2), and HSDP (dp=2 x shard=2 x pp=2)
 _EIGHT = [("llama", "1f1b", 2, 2, 2, "never"), ("llama", "zb-v", 2, 2, 3, "always")]
 _EIGHT_HSDP = [("mlp", "1f1b", 2, 1, 2, "never", 2)]

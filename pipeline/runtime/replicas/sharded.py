@@ -121,11 +121,9 @@ class ShardedStages:
             unit.set_is_last_backward(True)
             unit.set_requires_gradient_sync(True)
             unit.set_reshard_after_backward(True)
-        state = fully_shard.state(self.roots[s])  # type: ignore[attr-defined]
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()  # the reduce-scatters joined to the compute stream
+        # FSDP's end-of-backward callback: each unit's post-backward (now with its reduce-scatter),
+        # then the reduce-scatters joined to the compute stream (a device-side wait, no host sync)
+        fully_shard.state(self.roots[s])._root_post_backward_final_callback()  # type: ignore[attr-defined]
 
     def begin_forward_only(self) -> None:
         """Before an evaluation's forwards: a stage that is one unit is gathered here (a split stage

@@ -64,7 +64,9 @@ def parallelize_stages(
     for module in modules.values():
         _same_on_every_tp_rank(module, group)
         parallelize_fn(module, tp_mesh)
-        module.register_forward_hook(_plain_outputs)
+        # on the last layer: a split backward calls a Sequential stage's layers, not the stage
+        last = module[len(module) - 1] if isinstance(module, nn.Sequential) and len(module) else module
+        last.register_forward_hook(_plain_outputs)
 
 
 def _same_on_every_tp_rank(module: nn.Module, group: Any) -> None:
