@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 __all__ = ["flatten", "restore", "targets"]
 
@@ -146,12 +147,19 @@ def _targets(
             want[f"{GROUP}{name}"] = None  # dcp puts the stored object here
             for key in saved.get(name, []):
                 item = meta[key]
-                if isinstance(item, TensorStorageMetadata):  # on the parameter's device if of its shape
-                    device = p.device if tuple(item.size) == tuple(p.shape) else torch.device("cpu")
-                    want[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
-                else:
-                    want[key] = None
+                want[key] = _target(item, p) if isinstance(item, TensorStorageMetadata) else None
     return want, missing
+
+
+def _target(item: TensorStorageMetadata, p: torch.Tensor) -> torch.Tensor:
+    """Where dcp loads a saved state tensor of parameter ``p``: one of ``p``'s shape is laid out as
+    ``p`` (a DTensor's local shard only, so each rank reads its slice), on its device; another
+    (Adam's scalar step) a CPU tensor."""
+    if tuple(item.size) != tuple(p.shape):
+        return torch.empty(tuple(item.size), dtype=item.properties.dtype, device="cpu")
+    if isinstance(p, DTensor):  # the same mesh and placements: the saved tensor re-sharded by dcp
+        return torch.empty_like(p.detach(), dtype=item.properties.dtype)
+    return torch.empty(tuple(item.size), dtype=item.properties.dtype, device=p.device)
 
 
 def restore(
