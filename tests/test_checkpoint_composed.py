@@ -5,9 +5,10 @@
 Every layout runs on 4 ranks. A chain of layouts passes one training state along: the first trains
 and saves; each next one builds the model from other initial values, loads the last checkpoint,
 checks it holds exactly the first state (parameters, buffers, AdamW's state, each compared whole:
-``DTensor.full_tensor()``), laid out as its parameters (a sharded parameter's state is a DTensor of
-the same placements, so training goes on), trains on from there as the first did, and saves for
-the next, having loaded the checkpoint again::
+``DTensor.full_tensor()``, and the LambdaLR's), laid out as its parameters (a sharded parameter's
+state is a DTensor of the same placements, so training goes on), trains on from there as the first
+did (two steps: the scheduler's own count matters at the second), having first saved what it
+loaded, for the next::
 
     chain "shard":  (pp=2, shard=2) -> (pp=4) -> (pp=1, dp=2, shard=2: HSDP) -> (pp=2, shard=2, ZeRO-3)
     chain "tp":     (pp=2, shard=2) -> (pp=2, tp=2) -> (pp=1, shard=2, tp=2) -> (pp=4) -> (pp=2, tp=2)
@@ -36,7 +37,7 @@ from pipeline.plan import Plan
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import job
 
-W, ROWS, N, SAVE = 6, 16, 3, 2  # width, global batch rows, steps, the step saved
+W, ROWS, N, SAVE = 6, 16, 4, 2  # width, global batch rows, steps, the step saved
 
 Layout = tuple[int, int, int, int, int]  # (pp, dp, shard, tp, zero)
 
@@ -151,6 +152,7 @@ def _chain(root: str, layouts: list[Layout]) -> dict[str, Any]:
     first.train(0, SAVE)
     first.save(f"{root}/0", SAVE)
     out["saved"] = first.state()
+    out["scheduler/0"] = (first.sched.last_epoch, first.sched.get_last_lr())
     out["gathered/0"] = first.pipe.gather_state_dict()
     out["losses/0"] = first.train(SAVE, N)
     first.pipe.close()
@@ -161,6 +163,7 @@ def _chain(root: str, layouts: list[Layout]) -> dict[str, Any]:
         out[f"loaded/{i}"] = loop.state()
         out[f"changed/{i}"] = sorted(k for k, v in before.items() if not _same(v, out[f"loaded/{i}"].get(k)))
         out[f"layout/{i}"] = loop.laid_out_as_params()
+        out[f"scheduler/{i}"] = (loop.sched.last_epoch, loop.sched.get_last_lr())
         out[f"gathered/{i}"] = loop.pipe.gather_state_dict()
         loop.save(f"{root}/{i}", SAVE)  # what it loaded, for the next layout
         out[f"losses/{i}"] = loop.train(SAVE, N)
@@ -217,6 +220,7 @@ def test_every_layout_loads_the_saved_state_exactly(chain: tuple[str, list[dict[
         assert not differ, f"{layout} loaded {differ[:5]} other than saved"
         for res in results:
             assert res[f"extra/{i}"] == {"step": SAVE}
+            assert res[f"scheduler/{i}"] == res["scheduler/0"], layout
             # every parameter and buffer of the fresh model took a value from the checkpoint
             kept = [k for k in res[f"loaded/{i}"] if "/" not in k and k not in res[f"changed/{i}"]]
             assert kept == [], f"{layout} kept its own {kept[:5]}"

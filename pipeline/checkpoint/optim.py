@@ -48,6 +48,19 @@ and at another dp (the shards then differ) each rank asks for its own shard's
 names. The hyperparameters of every group of the wrapper, whose groups hold all
 parameters, are restored too and passed on to the local optimizer.
 
+Sharded and split parameters (``plan.shard`` > 1: FSDP2's DTensors over "dp_shard"; ``plan.tp``
+> 1: a parallelize_fn's over "tp"). AdamW keeps a DTensor parameter's state as DTensors of its
+placements; dcp saves each by name as the one global tensor it is (every rank its shard), so the
+entries are those of a plain optimizer and the checkpoint records nothing of the layout. On load a
+state tensor of the parameter's shape is asked for laid out as the parameter now is (``_target``:
+``empty_like``, the same mesh and placements), so dcp re-shards it and each rank reads its own
+slice; at a layout without DTensors it is a plain tensor as before::
+
+    saved at (pp=2, shard=2)                   loaded at (pp=2, tp=2), tp rank 1
+    optim/0.0.weight/exp_avg  (12, 6)          DTensor Shard(0) over "tp": rows 6..11 read
+      rank 0 rows 0..5, rank 2 rows 6..11      (a plain tensor there would not step: AdamW
+                                               refuses DTensor parameters with plain state)
+
 Tensor values are dcp tensors; any other value (a number, None, a dict) is
 stored whole inside a 1-tuple, since dcp would split a dict into other keys.
 """
