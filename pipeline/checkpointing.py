@@ -17,7 +17,9 @@ value (the same on every rank), e.g. the step and the data loader's position.
 Python's and numpy's generators are not saved: put what the data order needs
 in ``extra``. The layout and the rules at another stage count are in
 ``pipeline/checkpoint/state.py`` and ``optim.py``: a checkpoint taken at 4
-stages loads at 2 and back.
+stages loads at 2 and back, and one of a composed pipeline (FSDP2 shards,
+tensor parallelism: DTensors, saved by name as whole tensors) at any other
+(pp, shard, tp), each rank reading its own slices.
 
 A checkpoint belongs to one run (``pipeline/checkpoint/runs.py``): it records
 the run's id and ``config`` (the run's settings, a JSON-able dict); ``resume``

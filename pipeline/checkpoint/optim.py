@@ -48,6 +48,19 @@ and at another dp (the shards then differ) each rank asks for its own shard's
 names. The hyperparameters of every group of the wrapper, whose groups hold all
 parameters, are restored too and passed on to the local optimizer.
 
+Sharded and split parameters (``plan.shard`` > 1: FSDP2's DTensors over "dp_shard"; ``plan.tp``
+> 1: a parallelize_fn's over "tp"). AdamW keeps a DTensor parameter's state as DTensors of its
+placements; dcp saves each by name as the one global tensor it is (every rank its shard), so the
+entries are those of a plain optimizer and the checkpoint records nothing of the layout. On load a
+state tensor of the parameter's shape is asked for laid out as the parameter now is (``_target``:
+``empty_like``, the same mesh and placements), so dcp re-shards it and each rank reads its own
+slice; at a layout without DTensors it is a plain tensor as before::
+
+    saved at (pp=2, shard=2)                   loaded at (pp=2, tp=2), tp rank 1
+    optim/0.0.weight/exp_avg  (12, 6)          DTensor Shard(0) over "tp": rows 6..11 read
+      rank 0 rows 0..5, rank 2 rows 6..11      (a plain tensor there would not step: AdamW
+                                               refuses DTensor parameters with plain state)
+
 Tensor values are dcp tensors; any other value (a number, None, a dict) is
 stored whole inside a 1-tuple, since dcp would split a dict into other keys.
 """
@@ -60,6 +73,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 __all__ = ["flatten", "restore", "targets"]
 
@@ -146,12 +160,19 @@ def _targets(
             want[f"{GROUP}{name}"] = None  # dcp puts the stored object here
             for key in saved.get(name, []):
                 item = meta[key]
-                if isinstance(item, TensorStorageMetadata):  # on the parameter's device if of its shape
-                    device = p.device if tuple(item.size) == tuple(p.shape) else torch.device("cpu")
-                    want[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
-                else:
-                    want[key] = None
+                want[key] = _target(item, p) if isinstance(item, TensorStorageMetadata) else None
     return want, missing
+
+
+def _target(item: TensorStorageMetadata, p: torch.Tensor) -> torch.Tensor:
+    """Where dcp loads a saved state tensor of parameter ``p``: one of ``p``'s shape is laid out as
+    ``p`` (a DTensor's local shard only, so each rank reads its slice), on its device; another
+    (Adam's scalar step) a CPU tensor."""
+    if tuple(item.size) != tuple(p.shape):
+        return torch.empty(tuple(item.size), dtype=item.properties.dtype, device="cpu")
+    if isinstance(p, DTensor):  # the same mesh and placements: the saved tensor re-sharded by dcp
+        return torch.empty_like(p.detach(), dtype=item.properties.dtype)
+    return torch.empty(tuple(item.size), dtype=item.properties.dtype, device=p.device)
 
 
 def restore(

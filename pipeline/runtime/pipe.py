@@ -465,7 +465,8 @@ class Pipeline:
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict (parameters and buffers, the model's names, CPU copies) on rank
-        ``dst``, None on the others; call on every rank."""
+        ``dst``, None on the others; call on every rank. Sharded or split stages: full tensors, on
+        pipeline rank ``dst`` of each replica's first (shard 0, tp 0) pipeline (gather.py)."""
         world = self.comm.world_size if self.comm is not None else 1
         if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world:
             raise ValueError(f"dst ({dst!r}) must be a rank of the pipeline's group, 0 to {world - 1}")
@@ -473,7 +474,7 @@ class Pipeline:
         key = f"{self._prefix}/state{next(self._gathers)}"
         with self._publish_failure(), self._stepping():
             self.check_values()
-            return gather_state_dict(local, self.comm, dst, key, self._comm_device())
+            return gather_state_dict(local, self.comm, dst, key, self._comm_device(), self.mesh)
 
     # ---- the optimizer step's companions: call on every rank, after step()
 

@@ -15,6 +15,16 @@ dtype, else into one CPU buffer of its size, then copied (another float dtype is
 and an integer dtype are refused): a rank's memory while loading is its own stages, not the model.
 Every copy of a tied weight is loaded from the file's one entry (its own name's, else an alias's).
 
+Sharded and split stages. A DTensor (FSDP's shard over "dp_shard", a parallel style's over "tp",
+or both) is read as its local shard only: the box of the global tensor that this rank's shard
+covers (``compute_local_shape_and_global_offset``, the box dcp gives it too), one contiguous run
+of bytes per row of the box's leading dims, into the local tensor::
+
+    (8, 6) F32, Shard(0) over 2 ranks   rank 1: rows 4..7, one run of 4 x 6 x 4 bytes
+    (8, 6) F32, Shard(1) over 2 ranks   rank 1: columns 3..5, 8 runs of 3 x 4 bytes
+
+so a rank reads its own part of its own stages: 1 / (shard x tp) of a split weight.
+
 Names. The pipeline names tensors as the user's module does (``model.model.layers.0...`` for a
 wrapper that holds the transformers model as ``self.model``); the file as the transformers model
 does (``model.layers.0...``). ``prefix`` is what the module's names have in front of the file's
@@ -24,14 +34,18 @@ either) or a key of the file that names nothing in the model is an error naming 
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = ["INDEX", "WEIGHTS", "find_prefix", "load", "shards"]
 
@@ -167,8 +181,9 @@ def load(
 
 
 def _read(file: Path, start: int, key: str, entry: Mapping[str, object], tensor: torch.Tensor) -> None:
-    """The bytes of ``key`` into ``tensor``: straight into its storage where it is a contiguous CPU
-    tensor of the file's dtype, else through a buffer of the file's dtype."""
+    """The bytes of ``key`` into ``tensor`` (a DTensor: into its local shard, from the part of the
+    file that shard covers): straight into its storage where it is a contiguous CPU tensor of the
+    file's dtype, else through a buffer of the file's dtype."""
     dtype = _DTYPES.get(str(entry["dtype"]))
     if dtype is None:
         raise ValueError(f"{file.name}: {key!r} has dtype {entry['dtype']}, which torch cannot hold")
@@ -184,21 +199,61 @@ def _read(file: Path, start: int, key: str, entry: Mapping[str, object], tensor:
             f"{file.name}: {key!r} is {dtype} but the model's tensor is {tensor.dtype}; a float and an "
             "integer tensor are not converted into each other: load a checkpoint saved from this model"
         )
-    direct = tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if math.prod(shape) * itemsize != end - begin:
+        raise ValueError(
+            f"{file.name}: {key!r} holds {end - begin} bytes, its shape and dtype "
+            f"{math.prod(shape) * itemsize}"
+        )
     with torch.no_grad():
-        target = tensor.detach() if direct else torch.empty(shape, dtype=dtype)
+        local, box = _local_box(tensor, key)
+        size = tuple(local.shape)
+        direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
+        target = local.detach() if direct else torch.empty(size, dtype=dtype)
         raw = target.reshape(-1).view(torch.uint8) if target.dim() else target.reshape(1).view(torch.uint8)
-        if raw.numel() != end - begin:
-            raise ValueError(
-                f"{file.name}: {key!r} holds {end - begin} bytes, its shape and dtype {raw.numel()}"
-            )
+        into = raw.numpy().data
+        at = 0
         with open(file, "rb") as f:
-            f.seek(start + begin)
-            got = f.readinto(raw.numpy().data)
-        if got != end - begin:
-            raise ValueError(f"{file.name} is truncated inside {key!r} ({got} of {end - begin} bytes)")
+            for first, count in _runs(shape, box, size):
+                f.seek(start + begin + first * itemsize)
+                want = count * itemsize
+                got = f.readinto(into[at : at + want])
+                if got != want:
+                    raise ValueError(f"{file.name} is truncated inside {key!r} ({got} of {want} bytes)")
+                at += want
         if not direct:
-            tensor.copy_(target)
+            local.copy_(target)
+
+
+def _local_box(tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor this rank writes (a DTensor's local shard, else ``tensor``) and the offset in the
+    global tensor of the box it covers."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach(), (0,) * tensor.dim()
+    size, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local().detach()
+    if tuple(local.shape) != tuple(size):
+        raise ValueError(
+            f"{key!r}: its local shard is {list(local.shape)} but its placements {tensor.placements} give "
+            f"{list(size)}; load_pretrained reads shards that are one box of the tensor (Shard, "
+            "Replicate): load the full weights before sharding, or shard it by such placements"
+        )
+    return local, tuple(int(o) for o in offset)
+
+
+def _runs(shape: Sequence[int], offset: Sequence[int], size: Sequence[int]) -> Iterable[tuple[int, int]]:
+    """The box of ``size`` at ``offset`` in a row-major tensor of ``shape`` as contiguous runs of
+    elements, (first element, count), in the box's own row-major order."""
+    if any(n == 0 for n in size):
+        return []
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    partial = [d for d in range(len(shape)) if size[d] != shape[d]]
+    if not partial:
+        return [(0, math.prod(shape))]
+    k = partial[-1]  # the dims after it are whole: one run per index of the dims before it
+    count = size[k] * strides[k]
+    rows = itertools.product(*(range(offset[d], offset[d] + size[d]) for d in range(k)))
+    return ((sum(i * strides[d] for d, i in enumerate(row)) + offset[k] * strides[k], count) for row in rows)
 
 
 def _unmatched(model_keys: Mapping[str, str], files: Mapping[str, Path], path: object) -> str:

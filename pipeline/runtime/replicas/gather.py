@@ -13,6 +13,16 @@ and failure watch::
 
 then lays the entries out in stage order, so the keys come in the order of
 ``model.state_dict()``. Every value is a CPU copy: later steps do not change it.
+
+Sharded and split stages (``plan.shard`` > 1: FSDP's DTensors over "dp_shard"; ``plan.tp`` > 1:
+the parallelize_fn's over "tp"). Each (replica, shard h, tp t) cell runs a pipeline of its own,
+and a stage's DTensor is whole only across its cells::
+
+    every rank:     each local DTensor made whole, stage by stage in state-dict order
+                    (``full_tensor()``: a collective of its shard / tp group, whose ranks hold the
+                    same stages, so they call it in the same order)
+    cell h=0, t=0:  the moves above, to its pipeline rank dst; its tensors are plain now
+    other cells:    nothing more (None): every replica's state is gathered once, by its first cell
 """
 
 from __future__ import annotations
@@ -21,8 +31,10 @@ import json
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipeline.runtime.comm.p2p import Comm
+from pipeline.runtime.replicas.mesh import COMPOSED
 
 __all__ = ["gather_state_dict"]
 
@@ -31,11 +43,20 @@ Entry = tuple[int, str, list[int], str]
 
 
 def gather_state_dict(
-    local: dict[int, dict[str, torch.Tensor]], comm: Comm | None, dst: int, key: str, device: torch.device
+    local: dict[int, dict[str, torch.Tensor]],
+    comm: Comm | None,
+    dst: int,
+    key: str,
+    device: torch.device,
+    mesh: Any = None,
 ) -> dict[str, torch.Tensor] | None:
     """``local``: this rank's ``{stage: module.state_dict()}``. The full state dict on ``dst``, None
     elsewhere. ``key`` must be unique to this call and the same on every rank; ``device`` is the
-    communication device. Call on every rank."""
+    communication device; ``mesh``: the pipeline's (a composed one's cells other than the first of
+    each replica only join the collectives that make DTensors whole). Call on every rank."""
+    local = {s: {name: _whole(t) for name, t in state.items()} for s, state in sorted(local.items())}
+    if not _first_cell(mesh):
+        return None
     mine: list[tuple[Entry, torch.Tensor]] = [
         ((s, name, list(t.shape), str(t.dtype).removeprefix("torch.")), t)
         for s, state in sorted(local.items())
@@ -68,6 +89,27 @@ def gather_state_dict(
     for _, part in received:
         entries += [(e, t.to("cpu")) for e, t in part]
     return _ordered(entries)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a DTensor's full tensor (a collective of its mesh's ranks)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            whole: torch.Tensor = t.full_tensor().detach()
+        return whole
+    return t
+
+
+def _first_cell(mesh: Any) -> bool:
+    """Whether this rank's pipeline gathers: any pipeline but a composed mesh's, whose replica's
+    first cell (shard 0, tp 0) alone does (its stages' DTensors are whole on every cell by now)."""
+    if mesh is None or tuple(getattr(mesh, "mesh_dim_names", None) or ()) != COMPOSED:
+        return True
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: the Pipeline's mesh spans the world, so never here
+        return True
+    _, h, _, t = coordinate
+    return bool(h == 0 and t == 0)
 
 
 def _entry(raw: Any) -> Entry:
