@@ -170,7 +170,7 @@ _TP += [("llama", "interleaved-zb", 1, 2, 2, "always")]
 _TP += [("mlp", "zb-h1", 1, 2, 2, "never")]  # a stage's output left a DTensor by its parallelize_fn
 # 8 ranks: (pp=2, shard=2, tp=2), and HSDP (dp=2 x shard=2 x pp=2)
 _EIGHT = [("llama", "1f1b", 2, 2, 2, "never"), ("llama", "zb-v", 2, 2, 3, "always")]
-_EIGHT_HSDP = [("mlp", "1f1b", 2, 1, 2, "never", 2)]
+_EIGHT_HSDP = [("mlp", "1f1b", 2, 1, 2, "never", 2), ("llama", "zb-h1", 1, 2, 2, "never", 2)]
 
 _SHARD_JOB = job(4, _cases, _SHARD, timeout=240.0, batch="composition")
 _TP_JOB = job(4, _cases, _TP, timeout=240.0, batch="composition")
@@ -398,3 +398,80 @@ def test_shards_divide_each_rank_s_parameters_gradients_and_optimizer_state(
         for what in ("parameters", "gradients", "optimizer"):
             ratio = got["zero2"][what] / got["whole"][what]
             assert 0.45 < ratio < 0.55, (what, got)
+
+
+# ---- a meta-device model, its weights loaded into the shards
+
+
+class _Scale(nn.Module):
+    """A weight no reset_parameters() sets: a meta model's copy has no values until loaded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _scaled_mlp() -> nn.Sequential:
+    net, _ = mlp(width=8, depth=4, batch_size=ROWS)
+    return nn.Sequential(*net, _Scale())
+
+
+def _weights_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[str]:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = _scaled_mlp()
+    path = tmp_path_factory.mktemp("composed-weights") / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+    return (str(path),)
+
+
+def _meta_loaded(path: str) -> dict[str, Any]:
+    """A meta-device MLP's shards given the file's values: refused before the load, then one process's
+    loss and gradients."""
+    torch.manual_seed(0)
+    ref = _scaled_mlp()
+    x, y = torch.randn(ROWS, 8), torch.randn(ROWS, 8)
+    with torch.device("meta"):
+        net = _scaled_mlp()
+    pipe = Pipeline(net, Plan(balance=[2, 3], shard=2), loss_fn=F.mse_loss)
+    rows = ROWS // pipe.dp
+    mine = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
+    try:
+        pipe.check_values()  # what step() would raise (and publish) before the load
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    pipe.load_pretrained(path)
+    loss = pipe.step(x[mine], y[mine])
+    want = F.mse_loss(ref(x), y)
+    want.backward()
+    grads = dict(ref.named_parameters())
+    errors = [abs(loss - want.item()) / want.item()]
+    for n, param in pipe.named_parameters():
+        assert param.grad is not None and grads[n].grad is not None
+        errors.append(float((_full(param.grad) - grads[n].grad).norm() / grads[n].grad.norm()))
+    pipe.close()
+    return {"refused": refused, "error": max(errors)}
+
+
+_META = job(4, _meta_loaded, timeout=120.0, batch="composition", make_args=_weights_file)
+
+
+@pytest.fixture(scope="module")
+def meta_loaded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _META.results(tmp_path_factory)
+
+
+def test_a_meta_model_s_shards_take_their_values_from_load_pretrained(
+    meta_loaded: list[dict[str, Any]],
+) -> None:
+    for rank, got in enumerate(meta_loaded):  # stage 1 (layers 2-4) holds the scale: pp rank 1
+        if rank % 2:
+            assert "left 4.weight" in got["refused"] and "without values" in got["refused"], got["refused"]
+        else:
+            assert got["refused"] == "no error"
+        assert got["error"] < 1e-5, got

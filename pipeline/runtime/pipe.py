@@ -301,6 +301,13 @@ class Pipeline:
                 "ranks are not sharded yet; untie it (e.g. a separate head weight), or make the plan with "
                 "shard=1 and tp=1"
             )
+        # tensors nothing gave values yet, by place: sharding and splitting replace them by DTensors
+        places = {
+            id(t): (s, name)
+            for s, mod in local.items()
+            for name, t in itertools.chain(mod.named_parameters(), mod.named_buffers())
+            if id(t) in self._unset
+        }
         if tp > 1:
             with self._publish_failure():
                 traced = shape.graph is not None
@@ -350,6 +357,13 @@ class Pipeline:
             if sharded is not None:
                 for st in self.stages.values():
                     st.sharded, st.gathered = True, sharded.gathered
+        if places:  # the same places, now holding the DTensors that loads will fill
+            now = {
+                (s, name): t
+                for s, mod in local.items()
+                for name, t in itertools.chain(mod.named_parameters(), mod.named_buffers())
+            }
+            self._unset = {id(now[at]): self._unset[old] for old, at in places.items()}
         params = {(s, name): p for s in self._stage_ids for name, p in local[s].named_parameters()}
         shared = (self.comm.board.store, self.comm.board.key) if self.comm is not None else None
         at = "the tied weights' groups"

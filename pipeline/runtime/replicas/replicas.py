@@ -90,7 +90,9 @@ def resolve_composed(
     else:
         mesh, data = check_composed(mesh, dp, shard, p, tp)
     shard_mesh = None
-    if shard > 1:
+    # replicas of tensor-parallel stages reduce through FSDP too (HSDP with shards of one: an
+    # all-reduce of each DTensor gradient's local part); dp.py's buckets hold plain gradients only
+    if shard > 1 or (dp > 1 and tp > 1):
         shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
     tp_mesh = mesh["tp"] if tp > 1 else None
     group = data.get_group() if dp * shard > 1 else None
