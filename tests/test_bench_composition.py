@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from bench_composition import QUICK, RUNS, Config, _report, main
 
 
+@pytest.mark.slow  # an end-to-end script run; tests/test_composition.py covers the library
 def test_the_quick_run_gathers_each_unit_once_per_step_and_both_stacks_agree(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -186,7 +186,7 @@ def _chain_job(name: str, chain: list[Layout]) -> Any:
     def make_args(factory: pytest.TempPathFactory) -> tuple[str, list[Layout]]:
         return str(factory.mktemp("ckcomp")), chain
 
-    return job(4, _chain, make_args=make_args, timeout=120.0, batch=f"ckcomp-{name}")
+    return job(4, _chain, make_args=make_args, timeout=120.0, batch="composition")
 
 
 _JOBS = {name: _chain_job(name, chain) for name, chain in CHAINS.items()}

@@ -44,7 +44,7 @@ def _llama() -> nn.Module:
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, use_cache=False,
         tie_word_embeddings=False, attn_implementation="sdpa", bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
@@ -360,9 +360,10 @@ def _counted_step(shard: int, zero: int, schedule: str, dp: int = 1) -> dict[str
         for m in mod.modules()
         if isinstance(m, FSDPModule) and fully_shard.state(m)._fsdp_param_group is not None  # type: ignore[attr-defined]
     )
+    whole = sum(param.numel() * param.element_size() for param in pipe.parameters())  # DTensor: global
     pipe.close()
-    held = {k: stats[k] for k in ("parameters", "gradients", "optimizer")}
-    return {"units": units, **calls, **held}
+    held = {k: stats[k] for k in ("parameters", "gradients", "optimizer", "peak", "activations")}
+    return {"units": units, **calls, **held, "whole": whole}
 
 
 def _counts() -> dict[str, dict[str, Any]]:
@@ -375,6 +376,12 @@ def _counts() -> dict[str, dict[str, Any]]:
 
 
 _COUNTS = job(4, _counts, timeout=120.0, batch="composition")
+_COUNTS_4 = job(8, _counted_step, 4, 2, "1f1b", timeout=120.0, batch="composition")  # pp=2 x shard=4
+
+
+@pytest.fixture(scope="module")
+def counts_4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _COUNTS_4.results(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +405,21 @@ def test_shards_divide_each_rank_s_parameters_gradients_and_optimizer_state(
         for what in ("parameters", "gradients", "optimizer"):
             ratio = got["zero2"][what] / got["whole"][what]
             assert 0.45 < ratio < 0.55, (what, got)
+
+
+def test_a_sharded_step_s_true_peak_is_the_planner_s_static_bytes(
+    counts: list[dict[str, Any]], counts_4: list[dict[str, Any]]
+) -> None:
+    """The true peak (every storage alive, transients included) of a ZeRO-2 step with AdamW's state,
+    against partitioner.composition's rule for the stage's L bytes: 2 L + (1 + f) L / S, plus the
+    activations held; within 10 %, and never above it by more than the allocator's padding."""
+    from partitioner.composition import Composition
+
+    for shard, got in [(2, c["zero2"]) for c in counts] + [(4, c) for c in counts_4]:
+        rule = Composition(shard=shard).static(got["whole"], 0, 0) + got["activations"]
+        assert 0.9 * rule < got["peak"] < 1.02 * rule, (shard, got["peak"], rule)
+        for what in ("parameters", "gradients", "optimizer"):  # a quarter, a sixth... of the whole
+            assert got[what] <= 1.02 * got["whole"] * (2 if what == "optimizer" else 1) / shard, (what, got)
 
 
 # ---- a meta-device model, its weights loaded into the shards

@@ -19,6 +19,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "llama_3d.py"
 
 
+@pytest.mark.slow  # an end-to-end script run; tests/test_composition.py covers the library
 def test_the_llama_3d_example_trains_on_pp_shard_tp_and_divides_each_ranks_memory(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1]), "OMP_NUM_THREADS": "1"}

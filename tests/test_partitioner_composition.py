@@ -47,9 +47,9 @@ def _model(n: int = 6) -> nn.Sequential:
 
 
 def _static(param: float, linear: float, shard: int, tp: int, f: float = 2.0) -> float:
-    """The formula, written out again: L = P - W + W / T; S = 1: (2 + f) L; else 2 L + (2 + f) L / S."""
+    """The formula, written out again: L = P - W + W / T; S = 1: (2 + f) L; else 2 L + (1 + f) L / S."""
     local = param - linear + linear / tp
-    return (2 + f) * local if shard == 1 else 2 * local + (2 + f) * local / shard
+    return (2 + f) * local if shard == 1 else 2 * local + (1 + f) * local / shard
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -79,11 +79,11 @@ def test_rank_peaks_fall_by_the_shard_factor() -> None:
         sgd, adam = (plan_for(prof, [3, 3], shard=s, optimizer_state_factor=f).rank_peaks[0]
                      for f in (0.0, 2.0))  # fmt: skip
         assert adam - sgd == pytest.approx(3 * 2.0 * P / s)
-    # the gradients: the unsharded ones (L) and the reduce-scattered shard (L / S), beside the
-    # parameters' shard (L / S) and gathered copy (L): 2 L + 2 L / S with f = 0
+    # the gradients: the unsharded ones (L) beside the parameters' shard (L / S) and gathered copy
+    # (L): 2 L + L / S with f = 0 (the reduce-scattered shard comes after the gathered copy is freed)
     zero_f = plan_for(prof, [3, 3], shard=4, optimizer_state_factor=0.0).rank_peaks[0]
     none = plan_for(prof, [3, 3], shard=1, optimizer_state_factor=0.0).rank_peaks[0]
-    assert none - zero_f == pytest.approx(3 * (2 * P - (2 * P + 2 * P / 4)))
+    assert none - zero_f == pytest.approx(3 * (2 * P - (2 * P + P / 4)))
 
 
 def test_tp_divides_only_the_linear_weights() -> None:
@@ -223,9 +223,9 @@ def test_auto_picks_data_parallelism_when_everything_fits() -> None:
 
 
 def test_auto_picks_a_shard_when_the_memory_cap_requires_it() -> None:
-    # below the static bytes of any unsharded plan (4 layers on the fuller rank), and of a 2-way
-    # shard (2 L + 4 L / 2: the same as unsharded under ZeRO-2 with Adam); a 4-way one fits
-    limit = 4 * _static(P, W, 1, 1) * 0.95
+    # below the static bytes of any unsharded plan (4 layers on the fuller rank, 4 L with Adam) and
+    # of a 2-way shard (2 L + 3 L / 2 under ZeRO-2 with Adam); a 4-way one (2 L + 3 L / 4) fits
+    limit = 4 * _static(P, W, 2, 1) * 0.95
     assert 4 * _static(P, W, 2, 1) > limit > 4 * _static(P, W, 4, 1)
     plan = _auto(limit, shard="auto")
     assert (plan.dp, plan.shard, plan.tp) == (1, 4, 1)

@@ -92,7 +92,7 @@ def _file(factory: pytest.TempPathFactory) -> tuple[str]:
     return (str(path),)
 
 
-_LOAD = job(4, _load, make_args=_file, timeout=120.0, batch="pretrained-composed")
+_LOAD = job(4, _load, make_args=_file, timeout=120.0, batch="composition")
 
 
 @pytest.fixture(scope="module")
