@@ -175,6 +175,21 @@ _EIGHT_HSDP = [("mlp", "1f1b", 2, 1, 2, "never", 2), ("llama", "zb-h1", 1, 2, 2,
 _SHARD_JOB = job(4, _cases, _SHARD, timeout=240.0, batch="composition")
 _TP_JOB = job(4, _cases, _TP, timeout=240.0, batch="composition")
 _EIGHT_JOB = job(8, _cases, _EIGHT + _EIGHT_HSDP, timeout=240.0, batch="composition")
+# under the NCCL emulation: the runtime's own messages and collectives keep NCCL's rules (FSDP's and
+# DTensor's collectives go to the process group directly, outside the emulation's checks)
+_EMULATED = [("mlp", "zb-v", 2, 1, 3, "always"), ("llama", "1f1b", 1, 2, 2, "never")]
+_EMULATED_JOB = job(4, _cases, _EMULATED, timeout=240.0, backend="nccl-emulated", batch="composition")
+
+
+@pytest.fixture(scope="module")
+def emulated_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    return _EMULATED_JOB.results(tmp_path_factory)
+
+
+def test_the_nccl_code_path_of_a_composed_pipeline_equals_one_process(
+    emulated_results: list[dict[str, float]],
+) -> None:
+    _check(emulated_results, _EMULATED)
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +283,15 @@ def _wrong_world(case: str) -> str:
     try:
         if case == "world":  # 2 x 2 x 2 = 8 ranks planned, 4 started
             Pipeline(net, Plan(balance=_even(len(net), 2), shard=2, tp=2), loss_fn=F.mse_loss)
+        elif case == "given":  # the caller's mesh, of the plan's shape: used as it is
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = ("dp_replicate", "dp_shard", "pp", "tp")
+            mesh = init_device_mesh("cpu", (1, 2, 2, 1), mesh_dim_names=names)
+            pipe = Pipeline(net, Plan(balance=_even(len(net), 2), shard=2), loss_fn=F.mse_loss, mesh=mesh)
+            same = pipe.mesh is mesh
+            pipe.close()
+            return f"no error, same mesh: {same}"
         elif case == "mesh":  # a mesh of the wrong shape
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -291,7 +315,7 @@ def _wrong_world(case: str) -> str:
 
 
 def _refusals() -> dict[str, str]:
-    return {case: _wrong_world(case) for case in ("world", "mesh", "tied")}
+    return {case: _wrong_world(case) for case in ("given", "world", "mesh", "tied")}
 
 
 _REFUSED = job(4, _refusals, timeout=120.0, batch="composition", last=True)
@@ -304,6 +328,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 
 def test_a_world_or_mesh_that_does_not_fit_the_plan_is_refused(refusals: list[dict[str, str]]) -> None:
     for got in refusals:
+        assert got["given"] == "no error, same mesh: True"
         assert "dp=1 x shard=2 x pp=2 x tp=2 = 8 ranks but the world has 4" in got["world"]
         assert "but this plan (dp=1, shard=2, pp=3, tp=1) needs a mesh" in got["mesh"]
 
