@@ -111,6 +111,19 @@ over the whole world. ``evaluate``'s loss is the global mean too; ``predict``,
 ``gather_state_dict`` and timelines are each replica's own. With dp = 1 and no
 mesh nothing of this exists (``mesh`` and ``dp_group`` are None).
 
+Stages larger than a device. A plan with ``shard`` > 1 or ``tp`` > 1 runs on the mesh
+("dp_replicate", "dp_shard", "pp", "tp") of dp x shard x p x tp ranks (replicas/mesh.py): each stage
+is wrapped with FSDP2's ``fully_shard`` on "dp_shard" (replicas/sharded.py: ZeRO-2 gathers it once per
+step, ZeRO-3 per use; gradients reduce-scattered once, after its last backward), and split over "tp"
+by ``parallelize_fn(stage_module, tp_mesh)`` (tensor/parallel.py; ``pipeline.parallelize_llama``)::
+
+    plan = partition(model, 2, sample, shard=2, tp=2)         # 8 ranks
+    pipe = Pipeline(model, plan, loss_fn=lm_loss, parallelize_fn=pipeline.parallelize_llama)
+    loss = pipe.step(x[rows], y[rows])      # rows: data rank pipe.replica of pipe.dp (= dp x shard)
+
+Parameters are then DTensors (``.full_tensor()`` gathers one); ``clip_grad_norm_``, ``grads_finite``,
+``gather_state_dict``, checkpoints and ``load_pretrained`` take them as they are.
+
 A failure on any rank (bad input, an exception in a stage, a timeout) is
 published in the group's store before it is raised, and the other ranks, which
 watch for it whenever they wait, raise within a fraction of a second, naming
@@ -198,10 +211,12 @@ class Pipeline:
     ``init_fn``; a parameter or buffer that neither sets is an error naming it
     (materialize.py). ``model`` is an ``nn.Sequential``, or any module with a
     plan ``partition`` made for it (see the module docstring). ``mesh``: a
-    DeviceMesh with dims "dp" and "pp" over the world
-    for a replicated plan (default: made from the plan when ``plan.dp`` > 1);
+    DeviceMesh over the world with dims "dp" and "pp" for a replicated plan, or
+    ("dp_replicate", "dp_shard", "pp", "tp") for a composed one (default: made
+    from the plan when it has dp, shard or tp > 1);
     ``group`` is then not given. ``bucket_mb``: the size of the gradient
-    all-reduce's buckets across replicas.
+    all-reduce's buckets across replicas. ``parallelize_fn(stage_module, tp_mesh)``: with a plan of
+    ``tp`` > 1, splits each local stage over its tensor-parallel ranks (see the module docstring).
     """
 
     def __init__(
