@@ -29,6 +29,7 @@ when nothing fits, the error states the smallest ``memory_limit`` (or factor) th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,49 @@ from pipeline.schedules.schedule import schedule_options, unchecked
 
 # COSTS, layer_costs: costs.py's
 __all__ = ["COSTS", "check_balance_layers", "check_stage_count", "layer_costs", "partition", "plan_for"]
+
+
+def _check_weights_fit(
+    model: nn.Module,
+    n_ranks: int,
+    memory_limit: float | Sequence[float] | None,
+    shard: int | str,
+    tp: int | str,
+    world_size: int | None,
+) -> None:
+    """Refuse at once, before any profiling, a ``memory_limit`` that cannot hold the model's parameters
+    alone: a pipeline's ranks hold every parameter at least once between them, each divided by at
+    most shard x tp (sharded at rest, split by tp), so the limits of one pipeline must add up to at
+    least P / (shard x tp) (with "auto", the largest shard x tp the world allows). A bound that never
+    refuses a plan that fits; the search prices everything else, and names a malformed limit."""
+    if memory_limit is None or isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+        return
+    if isinstance(memory_limit, str | bytes) or not isinstance(memory_limit, int | float | Sequence):
+        return
+    limits = [memory_limit] * n_ranks if isinstance(memory_limit, int | float) else list(memory_limit)
+    if not limits or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and 0 < x < math.inf for x in limits
+    ):
+        return
+    seen: set[int] = set()
+    weights = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            weights += param.numel() * param.element_size()
+    split = (world_size // n_ranks if world_size else 1) if "auto" in (shard, tp) else 1
+    if split == 1:
+        split = (shard if isinstance(shard, int) else 1) * (tp if isinstance(tp, int) else 1)
+    if sum(limits) * split >= weights:
+        return
+    per = f"{limits[0]:.4g} bytes per rank" if len(set(limits)) == 1 else f"{sum(limits):.4g} bytes in all"
+    raise ValueError(
+        f"memory_limit ({memory_limit!r}) is too small for every configuration: the weights alone are "
+        f"{weights:.4g} bytes, at most divided by shard x tp = {split}, so the pipeline's {n_ranks} ranks "
+        f"need {weights / split:.4g} bytes between them before any gradient, optimizer state or "
+        f"activation (it gives {per}); raise memory_limit, use more ranks (n_ranks), or shard the stages "
+        "(shard=, or shard='auto' with world_size=). Checked before profiling"
+    )
 
 
 @shared_across_ranks
@@ -145,6 +189,8 @@ def partition(
     names each one's smallest limit.
     """
     check_composition(shard, tp, zero, world_size)
+    if profile is None:  # a given profile's layers are what the search prices
+        _check_weights_fit(model, n_ranks, memory_limit, shard, tp, world_size)
     if schedule == "auto" or n_microbatches == "auto":
         return _auto(model, n_ranks, sample, schedule, n_microbatches, n_virtual, recompute, dp, cost,
                      memory_limit, batch_size, speeds, bandwidth, latency, optimizer_state_factor, runtime,
