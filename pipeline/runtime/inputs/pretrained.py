@@ -14,6 +14,8 @@ its bytes: straight into the tensor's storage where it is a contiguous CPU tenso
 dtype, else into one CPU buffer of its size, then copied (another float dtype is converted; a float
 and an integer dtype are refused): a rank's memory while loading is its own stages, not the model.
 Every copy of a tied weight is loaded from the file's one entry (its own name's, else an alias's).
+A float tensor that holds NaN or inf as read (a DTensor: its local shard) is an error naming its key
+and file: safetensors has no checksum, and corrupted bytes would otherwise load and train to NaN.
 
 Sharded and split stages. A DTensor (FSDP's shard over "dp_shard", a parallel style's over "tp",
 or both) is read as its local shard only: the box of the global tensor that this rank's shard
@@ -221,8 +223,28 @@ def _read(file: Path, start: int, key: str, entry: Mapping[str, object], tensor:
                 if got != want:
                     raise ValueError(f"{file.name} is truncated inside {key!r} ({got} of {want} bytes)")
                 at += want
+        if dtype.is_floating_point:
+            _check_finite(file, key, target)
         if not direct:
             local.copy_(target)
+
+
+def _check_finite(file: Path, key: str, data: torch.Tensor) -> None:
+    """Refuse ``data`` (a tensor as read from ``file``, a DTensor's local shard) holding NaN or inf:
+    safetensors has no checksum, so corrupted bytes would otherwise load and train to NaN."""
+    if data.dtype == torch.float8_e4m3fn:  # no inf; NaN is every exponent and mantissa bit set
+        bad = (data.view(torch.uint8) & 0x7F) == 0x7F
+    elif bool(torch.isfinite(data).all()):
+        return
+    else:
+        bad = ~torch.isfinite(data)
+    count = int(bad.sum())
+    if count:
+        raise ValueError(
+            f"{file}: {key!r} holds {count} non-finite value(s) (NaN or inf) of {data.numel()} as read; "
+            "a checkpoint's weights are finite, so the file is corrupted (safetensors has no checksum): "
+            "re-download or re-save it, and check the file (e.g. its sha256 against the source's)"
+        )
 
 
 def _local_box(tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple[int, ...]]:
