@@ -85,10 +85,10 @@ def test_auto_defaults() -> None:
          "--schedule auto --microbatches 3 --stages 2 --batch-size 8 --dp 1: n_microbatches (3) does not "
          "divide batch_size (8)"),
         ([*TINY, "--schedule", "auto", "--memory-limit", "1KB"],
-         "--memory-limit 1000: memory_limit (1000) is too small for every configuration: the weights"),
+         "--memory-limit 1KB: memory_limit (1 KB) is too small for every configuration: the weights"),
         ([*TINY, "--balance", "2,3", "--memory-limit", "1KB"],
-         "--balance 2,3 --memory-limit 1000: the predicted peak exceeds the limit (rank 0 "),
-        ([*TINY, "--memory-limit", "1KB"], "--memory-limit 1000: memory_limit"),  # the fixed schedule's
+         "--balance 2,3 --memory-limit 1KB: the predicted peak exceeds the limit (rank 0 "),
+        ([*TINY, "--memory-limit", "1KB"], "--memory-limit 1KB: memory_limit (1 KB)"),  # the fixed schedule's
     ],
 )  # fmt: skip
 def test_bad_auto_flags_exit_2_with_one_line(args: list[str], message: str, capsys: Any) -> None:
