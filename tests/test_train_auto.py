@@ -116,7 +116,7 @@ def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
                               "balance": plan.balance}  # fmt: skip
     said = train.chosen(cfg, plan)
     assert said.startswith("auto (--schedule auto --microbatches auto --memory-limit 200KB): chose ")
-    assert f"{plan.summary()} balance {plan.balance}" in said and "(limit 0.20 MB)" in said
+    assert f"{plan.summary()} balance {plan.balance}" in said and "(limit 200 KB)" in said
     # the model the ranks build does not depend on the sample's rows: the same weights at any m
     a, _ = train.build_model(cfg, plan.n_microbatches)
     b, _ = train.build_model(cfg, 1)
