@@ -66,8 +66,8 @@ from pipeline.runtime.step.recompute import RECOMPUTE_MODES
 from pipeline.schedules.schedule import SCHEDULES
 
 __all__ = ["ADAMW", "AUTO", "CLIP", "CONFIG_KEYS", "MODELS", "N_HEADS", "Config", "FlagError",
-           "asked_config", "blame", "fail", "memory_size", "parse_args", "recorded_plan", "run_config",
-           "split_world", "torchrun_world"]  # fmt: skip
+           "asked_config", "blame", "fail", "megabytes", "memory_size", "parse_args", "recorded_plan",
+           "run_config", "split_world", "torchrun_world"]  # fmt: skip
 
 AUTO = "auto"
 N_HEADS = 4  # attention heads: --width must be a multiple
@@ -140,6 +140,8 @@ class Config:
         """The named fields as typed on the command line (``--batch-size 16``), unset ones left out."""
         values = {n: getattr(self, n) for n in names}
         shown = {n: ",".join(map(str, v)) if isinstance(v, tuple) else v for n, v in values.items()}
+        if values.get("memory_limit") is not None:  # as it is typed: 300MB, not 300000000
+            shown["memory_limit"] = megabytes(values["memory_limit"]).replace(" ", "")
         return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in shown.items() if v is not None)
 
 
@@ -161,6 +163,29 @@ def memory_size(text: str) -> int:
     if not 1 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is {value:g} bytes: a limit must be at least 1 byte")
     return round(value)
+
+
+def megabytes(n: float) -> str:
+    """Bytes as ``--memory-limit`` reads them: 29092864.0 -> "29.1 MB", 3e8 -> "300 MB", 512 -> "512 B"
+    (three significant digits, units of 1000 as in the flag's B, KB, MB, GB, TB)."""
+    if not math.isfinite(n):
+        return f"{n} B"
+    value, unit = float(n), "B"
+    for larger in ("KB", "MB", "GB", "TB"):
+        if abs(value) < 999.5:
+            break
+        value, unit = value / 1000, larger
+    return f"{value:.3g} {unit}"
+
+
+# a byte count in the library's memory errors (it speaks of its API in bytes: "is 1692096.0", "(100000)",
+# "933309.0 bytes"): 4 digits or more, not a keyword's value ("n_microbatches=16")
+_BYTES = re.compile(r"(?<![\w.=])(\d{4,}(?:\.\d+)?(?:[eE][+-]?\d+)?)(?: bytes)?(?![\w.])")
+
+
+def _in_megabytes(message: str) -> str:
+    """The library's memory error with its byte counts read as the flag takes them ("1.69 MB")."""
+    return _BYTES.sub(lambda found: megabytes(float(found.group(1))), message)
 
 
 def _microbatches(text: str) -> int | str:
@@ -332,7 +357,8 @@ def blame(cfg: Config, *names: str) -> Iterator[None]:
     try:
         yield
     except ValueError as exc:
-        raise FlagError(f"{cfg.flags(*names)}: {exc}") from exc
+        text = _in_megabytes(str(exc)) if "memory_limit" in names and "memory_limit" in str(exc) else str(exc)
+        raise FlagError(f"{cfg.flags(*names)}: {text}") from exc
 
 
 # ---- what a checkpoint records

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -69,10 +70,20 @@ def load_model(spec: str, parser: argparse.ArgumentParser) -> tuple[nn.Sequentia
     if ":" not in spec:
         parser.error(f"--model {spec!r} is neither a built-in ({', '.join(BUILT_IN)}) nor module:function")
     module_name, func_name = spec.split(":", 1)
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:  # the working directory's modules, as python -m
+        sys.path.insert(0, here)
     try:
-        fn = getattr(importlib.import_module(module_name), func_name)
-    except (ImportError, AttributeError) as err:
-        parser.error(f"--model {spec!r}: cannot load it ({err})")
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not module_name.startswith(err.name):
+            raise  # the user's module itself imports something missing: its own traceback says what
+        parser.error(f"--model {spec!r}: no module {err.name!r}; the module must be importable from the "
+                     f"working directory ({here}) or from PYTHONPATH")  # fmt: skip
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        parser.error(f"--model {spec!r}: module {module_name!r} ({module.__file__}) has no function "
+                     f"{func_name!r}")  # fmt: skip
     built = fn()
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Sequential)):
         parser.error(f"--model {spec!r} must return (nn.Sequential, sample)")
@@ -99,6 +110,16 @@ def print_profile(prof: Profile) -> None:
             f"{(lp.flops + lp.backward_flops) / 1e9:>7.3f} {lp.param_bytes / 1e6:>9.3f} "
             f"{lp.activation_bytes / 1e6:>7.3f} {lp.saved_bytes / 1e6:>8.3f}  "
             f"{list(lp.output_shape)} {lp.output_dtype}" + (" in-place" if lp.inplace else "")
+        )
+
+
+def require_matplotlib(parser: argparse.ArgumentParser) -> None:
+    """``--plot`` draws with matplotlib: checked before any profiling, not after all of it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error(
+            "--plot draws with matplotlib, which is not installed: pip install matplotlib, or drop --plot"
         )
 
 
@@ -317,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=int, default=None, help="--auto: rows of one step (default: the sample's)"
     )
     args = parser.parse_args(argv)
+    if args.plot:
+        require_matplotlib(parser)
     if args.measure_steps < 1:
         parser.error(f"--measure-steps ({args.measure_steps}) must be >= 1")
     if args.threads < 1:

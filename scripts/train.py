@@ -127,8 +127,8 @@ def _fixed_plan(cfg: Config, device: torch.device) -> Plan:
                         f"{cfg.stages}: give {cfg.stages * v} layer counts")  # fmt: skip
     limit = math.inf if cfg.memory_limit is None else cfg.memory_limit
     usable = plan.usable_limits([limit] * plan.n_ranks)  # the limit less the device's reserve (workspaces...)
-    over = ", ".join(f"rank {r} {x / 1e6:.2f} MB" for r, (x, most) in enumerate(zip(plan.rank_peaks, usable,
-                     strict=True)) if x > most)  # fmt: skip
+    peaks = zip(plan.rank_peaks, usable, strict=True)
+    over = ", ".join(f"rank {r} {flags.megabytes(x)}" for r, (x, most) in enumerate(peaks) if x > most)
     if over:
         raise FlagError(f"{cfg.flags('balance', 'memory_limit')}: the predicted peak exceeds the limit "
                         f"({over}); raise --memory-limit, give another --balance, or omit --balance to have "
@@ -167,11 +167,11 @@ def chosen(cfg: Config, plan: Plan) -> str:
         return (f"auto ({asked}): reusing the plan recorded in {recorded[1]}, {what}, not "
                 "searching again (a new profile may choose another plan, and the run would not continue "
                 "as it began)")  # fmt: skip
-    limit = "" if cfg.memory_limit is None else f" (limit {cfg.memory_limit / 1e6:.2f} MB)"
+    limit = "" if cfg.memory_limit is None else f" (limit {flags.megabytes(cfg.memory_limit)})"
     grid, seconds = (plan.search.grid, plan.search.seconds) if plan.search is not None else ("?", 0.0)
     return (f"auto ({asked}): chose {what}: predicted step {plan.step_time * 1e3:.2f} ms, bubble "
-            f"{plan.bubble:.3f}, peak per rank {', '.join(f'{x / 1e6:.2f}' for x in plan.rank_peaks)} "
-            f"MB{limit}; searched {grid} configurations in {seconds:.2f} s, "
+            f"{plan.bubble:.3f}, peak per rank {', '.join(map(flags.megabytes, plan.rank_peaks))}"
+            f"{limit}; searched {grid} configurations in {seconds:.2f} s, "
             f"{len(plan.candidates)} within 10 % in the table above")  # fmt: skip
 
 

@@ -85,10 +85,10 @@ def test_auto_defaults() -> None:
          "--schedule auto --microbatches 3 --stages 2 --batch-size 8 --dp 1: n_microbatches (3) does not "
          "divide batch_size (8)"),
         ([*TINY, "--schedule", "auto", "--memory-limit", "1KB"],
-         "--memory-limit 1000: memory_limit (1000) is too small for every configuration: the weights"),
+         "--memory-limit 1KB: memory_limit (1 KB) is too small for every configuration: the weights"),
         ([*TINY, "--balance", "2,3", "--memory-limit", "1KB"],
-         "--balance 2,3 --memory-limit 1000: the predicted peak exceeds the limit (rank 0 "),
-        ([*TINY, "--memory-limit", "1KB"], "--memory-limit 1000: memory_limit"),  # the fixed schedule's
+         "--balance 2,3 --memory-limit 1KB: the predicted peak exceeds the limit (rank 0 "),
+        ([*TINY, "--memory-limit", "1KB"], "--memory-limit 1KB: memory_limit (1 KB)"),  # the fixed schedule's
     ],
 )  # fmt: skip
 def test_bad_auto_flags_exit_2_with_one_line(args: list[str], message: str, capsys: Any) -> None:
@@ -115,8 +115,8 @@ def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
                               "n_microbatches": plan.n_microbatches, "recompute": mode, "dp": 1,
                               "balance": plan.balance}  # fmt: skip
     said = train.chosen(cfg, plan)
-    assert said.startswith("auto (--schedule auto --microbatches auto --memory-limit 200000): chose ")
-    assert f"{plan.summary()} balance {plan.balance}" in said and "(limit 0.20 MB)" in said
+    assert said.startswith("auto (--schedule auto --microbatches auto --memory-limit 200KB): chose ")
+    assert f"{plan.summary()} balance {plan.balance}" in said and "(limit 200 KB)" in said
     # the model the ranks build does not depend on the sample's rows: the same weights at any m
     a, _ = train.build_model(cfg, plan.n_microbatches)
     b, _ = train.build_model(cfg, 1)
