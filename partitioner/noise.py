@@ -191,19 +191,17 @@ def with_prior(
 def warn_noisy(layers: Sequence[LayerProfile], repeat: int) -> list[int]:
     """Warn (``NoisyProfileWarning``) naming the noisy layers and what to do; their indices."""
     noisy = [lp for lp in layers if lp.noisy]
-    if noisy:
+    if noisy:  # one short line: the first three named, the rest counted (Profile.noisy_layers has all)
         named = ", ".join(
             f"{'the loss' if lp.index < 0 else f'layer {lp.index} ({lp.name}: {lp.kind})'} "
-            f"(floor gap {lp.error:.0%}, spread {lp.spread:.0%} over {lp.samples} samples)"
-            for lp in noisy
+            f"(floor gap {lp.error:.0%})"
+            for lp in noisy[:3]
         )
+        more = f" and {len(noisy) - 3} more" if len(noisy) > 3 else ""
         warnings.warn(
-            f"profile: the times of {len(noisy)} of {len(layers)} layers are too noisy to trust (their "
-            f"samples find no clear floor: their median is over {NOISE_LIMIT:.0%} above their minimum): "
-            f"{named}. Their times lean on what their flops predict (Profile.seconds_per_flop), so the "
-            f"balance may be off. Profile on a quieter machine (nothing else on these cores), take more "
-            f"samples with profile(..., repeat=N) (now {repeat}) and pass it as partition(..., "
-            "profile=...), or balance by flops with partition(..., cost='flops').",
+            f"profile: {len(noisy)} of {len(layers)} layers are too noisy to trust: {named}{more}; "
+            f"their times lean on their flops. On a quieter machine, or with profile(..., repeat=N) "
+            f"(now {repeat}), or partition(..., cost='flops'), the balance does not depend on them.",
             NoisyProfileWarning,
             stacklevel=4,  # profile()'s caller
         )

@@ -247,6 +247,11 @@ def test_the_warning_names_the_noisy_layers_and_the_fixes() -> None:
     assert "2 of 3 layers are too noisy to trust" in message
     assert "layer 3 (3: GELU) (floor gap 40%" in message and "the loss (floor gap 30%" in message
     assert "repeat=N) (now 7)" in message and "cost='flops'" in message and "quieter machine" in message
+    many = [_layer(k, "GELU", 10, 1e-6, 0.4) for k in range(40)]
+    with pytest.warns(noise.NoisyProfileWarning) as caught:
+        noise.warn_noisy(many, repeat=7)
+    (message,) = [str(w.message) for w in caught]  # one short line however many layers are noisy
+    assert "40 of 40 layers" in message and "and 37 more" in message and len(message) < 400, message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert noise.warn_noisy(layers[:1], repeat=7) == []
