@@ -55,11 +55,3 @@ def test_a_module_that_returns_a_non_tensor_is_told_to_return_tensors() -> None:
     message = str(info.value)
     assert "returns a _Cache, which is not a tensor" in message
     assert "passes tensors between stages" in message and "nn.Sequential" not in message
-
-
-def test_a_wrapped_transformers_model_partitions() -> None:
-    from pipeline.reference.hf import CausalLM
-
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    plan = partition(CausalLM(_llama()), 2, ids, cost="flops")  # no timing: quick
-    assert plan is not None
