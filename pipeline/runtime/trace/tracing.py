@@ -288,8 +288,22 @@ def _lookup(module: nn.Module, target: str) -> Any:
     return obj
 
 
+# calls that copy, detach or re-lay out a value and change nothing of the model: torch.export
+# places them by the device it traces on (a constant lifted on the CPU, a contiguous() on meta), so
+# the fingerprint skips them and a plan made on the CPU fits the same model built on meta
+_DEVICE_NOISE = frozenset(
+    ("aten.lift_fresh_copy.default", "aten.detach_.default", "aten.detach.default",
+     "aten.contiguous.default", "aten.alias.default")
+)  # fmt: skip
+
+
 def _fingerprint(method: str, sig: Signature, layers: list[Layer], graph: fx.Graph) -> str:
+    calls = {
+        n.name: str(n.target)
+        for n in graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and str(n.target) not in _DEVICE_NOISE
+    }
     text = [method, repr([(list(s), str(d)) for s, d in sig])]
-    text += [f"{layer.name}|{layer.kind}|{len(layer.nodes)}" for layer in layers]
-    text += [str(n.target) for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    text += [f"{layer.name}|{layer.kind}|{sum(name in calls for name in layer.nodes)}" for layer in layers]
+    text += list(calls.values())
     return hashlib.sha1("\n".join(text).encode()).hexdigest()[:16]
