@@ -5,5 +5,6 @@ the strict NCCL ``emulation``: posting, ordering on a ``stream``, waits with a t
 ``channels`` (NCCL's two-rank lanes), ``collectives``, ``board`` (the failure key), ``watchdog``
 (timeouts, liveness of peers), ``arrival`` (every rank present before NCCL makes a communicator),
 ``proc``, ``agree`` (ranks agreeing on a configuration) and ``world`` (the world group's
-communicator and pairs, made at construction for checkpoints). Imports no other room.
+communicator and pairs, made at construction for checkpoints) and ``state`` (modules' tensors as one
+flat tensor per kind, for a broadcast). Imports no other room.
 """

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pipeline.runtime.comm.agree import agree, summary
 from pipeline.runtime.comm.p2p import Comm
+from pipeline.runtime.comm.state import broadcast_state, module_state
 from pipeline.runtime.replicas.dp import GradReducer, Hooked, Reduction, assign_parameters, reduction_points
 from pipeline.runtime.replicas.mesh import (
     Layout,
@@ -159,12 +159,13 @@ class Replicas:
         # its communicator now (every algorithm connected: NCCL_RUNTIME_CONNECT=0), not at the step's
         # rows all-reduce: the broadcast below makes none where this rank's stages hold no tensor
         self.comm.collectives.make_group()
-        state = _state(modules.values())
+        state = module_state(modules.values())
         sizes = ",".join(
             f"{str(k[0]).removeprefix('torch.')}:{sum(t.numel() for t in ts)}" for k, ts in state.items()
         )
         self._agree(f"{config}|bucket_mb={bucket_mb:g}|state {sizes}", f"{key_prefix}/replicas")
-        self._broadcast(state)
+        what = f"the parameters from replica 0 (rank {self.comm.name(0)})"  # one flat tensor per kind
+        broadcast_state(state, lambda flat: self.comm.broadcast(flat, 0, what), self.comm.device)
         points = reduction_points(sched, rank)
         lowered = list(sched.lowered()[rank])
         owned = assign_parameters(modules, points, lowered)
@@ -188,18 +189,6 @@ class Replicas:
         and the last stage weighs its loss by the replica's share of the global batch."""
         self.reducer.start_rows(sum(sizes))
         return self.reducer.share
-
-    def _broadcast(self, by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]) -> None:
-        """Every parameter and buffer from replica 0: one flat tensor per (dtype, device)."""
-        with torch.no_grad():
-            for (_, device), tensors in by_kind.items():
-                flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.comm.device)
-                self.comm.broadcast(flat, 0, f"the parameters from replica 0 (rank {self.comm.name(0)})")
-                flat = flat.to(device)
-                off = 0
-                for t in tensors:
-                    t.copy_(flat[off : off + t.numel()].view_as(t))
-                    off += t.numel()
 
     def _agree(self, mine: str, key: str) -> None:
         """This rank's pipeline (``mine``) is its replicas'; a ValueError naming two that differ."""
@@ -238,19 +227,6 @@ class Replicas:
     def close(self) -> None:
         self.reducer.close()
         self.comm.close()
-
-
-def _state(modules: Iterable[nn.Module]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
-    """Every parameter and buffer once, by (dtype, device), in module order."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for mod in modules:
-        for t in (*mod.parameters(), *mod.buffers()):
-            if id(t) not in seen and t.numel() > 0:
-                seen.add(id(t))
-                local = t.to_local() if isinstance(t, DTensor) else t  # a tp shard: the same slice
-                by_kind.setdefault((local.dtype, local.device), []).append(local)
-    return by_kind
 
 
 def _shares_parameters(module: nn.Module) -> bool:

@@ -50,7 +50,8 @@ __all__ = ["ShardedStages", "shard_stage"]
 def shard_stage(module: nn.Module, mesh: Any, reshard: bool, stage: int) -> list[FSDPModule]:
     """``module`` (one stage) wrapped with ``fully_shard`` on ``mesh``; ``reshard``: after each use
     (ZeRO-3), then per layer with parameters when it is an ``nn.Sequential``, and the stage. Its FSDP
-    units, the stage last. A ValueError naming the stage and the fix when FSDP cannot wrap it."""
+    units, the stage (their root) first. A ValueError naming the stage and the fix when FSDP cannot
+    wrap it."""
     units: list[nn.Module] = []
     if reshard and isinstance(module, nn.Sequential):
         units += [layer for layer in module if any(True for _ in layer.parameters())]
@@ -92,67 +93,60 @@ class ShardedStages:
         rank: int,
         executor: Hooked,
     ) -> None:
-        self.zero, self.split = zero, sched.split_backward
         # ZeRO-3 frees after each use, but under a split backward W_i needs the weights B_i's graph
         # saved, and may run after F_{i+1}: there the weights stay gathered to the stage's last W
-        self.free = zero == 3 and not self.split
+        self.free = zero == 3 and not sched.split_backward
         self.units = {s: shard_stage(mod, mesh, self.free, s) for s, mod in modules.items()}
-        self.roots = {s: mod for s, mod in modules.items()}
+        self.every = [unit for units in self.units.values() for unit in units]
         for a, s in reduction_points(sched, rank).items():
             executor.hook(a, _nothing, functools.partial(self.reduce, s))
 
     def begin_step(self) -> None:
         """Before a training step's first compute: nothing syncs until each stage's ``reduce``;
         ZeRO-2 gathers every unit now, once."""
-        for units in self.units.values():
-            for unit in units:
-                unit.set_is_last_backward(False)
-                unit.set_requires_gradient_sync(False)
-                unit.set_reshard_after_backward(self.free)
-        if not self.free:
-            for units in self.units.values():
-                for unit in units:
-                    unit.unshard()
+        for unit in self.every:
+            unit.set_is_last_backward(False)
+            unit.set_requires_gradient_sync(False)
+            unit.set_reshard_after_backward(self.free)
+        self.begin_forward_only()
 
     def reduce(self, s: int) -> None:
         """Stage ``s``'s gradients are final: reduce-scatter each unit's once, then reshard them."""
-        units = self.units[s]
-        for unit in units:
+        for unit in self.units[s]:
             unit.set_is_last_backward(True)
             unit.set_requires_gradient_sync(True)
             unit.set_reshard_after_backward(True)
-        # FSDP's end-of-backward callback: each unit's post-backward (now with its reduce-scatter),
-        # then the reduce-scatters joined to the compute stream (a device-side wait, no host sync)
-        fully_shard.state(self.roots[s])._root_post_backward_final_callback()  # type: ignore[attr-defined]
+        # FSDP's end-of-backward callback, on the stage (its units' root): each unit's post-backward
+        # (now with its reduce-scatter), then the reduce-scatters joined to the compute stream (a
+        # device-side wait, no host sync)
+        root = self.units[s][0]
+        fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
 
     def begin_forward_only(self) -> None:
-        """Before an evaluation's forwards: a stage that is one unit is gathered here (a split stage
-        calls its layers, not the stage, so no hook of the stage's would gather it)."""
+        """Before a step's or an evaluation's forwards: unless ZeRO-3 frees them, every unit is
+        gathered here (a split stage calls its layers, not the stage, so no hook of the stage's would
+        gather it)."""
         if not self.free:
-            for units in self.units.values():
-                for unit in units:
-                    unit.unshard()
+            for unit in self.every:
+                unit.unshard()
 
     def reshard(self) -> None:
         """After a forward-only pass: free what was gathered for it."""
-        for units in self.units.values():
-            for unit in units:
-                unit.reshard()
+        for unit in self.every:
+            unit.reshard()
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every unit gathered and kept so while the body runs (a fake forward that infers shapes
         must not all-gather fake tensors), then as before."""
-        for units in self.units.values():
-            for unit in units:
-                unit.set_reshard_after_forward(False)
-                unit.unshard()
+        for unit in self.every:
+            unit.set_reshard_after_forward(False)
+            unit.unshard()
         try:
             yield
         finally:
-            for units in self.units.values():
-                for unit in units:
-                    unit.set_reshard_after_forward(self.free)
+            for unit in self.every:
+                unit.set_reshard_after_forward(self.free)
 
 
 def _nothing() -> None:

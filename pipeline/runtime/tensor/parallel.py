@@ -30,10 +30,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+
+from pipeline.runtime.comm.state import broadcast_state, module_state
 
 __all__ = ["ParallelizeFn", "parallelize_stages"]
 
@@ -72,9 +73,7 @@ def parallelize_stages(
 def _same_on_every_tp_rank(module: nn.Module, group: Any) -> None:
     """Every parameter and buffer from tp rank 0 (global rank ``src`` of ``group``)."""
     src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for t in (*module.parameters(), *module.buffers()):
-            dist.broadcast(t.data, src, group=group)
+    broadcast_state(module_state([module]), lambda flat: dist.broadcast(flat, src, group=group))
 
 
 def _plain(x: Any) -> Any:
