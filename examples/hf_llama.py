@@ -11,10 +11,10 @@ What a user writes, top to bottom:
                    pipeline passes tensors between stages, not a ModelOutput)
     meta model     built under torch.device("meta"): no rank ever holds the whole model
     partition      traced on the meta model with one micro-batch of ids; every layer profiled on
-                   the CPU in turn (device=, init_fn= give each layer values for its timing)
+                   the CPU in turn (device=, and init_fn=hf_init(model): a fresh model's values)
     Pipeline       each rank builds its stages; load_pretrained reads only their tensors from the
-                   safetensors files; init_fn gives the one tensor no checkpoint holds, the
-                   rotary table (a non-persistent buffer transformers computes)
+                   safetensors files; init_fn=hf_init(model, pretrained=True) gives what no
+                   checkpoint holds, the rotary table (a non-persistent buffer transformers computes)
     train          AdamW with clipping over every stage; then a torch.distributed.checkpoint save
 
 There is no network here, so the script makes the "pretrained" folder itself from a seeded model
@@ -24,7 +24,6 @@ There is no network here, so the script makes the "pretrained" folder itself fro
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import warnings
 from pathlib import Path
@@ -32,25 +31,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import pipeline
 from partitioner import partition
 from pipeline import Pipeline, Plan, checkpointing
 from pipeline.reference.data import VOCAB_SIZE, CharDataset
+from pipeline.reference.hf import CausalLM, hf_init
 
 warnings.filterwarnings("ignore", module="transformers")  # its notes on small configs
-
-
-class CausalLM(nn.Module):
-    """(B, T) ids -> (B, T, V) logits: the transformers model behind a tensor-only forward."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids).logits  # type: ignore[no-any-return]
 
 
 def config() -> Any:
@@ -74,16 +62,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B * T, V) against (B * T,)
 
 
-def rotary_tables(model: CausalLM, stage: nn.Module) -> None:
-    """init_fn: the rotary embedding's inv_freq, computed by transformers (no checkpoint holds it)."""
-    for sub in stage.modules():
-        if "RotaryEmbedding" in type(sub).__name__:
-            model.model._init_weights(sub)
-
-
 def train(plan: Plan, args: argparse.Namespace) -> float:
     model = meta_model()
-    pipe = Pipeline(model, plan, loss_fn=lm_loss, init_fn=functools.partial(rotary_tables, model))
+    pipe = Pipeline(model, plan, loss_fn=lm_loss, init_fn=hf_init(model, pretrained=True))
     pipe.load_pretrained(args.pretrained)  # this rank's tensors only; the tied head from the embedding
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     data = CharDataset.load(Path(json.__file__).parent)  # the json package's sources, as characters
@@ -122,8 +103,7 @@ def main() -> None:
         save_stand_in(args.pretrained)
     model = meta_model()
     sample = torch.zeros(args.batch_size // 4, args.seq_len, dtype=torch.long)  # one micro-batch of ids
-    init = functools.partial(nn.Module.apply, fn=model.model._init_weights)  # values to time layers with
-    plan = partition(model, 2, sample, n_microbatches=4, device="cpu", init_fn=init)
+    plan = partition(model, 2, sample, n_microbatches=4, device="cpu", init_fn=hf_init(model))
     print(plan)
     losses = pipeline.launch(train, 2, plan, args)
     print(f"final loss {losses[0]:.3f}; checkpoint in {args.out / 'checkpoints'}")

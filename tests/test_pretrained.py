@@ -21,6 +21,7 @@ from torch import nn
 
 from partitioner import partition, profile
 from pipeline.plan import Plan
+from pipeline.reference.hf import hf_init
 from pipeline.runtime.inputs import pretrained
 from pipeline.runtime.pipe import Pipeline
 from tests.dist import job
@@ -45,17 +46,6 @@ def _meta() -> CausalLM:
         return CausalLM(tf.LlamaForCausalLM(_config()))
 
 
-def _rotary_only(model: CausalLM) -> Any:
-    """An init_fn for the one tensor no checkpoint holds: the rotary table (a non-persistent buffer)."""
-
-    def init(stage: nn.Module) -> None:
-        for sub in stage.modules():
-            if "Rotary" in type(sub).__name__:
-                model.model._init_weights(sub)
-
-    return init
-
-
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randint(1, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
@@ -77,8 +67,7 @@ def _saved(root: Path) -> tuple[str, str]:
 def _plan(p: int) -> Plan:
     meta = _meta()
     sample = torch.randint(1, V, (B // M, T))
-    init = functools.partial(nn.Module.apply, fn=meta.model._init_weights)
-    found = profile(meta, sample, device="cpu", init_fn=init, warmup=0, repeat=1)
+    found = profile(meta, sample, device="cpu", init_fn=hf_init(meta), warmup=0, repeat=1)
     # balanced by flops: measured times on a busy machine can put nearly every layer on one rank, and
     # the test needs stages smaller than the model
     return partition(meta, p, sample, n_microbatches=M, profile=found, cost="flops")
@@ -98,7 +87,10 @@ def _load_and_step(folders: tuple[str, ...], plan_json: str) -> list[Any]:
     for folder in folders:
         model = _meta()
         pipe = Pipeline(
-            model, Plan.from_json(plan_json), loss_fn=loss_of("llama"), init_fn=_rotary_only(model)
+            model,
+            Plan.from_json(plan_json),
+            loss_fn=loss_of("llama"),
+            init_fn=hf_init(model, pretrained=True),
         )
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS starts again from the current RSS
@@ -113,7 +105,10 @@ def _load_and_step(folders: tuple[str, ...], plan_json: str) -> list[Any]:
         pipe.close()
         model = _meta()
         again = Pipeline(
-            model, Plan.from_json(plan_json), loss_fn=loss_of("llama"), init_fn=_rotary_only(model)
+            model,
+            Plan.from_json(plan_json),
+            loss_fn=loss_of("llama"),
+            init_fn=hf_init(model, pretrained=True),
         )
         opt = torch.optim.AdamW(again.parameters())
         checkpointing.load(Path(folder) / "dcp", pipe=again, optimizer=opt)  # the meta tensors' values too
@@ -134,8 +129,8 @@ def _one_rank_lacks_a_key(folders: tuple[str, ...], plan_json: str) -> str:
     from safetensors.torch import load_file, save_file
 
     model = _meta()
-    pipe = Pipeline(model, Plan.from_json(plan_json), loss_fn=loss_of("llama"), init_fn=_rotary_only(model),
-                    timeout=60.0)  # fmt: skip
+    pipe = Pipeline(model, Plan.from_json(plan_json), loss_fn=loss_of("llama"),
+                    init_fn=hf_init(model, pretrained=True), timeout=60.0)  # fmt: skip
     lacking = Path(folders[0]) / f"lacking{pipe.rank}.safetensors"
     tensors = load_file(str(Path(folders[0]) / pretrained.WEIGHTS))
     tensors.pop("model.norm.weight")
@@ -218,8 +213,9 @@ def _small(root: Path) -> tuple[str, nn.Module, Plan]:
     with torch.device("meta"):
         meta = CausalLM(tf.LlamaForCausalLM(config))
     sample = torch.randint(1, 32, (2, 4))
-    init = functools.partial(nn.Module.apply, fn=meta.model._init_weights)
-    plan = partition(meta, 1, sample, profile=profile(meta, sample, device="cpu", init_fn=init, repeat=1))
+    plan = partition(
+        meta, 1, sample, profile=profile(meta, sample, device="cpu", init_fn=hf_init(meta), repeat=1)
+    )
     return str(root), meta, plan
 
 
@@ -232,7 +228,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Any:
             model = CausalLM(tf.LlamaForCausalLM(meta.model.config))
         if change is not None:
             change(model)  # on the meta model, before the pipeline materialises its stages
-        return Pipeline(model, plan, loss_fn=loss_of("llama"), init_fn=_rotary_only(model))
+        return Pipeline(model, plan, loss_fn=loss_of("llama"), init_fn=hf_init(model, pretrained=True))
 
     return folder, fresh
 

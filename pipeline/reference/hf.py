@@ -1,21 +1,35 @@
 """Wrappers that put a Hugging Face transformers model behind a tensor-only ``forward``.
 
-    # B: batch, T: tokens, V: vocabulary
+    # B: batch, T: tokens, S: source tokens, V: vocabulary
 
 A pipeline hands tensors from stage to stage and traces the model's ``forward``: a transformers
 model returns a ``ModelOutput`` and takes keyword arguments, so users wrap it once::
 
     model = CausalLM(transformers.LlamaForCausalLM(config))    # (B, T) ids [, (B, T) mask] -> logits
+    model = Seq2SeqLM(transformers.BartForConditionalGeneration(config))  # (B, S), (B, T) ids -> logits
 
 Nothing here imports transformers: the wrappers take any module with the transformers call.
+
+A model built on the meta device has no values; ``hf_init(model)`` is the ``init_fn`` that gives a
+stage's tensors what transformers gives them (``partition``, ``Pipeline``)::
+
+    init_fn=hf_init(model)                    every tensor: random weights, computed buffers (a fresh
+                                              model, e.g. to time layers with)
+    init_fn=hf_init(model, pretrained=True)   only what no checkpoint holds: the non-persistent
+                                              buffers (rotary inv_freq, Gemma's embed_scale, ...);
+                                              the weights are pipe.load_pretrained's to give
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
 
-__all__ = ["CausalLM", "llama_layers"]
+__all__ = ["CausalLM", "Seq2SeqLM", "hf_init", "llama_layers"]
 
 
 class CausalLM(nn.Module):
@@ -27,6 +41,17 @@ class CausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=ids, attention_mask=mask).logits  # type: ignore[no-any-return]
+
+
+class Seq2SeqLM(nn.Module):
+    """An encoder-decoder (BART, T5): (B, S) source ids, (B, T) decoder ids -> (B, T, V) logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, source: torch.Tensor, decoder_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=source, decoder_input_ids=decoder_ids).logits  # type: ignore[no-any-return]
 
 
 class _Embed(nn.Module):
@@ -93,3 +118,101 @@ def llama_layers(model: nn.Module) -> nn.Sequential:
     blocks += [_Decoder(layer, inner.rotary_emb) for layer in layers]
     blocks.append(_Head(inner.norm, model.get_submodule("lm_head")))
     return nn.Sequential(*blocks)
+
+
+def hf_init(model: nn.Module, *, pretrained: bool = False) -> Callable[[nn.Module], None]:
+    """The ``init_fn`` (for ``partition`` and ``Pipeline``) of a meta-device model that holds
+    transformers models: each submodule of a stage gets the ``_init_weights`` of the transformers
+    model that holds it, children first, as transformers' own ``initialize_weights`` dispatches,
+    so computed buffers equal those of the model built on a real device, bit for bit.
+
+    ``pretrained``: write only the tensors no checkpoint holds (non-persistent buffers), as
+    ``from_pretrained`` does (it marks the loaded tensors ``_is_hf_initialized``, which transformers'
+    init functions skip); parameters and persistent buffers are left to ``load_pretrained`` (a step
+    before it is refused while one that no ``reset_parameters`` wrote has no values).
+
+    A stage holds the model's own modules (``Pipeline``); a profiled layer holds copies of them
+    (``partition``), which are matched by class."""
+    owners: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (a submodule, the transformers model
+    by_class: dict[type, nn.Module] = {}  # it is in); a class -> the first such model
+    _find_owners(model, None, owners, by_class)
+    if not by_class:
+        raise ValueError(
+            f"hf_init takes a model holding transformers models (modules with _init_weights, such as "
+            f"LlamaForCausalLM), got {type(model).__name__}, which holds none; pass an init_fn of your own"
+        )
+
+    def init(stage: nn.Module) -> None:
+        with torch.no_grad(), _guarded(), _checkpoint_held(stage, pretrained):
+            for sub in _children_first(stage):
+                held, owner = owners.get(id(sub), (None, None))
+                if held is not sub:  # a copy (or a module not of model): by its class
+                    owner = by_class.get(type(sub))
+                if owner is not None:
+                    owner._init_weights(sub)  # type: ignore[operator]
+
+    return init
+
+
+def _is_hf(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
+
+
+def _find_owners(
+    module: nn.Module,
+    owner: nn.Module | None,
+    owners: dict[int, tuple[nn.Module, nn.Module]],
+    by_class: dict[type, nn.Module],
+) -> None:
+    """The nearest transformers model at or above each submodule (transformers' ``smart_apply``)."""
+    if _is_hf(module):
+        owner = module
+    if owner is not None and id(module) not in owners:
+        owners[id(module)] = (module, owner)
+        by_class.setdefault(type(module), owner)
+    for child in module.children():
+        _find_owners(child, owner, owners, by_class)
+
+
+def _children_first(module: nn.Module) -> list[nn.Module]:
+    """Every submodule once, each after its children (``nn.Module.apply``'s order)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        out.append(m)
+
+    visit(module)
+    return out
+
+
+@contextlib.contextmanager
+def _guarded() -> Iterator[None]:
+    """torch.nn.init's functions honour ``_is_hf_initialized`` as transformers' own do (its guard)."""
+    initialization = sys.modules.get("transformers.initialization")
+    guard = getattr(initialization, "guard_torch_init_functions", None)
+    with guard() if guard is not None else contextlib.nullcontext():
+        yield
+
+
+_FLAG = "_is_hf_initialized"
+
+
+@contextlib.contextmanager
+def _checkpoint_held(stage: nn.Module, pretrained: bool) -> Iterator[None]:
+    """With ``pretrained``, the stage's parameters and persistent buffers (what a checkpoint holds:
+    its state dict) carry transformers' flag meanwhile, so that its init functions leave them."""
+    held = list(stage.state_dict(keep_vars=True).values()) if pretrained else []
+    marked = {id(t): t for t in held if not getattr(t, _FLAG, False)}
+    for t in marked.values():
+        setattr(t, _FLAG, True)
+    try:
+        yield
+    finally:
+        for t in marked.values():
+            delattr(t, _FLAG)
