@@ -5,8 +5,10 @@ an encoder-decoder's tied embeddings and persistent buffer.
 
 ``hf_init(model)`` gives a meta-built model's stages the values transformers gives them: its computed
 buffers equal those of the model built on the CPU, bit for bit and dtype for dtype, for Llama (llama3
-rope scaling), Gemma, Gemma2, Gemma3, BERT, BART and T5, in fp32 and bf16; on the model's own modules and on
-copies of them (a profiled layer). ``pretrained=True`` writes only what no checkpoint holds.
+rope scaling), Gemma, Gemma2, Gemma3, BERT, BERT in an EncoderDecoderModel, BART and T5, in fp32 and
+bf16; on the model's own modules and on copies of them (a profiled layer), whose buffers come from the
+transformers model nearest them (the EncoderDecoderModel's own dispatch finds no copy).
+``pretrained=True`` writes only what no checkpoint holds.
 
 Gemma2 (tied head, sliding window, soft-capping) and BART (an encoder-decoder: one embedding tied four
 ways, ``final_logits_bias``) are saved with every weight and persistent buffer perturbed off its
@@ -66,6 +68,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     ),
     "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(num_hidden_layers=7, **_DECODER)),  # 2 ropes
     "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**_BERT)),  # integer buffers: position, token type ids
+    "bert2bert": lambda: tf.EncoderDecoderModel(  # a transformers model in each of two others
+        config=tf.EncoderDecoderConfig.from_encoder_decoder_configs(
+            tf.BertConfig(**_BERT), tf.BertConfig(**_BERT, is_decoder=True, add_cross_attention=True)
+        )
+    ),
     "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(**_BART)),
     "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(**_T5)),
 }
@@ -108,7 +115,9 @@ def _materialized(name: str, dtype: torch.dtype, init_fn: Any) -> tuple[nn.Modul
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf_init_computes_the_buffers_of_the_model_built_on_the_cpu(name: str, dtype: torch.dtype) -> None:
     cpu = _non_persistent(_built(name, "cpu", dtype))
-    assert name in ("bert", "bart", "t5") or {"model.rotary_emb"} <= {n.rsplit(".", 1)[0] for n in cpu}
+    assert name in ("bert", "bert2bert", "bart", "t5") or {"model.rotary_emb"} <= {
+        n.rsplit(".", 1)[0] for n in cpu
+    }
     assert name not in ("gemma", "gemma2", "gemma3") or "model.embed_tokens.embed_scale" in cpu
     _, blank = _materialized(name, dtype, lambda meta: None)  # what no reset_parameters writes
     for pretrained in (False, True):
@@ -123,13 +132,20 @@ def test_hf_init_computes_the_buffers_of_the_model_built_on_the_cpu(name: str, d
         assert not any(hasattr(t, "_is_hf_initialized") for t in [*meta.parameters(), *meta.buffers()])
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_hf_init_matches_copies_of_the_models_modules_by_class(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "paths"),
+    [
+        ("gemma2", ("model.embed_tokens", "model.rotary_emb")),
+        ("gemma3", ("model.embed_tokens", "model.rotary_emb")),
+        ("bert2bert", ("encoder.embeddings", "decoder.bert.embeddings")),
+    ],
+)
+def test_hf_init_matches_copies_of_the_models_modules_by_class(name: str, paths: tuple[str, ...]) -> None:
     """partition profiles copies of each layer: their modules are not the model's, their classes are."""
     cpu = _built(name, "cpu")
     meta = _built(name, "meta")
     init = hf_init(meta)
-    for path in ("model.embed_tokens", "model.rotary_emb"):
+    for path in paths:
         work = copy.deepcopy(meta.get_submodule(path))
         materialize([work], "cpu", init)  # a buffer left blank would raise
         for key, want in _non_persistent(cpu.get_submodule(path)).items():
