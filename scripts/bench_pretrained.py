@@ -19,7 +19,6 @@ builds and while it loads, and the naive load's growth; the model's whole size f
 from __future__ import annotations
 
 import argparse
-import functools
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,12 +26,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import pipeline
 from partitioner import partition
 from pipeline import Pipeline, Plan
-from pipeline.reference.hf import CausalLM
+from pipeline.reference.hf import CausalLM, hf_init
 
 warnings.filterwarnings("ignore", module="transformers")
 
@@ -68,20 +66,13 @@ def _grew(fn: Any) -> tuple[Any, int]:
     return out, _resident("VmHWM") - before
 
 
-def _rotary(model: CausalLM, stage: nn.Module) -> None:
-    hf: Any = model.model  # a transformers PreTrainedModel: its _init_weights computes inv_freq
-    for sub in stage.modules():
-        if "RotaryEmbedding" in type(sub).__name__:
-            hf._init_weights(sub)
-
-
 def rank(plan: Plan, args: argparse.Namespace) -> tuple[int, int, int, int]:
     """(own bytes, build growth, load growth, naive growth) on this rank."""
     import transformers
     from safetensors.torch import load_file
 
     model = meta_model(args)
-    init = functools.partial(_rotary, model)
+    init = hf_init(model, pretrained=True)  # inv_freq: in no checkpoint
     pipe, built = _grew(lambda: Pipeline(model, plan, loss_fn=F.cross_entropy, init_fn=init))
     _, loaded = _grew(lambda: pipe.load_pretrained(args.folder))
     own = sum(t.numel() * t.element_size() for t in [*pipe.parameters(), *pipe.buffers()])
@@ -116,9 +107,9 @@ def main() -> None:
         del saved
         model = meta_model(args)
         sample = torch.zeros(2, 32, dtype=torch.long)
-        hf: Any = model.model
-        init = functools.partial(nn.Module.apply, fn=hf._init_weights)  # values to time the layers with
-        plan = partition(model, args.ranks, sample, n_microbatches=args.ranks, device="cpu", init_fn=init)
+        plan = partition(
+            model, args.ranks, sample, n_microbatches=args.ranks, device="cpu", init_fn=hf_init(model)
+        )
         rows = pipeline.launch(rank, args.ranks, plan, args)
     mb = 2**20
     print(f"Llama, {args.layers} layers, width {args.width}, vocab {args.vocab}: {total / mb:.1f} MB of fp32")
