@@ -13,15 +13,18 @@ Two ways in, one way out::
                                                          checked against the balance and the group
 
 ``Options`` is what comes out: the plan (None for a ``Schedule`` object, whose
-actions no plan describes), the balance, the schedule to run and the
+actions no plan describes), the balance, the schedule to run, the
 recomputation mode: one for every stage, or one per stage (``recompute=("always",
-"never")``), which ``recompute_of(s)`` reads for stage s. The checks against the
+"never")``), which ``recompute_of(s)`` reads for stage s, and ``compile``:
+torch.compile's keywords for each layer, or None (eager; step/compiled.py). A plan does not
+say whether to compile: the same plan runs eager or compiled. The checks against the
 process group (``check_group``) and the model (``check_model``) come after, in
 ``Pipeline``, where both are known.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.plan import Plan
+from pipeline.runtime.step.compiled import check_compile, for_recompute
 from pipeline.runtime.step.recompute import Recompute, check_recompute, mode_of
 from pipeline.schedules.schedule import Schedule
 from pipeline.schedules.validate import validate
@@ -43,6 +47,7 @@ class Options:
     balance: list[int]
     schedule: Schedule
     recompute: Recompute  # one mode, or one per stage
+    compile: dict[str, Any] | None = None  # torch.compile's keywords per layer; None: eager
 
     def recompute_of(self, stage: int) -> str:
         """Stage ``stage``'s recomputation mode."""
@@ -57,9 +62,23 @@ def resolve(
     n_virtual: int | None,
     recompute: Recompute | None,
     checkpoint: str | None,
+    compile: object = None,
 ) -> Options:
     """The plan and schedule that ``Pipeline(model, plan, ...)`` runs; ValueError on any contradiction."""
     recompute = _recompute(recompute, checkpoint)
+    compiled = check_compile(compile)
+    options = _resolve(plan, schedule, n_microbatches, n_virtual, recompute)
+    recomputes = any(options.recompute_of(s) != "never" for s in range(len(options.balance)))
+    return dataclasses.replace(options, compile=for_recompute(compiled, recomputes))
+
+
+def _resolve(
+    plan: Plan | Sequence[int],
+    schedule: str | Schedule | None,
+    n_microbatches: int | None,
+    n_virtual: int | None,
+    recompute: Recompute | None,
+) -> Options:
     for label, value in (("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{label} ({value!r}) must be an integer >= 1, or omitted for the default")

@@ -175,6 +175,7 @@ from pipeline.runtime.replicas.dp import DEFAULT_BUCKET_MB, Reduction, check_buc
 from pipeline.runtime.replicas.gather import gather_state_dict
 from pipeline.runtime.replicas.mesh import COMPOSED
 from pipeline.runtime.step import grads, memory
+from pipeline.runtime.step.compiled import CompileSpec, check_compile_plan
 from pipeline.runtime.step.executor import Executor
 from pipeline.runtime.step.metadata import begin_call
 from pipeline.runtime.step.stage import LossFn, StageRuntime
@@ -217,6 +218,8 @@ class Pipeline:
     ``group`` is then not given. ``bucket_mb``: the size of the gradient
     all-reduce's buckets across replicas. ``parallelize_fn(stage_module, tp_mesh)``: with a plan of
     ``tp`` > 1, splits each local stage over its tensor-parallel ranks (see the module docstring).
+    ``compile``: each layer of the stages through ``torch.compile`` (True: its defaults, a backend's
+    name, or a dict of its keywords; step/compiled.py); the gradients are those of eager.
     """
 
     def __init__(
@@ -238,6 +241,7 @@ class Pipeline:
         init_fn: Callable[[nn.Module], None] | None = None,
         varlen: VarLen | None = None,
         parallelize_fn: ParallelizeFn | None = None,
+        compile: CompileSpec = False,
     ) -> None:
         options = resolve(
             plan,
@@ -246,6 +250,7 @@ class Pipeline:
             n_virtual=n_virtual,
             recompute=recompute,
             checkpoint=checkpoint,
+            compile=compile,
         )
         check_model(model, options.balance, options.plan)
         if loss_fn is None:
@@ -272,6 +277,7 @@ class Pipeline:
             else:
                 groups = replicas.resolve(dp, p, group, mesh, distributed, timeout)
         self.shard, self.tp = shard, tp
+        check_compile_plan(options.compile, shard, tp)
         check_group(options, distributed, dist.get_world_size(groups.pp) if distributed else 1)
         self.plan: Plan | None = options.plan  # None when a Schedule object was given
         self.balance, self.schedule, self.recompute = options.balance, options.schedule, options.recompute
@@ -345,6 +351,7 @@ class Pipeline:
                 recompute=options.recompute_of(s),
                 loss_fn=loss_fn,
                 device=self.device,
+                compile=options.compile,
             )
             for s, mod in zip(self._stage_ids, self._modules, strict=True)
         }

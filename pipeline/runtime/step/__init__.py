@@ -7,8 +7,9 @@ and the loss). A call's data takes one straight path, a module each, each handin
     executor.py  Described, Placed -> the step   runs the program and nothing else
 
 Beside them: ``program`` (the rank's program bound to its stages and messages), ``metadata`` (the
-header's and signatures' protocol), ``stage`` (a stage's F, B and W), ``recompute``, ``clock`` (busy
-time), ``memory`` and ``live`` (bytes held and measured), ``grads`` (norms, clipping, finiteness),
-``outputs`` (the model's outputs to the ranks that ask) and ``drain`` (a device-wide sync forced
-mid-step). May import every room below it.
+header's and signatures' protocol), ``stage`` (a stage's F, B and W), ``recompute``, ``compiled``
+(``compile=``: each layer through torch.compile), ``clock`` (busy time), ``memory`` and ``live``
+(bytes held and measured), ``grads`` (norms, clipping, finiteness), ``outputs`` (the model's
+outputs to the ranks that ask) and ``drain`` (a device-wide sync forced mid-step). May import every
+room below it.
 """

@@ -28,6 +28,12 @@ The last stage's loss for micro-batch i is scaled by its weight, rows_i / B
 of the batch's mean loss. In a forward-only pass the last stage may also keep
 its outputs (``keep_outputs``, for ``predict``) and skip the loss (``want_loss``).
 
+Compiled (``compile=``, compiled.py): each layer runs through its class's compiled caller, in F
+and in a recomputed micro-batch's replay alike. A split stage then computes the input and the
+weight gradients together in B, freeing the layer's graph there, and W only adds the kept weight
+gradients into ``.grad`` (AOTAutograd's backward returns both at once: run per action it would
+run twice).
+
 Recomputed micro-batches (see recompute.py) run F under ``no_grad`` keeping
 only the input and the RNG state, and rebuild the graphs at the start of B with
 that state restored, so dropout draws the same masks as in F.
@@ -48,6 +54,7 @@ import torch
 from torch import nn
 
 from pipeline.runtime.inputs.microbatch import Batch, Signature, as_tuple, from_tuple, weights
+from pipeline.runtime.step.compiled import LayerCall, compiled_calls
 from pipeline.runtime.step.memory import ActivationMeter
 from pipeline.runtime.step.recompute import RNGState, recomputes
 from pipeline.runtime.trace.shape_memo import memoised
@@ -66,8 +73,10 @@ class _Saved:
     target: Any = None
     outputs: Batch | None = None  # unsplit: the graph's roots (the scaled loss on the last stage)
     chain: list[tuple[Batch, Batch]] = field(default_factory=list)  # split: (a_l, o_l)
+    # split, for W: per layer its roots and their grads; compiled, its parameters and their gradients
     grads: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = field(default_factory=list)
     held: list[Any] = field(default_factory=list)  # the meter's tokens for what this keeps (memory.py)
+    chain_held: list[Any] = field(default_factory=list)  # tokens of the chain's tensors (compiled B frees)
 
 
 def _leaves(x: Batch) -> Batch:
@@ -99,12 +108,16 @@ class StageRuntime:
         recompute: str,
         loss_fn: LossFn | None,
         device: torch.device,
+        compile: dict[str, Any] | None = None,
     ) -> None:
         self.index, self.module, self.device = index, module, device
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.n_microbatches, self.split, self.recompute = n_microbatches, split_backward, recompute
         self.loss_fn = loss_fn
         self.layers = list(module) if isinstance(module, nn.Sequential) else [module]  # traced: one graph
+        # each layer's forward: the layer itself, or its class's compiled caller (compiled.py)
+        self.compiled = compile is not None
+        self.calls: list[LayerCall] = compiled_calls(self.layers, compile) if compile is not None else []
         self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self.recomputes = [recomputes(recompute, i, n_microbatches) for i in range(n_microbatches)]
         self.weights = [1.0 / n_microbatches] * n_microbatches  # each micro-batch loss's (set_rows)
@@ -140,12 +153,14 @@ class StageRuntime:
         ``chain`` collects (a_l, o_l)."""
         with self.meter.saving():
             if chain is None:
-                out: Batch = self.module(x)
+                out: Batch = self.module(x) if not self.compiled else x
+                for call in self.calls:  # compiled: the Sequential's forward, layer by layer
+                    out = call(out)
             else:
                 out = x
                 for k, layer in enumerate(self.layers):
                     a = out if k == 0 else _leaves(out)
-                    out = layer(a)
+                    out = self.calls[k](a) if self.compiled else layer(a)
                     chain.append((a, out))
         if self.is_last and self.keep_outputs:
             self.outputs[i] = _detached(out)
@@ -218,7 +233,7 @@ class StageRuntime:
         if saved.outputs is not None:
             saved.held += self.meter.hold(as_tuple(saved.outputs))
         for a, o in saved.chain:
-            saved.held += self.meter.hold([*as_tuple(a), *as_tuple(o)])
+            saved.chain_held += self.meter.hold([*as_tuple(a), *as_tuple(o)])
 
     # ---- backward
 
@@ -248,6 +263,8 @@ class StageRuntime:
         )
 
     def _input_grads(self, saved: _Saved, grads: Grads | None) -> Grads | None:
+        if self.compiled:
+            return self._all_grads(saved, grads)
         g: Grads | None = grads
         saved.grads = [([], [])] * len(saved.chain)
         for k in range(len(saved.chain) - 1, -1, -1):
@@ -266,9 +283,38 @@ class StageRuntime:
             )
         return g
 
+    def _all_grads(self, saved: _Saved, grads: Grads | None) -> Grads | None:
+        """Compiled B: each layer's input and weight gradients in one backward call that frees its
+        graph; the weight gradients are kept for W (``saved.grads``: (parameters, gradients))."""
+        g: Grads | None = grads
+        saved.grads = [([], [])] * len(saved.chain)
+        for k in range(len(saved.chain) - 1, -1, -1):
+            a, o = saved.chain[k]
+            outs, gs = _roots(o, g)
+            first = k == 0 and self.is_first  # the model's input: no gradient wanted
+            wanted = [] if first else [t for t in as_tuple(a) if t.requires_grad]
+            params = self.layer_params[k]
+            # no root in the graph (the layer's outputs need no gradient): no gradient for anything
+            none: tuple[torch.Tensor | None, ...] = (None,) * (len(wanted) + len(params))
+            got = torch.autograd.grad(outs, [*wanted, *params], gs, allow_unused=True) if outs else none
+            kept = [(p, d) for p, d in zip(params, got[len(wanted) :], strict=True) if d is not None]
+            saved.grads[k] = ([p for p, _ in kept], [d for _, d in kept])
+            saved.held += self.meter.hold(d for _, d in kept)  # kept for W
+            if not first:
+                it = iter(got[: len(wanted)])
+                g = tuple(_or_zeros(next(it), t) if t.requires_grad else None for t in as_tuple(a))
+        saved.chain, saved.chain_held = [], []  # the graphs are freed: only the gradients stay
+        return None if self.is_first else g
+
     def weight(self, i: int) -> None:
         """W of micro-batch ``i`` (split backward only): weight gradients, then free it."""
         saved = self._saved[i]
+        if self.compiled:  # B computed them: accumulated as autograd would (hooks run)
+            for leaves, dws in saved.grads:
+                if leaves:
+                    torch.autograd.backward(leaves, dws)
+            self._free(i)
+            return
         every = self.layer_params
         if self.sharded:
             every = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
