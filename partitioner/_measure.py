@@ -45,7 +45,7 @@ from partitioner.flops import FlopCount
 from partitioner.noise import NOISE_LIMIT, estimate, floor_gap, settled, spread
 from pipeline.runtime.step.live import LiveBytes
 
-__all__ = ["Rejected", "Run", "WithTarget", "measure", "one_sample"]
+__all__ = ["Rejected", "Run", "WithTarget", "fresh", "measure", "one_sample", "precision"]
 
 
 class Rejected(Exception):
@@ -64,13 +64,15 @@ class WithTarget:
 @dataclass(frozen=True)
 class Run:
     """How to run one layer: where, under which autocast, how often (``repeat``: the fewest timed
-    samples; ``partitioner.noise`` may take more); ``live`` counts the untimed parts."""
+    samples; ``partitioner.noise`` may take more, until ``deadline``, a ``time.perf_counter()``
+    reading: the profile's time budget); ``live`` counts the untimed parts."""
 
     device: torch.device
     autocast: torch.dtype | None
     warmup: int
     repeat: int
     live: LiveBytes
+    deadline: float | None = None
 
 
 @contextlib.contextmanager
@@ -393,7 +395,8 @@ def _timed(
     fn: Callable[[Any], Any], x: Any, params: Sequence[torch.Tensor], first: bool, run: Run
 ) -> list[Sample]:
     """Warm-up runs (allocation, kernel selection, CUDA start-up do not count), then samples until
-    ``noise.settled`` says the layer's time is found."""
+    ``noise.settled`` says the layer's time is found, or ``repeat`` of them once the profile's
+    deadline has passed."""
     sync = _syncer(run.device)
     for _ in range(run.warmup):
         one_sample(fn, x, params, first, sync)
@@ -407,6 +410,8 @@ def _timed(
             first_s = spent
         if settled([s[0] + s[1] for s in samples], run.repeat, spent, first_s):
             return samples
+        if len(samples) >= run.repeat and run.deadline is not None and time.perf_counter() >= run.deadline:
+            return samples  # the profile's time budget is spent: no more samples to settle the floor
 
 
 def _linear_weight_bytes(module: nn.Module | None) -> int:

@@ -23,10 +23,11 @@ from partitioner._measure import Rejected, Run, WithTarget, measure
 from partitioner._placement import changed_parameters, normalize
 from partitioner._trees import describe, nbytes, tensors, tree_map
 from partitioner.figures import LayerProfile
-from partitioner.noise import warn_noisy, with_prior
+from partitioner.noise import FALLBACK_SHARE, flop_rate, noisy_share, priced_by_flops, warn_noisy, with_prior
 
 __all__ = [
     "AUTOCAST_DTYPES",
+    "DEFAULT_BUDGET_S",
     "LossFn",
     "canonical_names",
     "check_autocast",
@@ -43,14 +44,28 @@ __all__ = [
 ]
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+DEFAULT_BUDGET_S = 30.0  # seconds of timing: past them, a layer of a new structure is priced by its flops
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def check_options(autocast: torch.dtype | None, warmup: int, repeat: int, loss_fn: LossFn | None) -> None:
+def check_options(
+    autocast: torch.dtype | None,
+    warmup: int,
+    repeat: int,
+    loss_fn: LossFn | None,
+    budget: float | None = None,
+) -> None:
     check_autocast(autocast)
     for label, count, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
         if isinstance(count, bool) or not isinstance(count, int) or count < least:
             raise ValueError(f"{label} ({count!r}) must be an integer >= {least}")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+    ):
+        raise ValueError(
+            f"budget ({budget!r}) must be a number of seconds > 0 (how long the profile times layers), "
+            "or None for no limit"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
 
@@ -158,10 +173,19 @@ def generators_kept(cuda: bool) -> Iterator[None]:
 
 
 def trust(
-    layers: list[LayerProfile], loss: LayerProfile | None, repeat: int
-) -> tuple[list[LayerProfile], LayerProfile | None, list[int], dict[str, float]]:
+    layers: list[LayerProfile], loss: LayerProfile | None, repeat: int, budget: float | None = None
+) -> tuple[list[LayerProfile], LayerProfile | None, list[int], dict[str, float], list[int]]:
     """The layers and loss with their times blended toward the FLOP prior fitted on the layers,
-    the noisy ones' indices (-1: the loss), warned about, and the prior (``partitioner.noise``)."""
+    the noisy ones' indices (-1: the loss), the prior, and the layers whose times are what their
+    flops predict: all of them when the noisy layers hold most of the time, else those the time
+    ``budget`` left untimed; warned about in one line (``partitioner.noise``)."""
     layers, extra, rates = with_prior(layers, [] if loss is None else [loss])
-    loss = extra[0] if extra else None
-    return layers, loss, warn_noisy([*layers, *extra], repeat), rates
+    fallback = noisy_share([*layers, *extra]) > FALLBACK_SHARE
+    untimed = [lp for lp in layers if lp.timing is None]  # past the budget (and their copies)
+    if fallback or untimed:
+        rate = flop_rate(layers)
+        layers = [priced_by_flops(lp, rate) if fallback or lp.timing is None else lp for lp in layers]
+        extra = [priced_by_flops(lp, rate) for lp in extra] if fallback else extra
+    from_flops = [lp.index for lp in [*layers, *extra]] if fallback else [lp.index for lp in untimed]
+    noisy = warn_noisy([*layers, *extra], repeat, fallback=fallback, untimed=untimed, budget=budget)
+    return layers, (extra[0] if extra else None), noisy, rates, from_flops

@@ -85,6 +85,9 @@ class LayerProfile:
     is above ``noise.NOISE_LIMIT``, so the times lean on the FLOP prior; ``timing`` each time's
     estimate (measured, prior, value). ``input_flops`` and ``weight_flops``: the flops of the
     split backward's two parts (the FLOP prior of ``input_time`` and ``weight_time``).
+
+    ``same_as``: the earlier layer of the same structure on inputs of the same shapes whose figures
+    this one's are (profiled once, ``partitioner._reuse``); None when it was measured itself.
     """
 
     index: int
@@ -129,6 +132,7 @@ class LayerProfile:
     error: float = 0.0
     noisy: bool = False
     timing: LayerTiming | None = None
+    same_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,9 @@ class Profile:
 
     Trust (``partitioner.noise``): ``noisy_layers`` the indices of the layers whose times are too
     noisy to trust (-1: the loss), ``trusted`` whether there are none; ``seconds_per_flop`` the
-    FLOP prior fitted on the stable layers, per time ("forward", "backward", "input", "weight").
+    FLOP prior fitted on the stable layers, per time ("forward", "backward", "input", "weight");
+    ``from_flops`` the layers (-1: the loss) whose times are what their flops predict: every one
+    when the noisy layers hold most of the time, those the time budget left untimed otherwise.
 
     ``device_memory``: what the device holds beyond the tensors the plan counts (workspaces, the
     allocator's rounding) and the share of a limit kept free there (``partitioner.device_memory``);
@@ -180,6 +186,7 @@ class Profile:
     traced: dict[str, Any] | None = None
     noisy_layers: list[int] = field(default_factory=list)
     seconds_per_flop: dict[str, float] = field(default_factory=dict)
+    from_flops: list[int] = field(default_factory=list)
     shape: tuple[int, int] | None = None
     probe: ShapeProbe | None = None
     device_memory: DeviceMemory = field(default_factory=DeviceMemory)

@@ -13,10 +13,11 @@ last reader is profiled::
 
 Each layer runs on a working copy of the modules it reads (``_placement.working_copy``:
 parameters share the model's storage, buffers are copied, a meta model is materialised there),
-measured as ``profile`` measures an ``nn.Sequential``'s layers (``_measure``), and the model is
-left as it was. The layer graph's edges name the tensors (``partitioner.graph``), so a cut costs
-every tensor live across it, a long skip once per cut it crosses. ``cut_reasons`` says where no
-cut may fall (``pipeline.runtime.trace.layers.cut_blocks``), and ``traced`` what a plan records.
+measured as ``profile`` measures an ``nn.Sequential``'s layers (``_measure``; once per structure,
+``_reuse``), and the model is left as it was. The layer graph's edges name the tensors
+(``partitioner.graph``), so a cut costs every tensor live across it, a long skip once per cut it
+crosses. ``cut_reasons`` says where no cut may fall (``pipeline.runtime.trace.layers.cut_blocks``),
+and ``traced`` what a plan records.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner._measure import Rejected, Run, measure
+from partitioner._measure import Rejected, Run
 from partitioner._placement import layer_device, normalize, versions, working_copy
 from partitioner._profiling import (
+    DEFAULT_BUDGET_S,
     LossFn,
     canonical_names,
     check_options,
@@ -45,6 +47,7 @@ from partitioner._profiling import (
     trust,
     uses_cuda,
 )
+from partitioner._reuse import Layers
 from partitioner._trees import describe, nbytes
 from partitioner.device_memory import Meter
 from partitioner.figures import LayerProfile, Profile
@@ -69,15 +72,18 @@ def profile_graph(
     init_fn: Callable[[nn.Module], None] | None = None,
     warmup: int = 2,
     repeat: int = 10,
+    budget: float | None = DEFAULT_BUDGET_S,
 ) -> Profile:
     """Profile every layer of ``traced`` on ``sample`` (the one it was traced with); see the docstring.
 
     The options are ``partitioner.profile``'s.
     """
-    check_options(autocast, warmup, repeat, loss_fn)
+    check_options(autocast, warmup, repeat, loss_fn, budget)
     dev = None if device is None else normalize(device)
     refuse_ambient_autocast()
     start = time.perf_counter()
+    deadline = None if budget is None else start + budget
+    same = Layers()  # layers profiled once per structure (partitioner._reuse)
     live = LiveBytes()
     meter = Meter(live)  # the device's workspaces and rounding (partitioner.device_memory)
     names = canonical_names(traced.root)
@@ -101,12 +107,12 @@ def profile_graph(
                     work = build(traced, spec, working_copy(held, here, init_fn), here)
                 x = moved[0] if len(moved) == 1 else tuple(moved)
                 before = versions(held)
-                run = Run(here, autocast, warmup, repeat, live)
+                run = Run(here, autocast, warmup, repeat, live, deadline)
                 first = all(name in traced.inputs for name in spec.inputs)
                 try:
                     last = index == len(traced.layers) - 1
-                    figures, out = measure(
-                        index, layer.name, layer.kind, work, work, x, run, first=first, closing=last
+                    figures, out = same.figures(
+                        index, layer.name, layer.kind, work, x, run, first=first, closing=last
                     )
                 except Rejected as err:
                     raise ValueError(
@@ -127,11 +133,11 @@ def profile_graph(
                 for j, name in enumerate(traced.outputs)
             ]
             out = pytree.tree_unflatten(flat, traced.out_spec)
-            run = Run(device_of(flat), autocast, warmup, repeat, live)
+            run = Run(device_of(flat), autocast, warmup, repeat, live, deadline)
             with meter.layer():
                 loss = profile_loss(loss_fn, target, out, run)
     tensors = [(v.name, v.layer, v.uses, v.nbytes) for v in traced.values.values()]
-    layers, loss, noisy, rates = trust(layers, loss, repeat)
+    layers, loss, noisy, rates, from_flops = trust(layers, loss, repeat, budget)
     return Profile(
         layers,
         ",".join(dict.fromkeys(devices)),
@@ -143,6 +149,7 @@ def profile_graph(
         seconds=time.perf_counter() - start,
         noisy_layers=noisy,
         seconds_per_flop=rates,
+        from_flops=from_flops,
         cut_reasons=cut_blocks(traced.graph, traced.layers, traced.values, traced.root),
         traced=traced_record(traced),
         shape=sample_shape(sample),  # no length probe: a traced graph may hold the sample's sizes

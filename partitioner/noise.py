@@ -45,6 +45,24 @@ profiled, is blended with the all-layers prior and can be noisy like a layer (in
 
 A layer slowed by the same factor in every sample has no floor gap and cannot be told from a
 slow layer: the warning's advice (a quieter machine) is the only cure for that.
+
+Layers profiled once for several (``LayerProfile.same_as``, ``partitioner._reuse``) count once in
+the prior: a copy adds no evidence. When the noisy layers hold more than ``FALLBACK_SHARE`` of
+the measured time, the blend has too little to lean on and the profile falls back as a whole::
+
+    untrusted:  sum over noisy l of t_l  >  FALLBACK_SHARE * sum over l of t_l      t: forward + backward
+    then, per l, q with flops_q > 0:  value = rate * flops_q
+
+(what ``cost="flops"`` balances, in seconds), and so are the layers the time budget left
+untimed (``timing`` None). ``flop_rate``: one rate for every time of every layer, so that the
+balance is the flops' whatever the rate::
+
+    rate = sum over timed l of (measured forward + backward) / sum over them of (F + B)
+
+the big layers' rate, which disturbed samples may overstate: the best there is (the prior, fitted
+on the stable layers, here the few small ones, may have no rate for some times, and a rate per
+time would let the noise set the forward against the backward). A time whose flops are 0 keeps
+its measurement (0 when untimed). ``warn_noisy`` says all of it in one short line.
 """
 
 from __future__ import annotations
@@ -59,6 +77,7 @@ from partitioner.figures import LayerProfile, LayerTiming, TimeEstimate
 
 __all__ = [
     "BUDGET_FLOOR_S",
+    "FALLBACK_SHARE",
     "MAX_REPEAT_FACTOR",
     "MIN_SAME_KIND",
     "MIN_STABLE",
@@ -69,6 +88,9 @@ __all__ = [
     "NoisyProfileWarning",
     "estimate",
     "floor_gap",
+    "flop_rate",
+    "noisy_share",
+    "priced_by_flops",
     "settled",
     "spread",
     "warn_noisy",
@@ -82,6 +104,7 @@ BUDGET_FLOOR_S = 0.02
 PRIOR_FLOOR = 0.05  # the prior is never trusted more than to 5 % (log sd)
 MIN_STABLE = 3
 MIN_SAME_KIND = 2
+FALLBACK_SHARE = 0.5  # noisy layers holding more of the measured time: every time from the flops
 QUANTITIES = ("forward", "backward", "input", "weight")
 _FLOPS = {"forward": "flops", "backward": "backward_flops", "input": "input_flops", "weight": "weight_flops"}
 
@@ -150,12 +173,24 @@ def _blend(est: TimeEstimate, flops: int, prior: tuple[float, float] | None) -> 
     return dataclasses.replace(est, predicted=predicted, value=math.exp(log_value))
 
 
+def _with_times(lp: LayerProfile, parts: dict[str, TimeEstimate]) -> LayerProfile:
+    """``lp`` with these estimates, and their values as its times."""
+    return dataclasses.replace(
+        lp,
+        timing=LayerTiming(**parts),
+        forward_time=parts["forward"].value,
+        backward_time=parts["backward"].value,
+        input_time=parts["input"].value,
+        weight_time=parts["weight"].value,
+    )
+
+
 def with_prior(
     layers: Sequence[LayerProfile], extra: Sequence[LayerProfile] = ()
 ) -> tuple[list[LayerProfile], list[LayerProfile], dict[str, float]]:
     """``layers`` and ``extra`` (the loss) with every time blended toward the FLOP prior fitted on
     ``layers``, and the prior's seconds per flop per time (see the module docstring)."""
-    timed = [lp for lp in layers if lp.timing is not None]
+    timed = [lp for lp in layers if lp.timing is not None and lp.same_as is None]  # a copy: no evidence
     kinds = {lp.kind for lp in timed}
 
     def entries(q: str, kind: str | None) -> list[tuple[float, int, float]]:
@@ -175,33 +210,87 @@ def with_prior(
             q: _blend(getattr(lp.timing, q), getattr(lp, _FLOPS[q]), by_kind.get((q, lp.kind)) or priors[q])
             for q in QUANTITIES
         }
-        return dataclasses.replace(
-            lp,
-            timing=LayerTiming(**parts),
-            forward_time=parts["forward"].value,
-            backward_time=parts["backward"].value,
-            input_time=parts["input"].value,
-            weight_time=parts["weight"].value,
-        )
+        return _with_times(lp, parts)
 
     rates = {q: math.exp(p[0]) for q, p in priors.items() if p is not None}
     return [blended(lp) for lp in layers], [blended(lp) for lp in extra], rates
 
 
-def warn_noisy(layers: Sequence[LayerProfile], repeat: int) -> list[int]:
-    """Warn (``NoisyProfileWarning``) naming the noisy layers and what to do; their indices."""
+def noisy_share(layers: Sequence[LayerProfile]) -> float:
+    """The share of the layers' measured forward + backward time that the noisy ones hold (a
+    copy counts: it is a layer's time too); 0 when nothing was timed."""
+
+    def measured(lp: LayerProfile) -> float:
+        return 0.0 if lp.timing is None else lp.timing.forward.measured + lp.timing.backward.measured
+
+    total = math.fsum(measured(lp) for lp in layers)
+    return math.fsum(measured(lp) for lp in layers if lp.noisy) / total if total > 0 else 0.0
+
+
+def flop_rate(layers: Sequence[LayerProfile]) -> float | None:
+    """Seconds per flop for times taken from flops (see the module docstring): the timed layers'
+    measured forward + backward seconds over their flops; None when none was timed with flops."""
+    timed = [lp for lp in layers if lp.timing is not None and lp.flops + lp.backward_flops > 0]
+    seconds = math.fsum(lp.timing.forward.measured + lp.timing.backward.measured for lp in timed if lp.timing)
+    flops = sum(lp.flops + lp.backward_flops for lp in timed)
+    return seconds / flops if seconds > 0 else None
+
+
+def priced_by_flops(lp: LayerProfile, rate: float | None) -> LayerProfile:
+    """``lp`` with each time that has flops what they predict, ``rate * flops_q``; the others as they
+    were (0 when untimed)."""
+    base = lp.timing or LayerTiming()
+    parts = {}
+    for q in QUANTITIES:
+        est, flops = getattr(base, q), getattr(lp, _FLOPS[q])
+        if flops > 0 and rate is not None:
+            est = dataclasses.replace(est, predicted=rate * flops, value=rate * flops)
+        parts[q] = est
+    return _with_times(lp, parts)
+
+
+def warn_noisy(
+    layers: Sequence[LayerProfile],
+    repeat: int,
+    *,
+    fallback: bool = False,
+    untimed: Sequence[LayerProfile] = (),
+    budget: float | None = None,
+) -> list[int]:
+    """Warn (``NoisyProfileWarning``, one short line) naming the noisy layers and what to do, and
+    saying which times are what their flops predict: every one (``fallback``) or the ``untimed``
+    layers', past the time ``budget``. The noisy layers' indices."""
     noisy = [lp for lp in layers if lp.noisy]
-    if noisy:  # one short line: the first three named, the rest counted (Profile.noisy_layers has all)
+    said = []
+    if noisy:  # the first three measured ones named, the rest counted (Profile.noisy_layers has all)
+        shown = [lp for lp in noisy if lp.same_as is None][:3]
         named = ", ".join(
             f"{'the loss' if lp.index < 0 else f'layer {lp.index} ({lp.name}: {lp.kind})'} "
             f"(floor gap {lp.error:.0%})"
-            for lp in noisy[:3]
+            for lp in shown
         )
-        more = f" and {len(noisy) - 3} more" if len(noisy) > 3 else ""
+        more = f" and {len(noisy) - len(shown)} more" if len(noisy) > len(shown) else ""
+        said.append(f"{len(noisy)} of {len(layers)} layers are too noisy to trust: {named}{more}; ")
+        if fallback:
+            said[-1] += (
+                f"they hold {noisy_share(layers):.0%} of the time, so every time is what its flops predict "
+                f"(as cost='flops'). On a quieter machine, or with profile(..., repeat=N) (now {repeat}), "
+                "they are measured"
+            )
+        else:
+            said[-1] += (
+                f"their times lean on their flops. On a quieter machine, or with profile(..., repeat=N) "
+                f"(now {repeat}), or partition(..., cost='flops'), the balance does not depend on them"
+            )
+    if untimed:
+        start = untimed[0]
+        said.append(
+            f"the time budget ({budget or 0:g} s) ran out at layer {start.index} ({start.name}): "
+            f"{len(untimed)} layers' times are what their flops predict; profile(..., budget=None) times all"
+        )
+    if said:
         warnings.warn(
-            f"profile: {len(noisy)} of {len(layers)} layers are too noisy to trust: {named}{more}; "
-            f"their times lean on their flops. On a quieter machine, or with profile(..., repeat=N) "
-            f"(now {repeat}), or partition(..., cost='flops'), the balance does not depend on them.",
+            "profile: " + "; ".join(said) + ".",
             NoisyProfileWarning,
             stacklevel=4,  # profile()'s caller
         )

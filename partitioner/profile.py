@@ -28,7 +28,11 @@ error), and the CPU and CUDA generators' states are put back, so dropout draws n
 
 Times are trusted only as far as their samples allow (``partitioner.noise``): on a shared machine
 each is the minimum of adaptive repeats, and one whose samples find no clear floor is blended
-toward what its flops predict and named in a warning.
+toward what its flops predict and named in a warning; when such layers hold most of the time,
+every time is what its flops predict. A layer of the same structure as an earlier one, on inputs
+of the same shapes, is not measured again: it takes that one's figures (``partitioner._reuse``),
+so identical layers cost the same. ``budget`` bounds the time spent timing: past it, a layer of a
+new structure is measured untimed and its times are what its flops predict.
 
 Length. Each layer (and the loss) is measured once more, untimed, on its input cut to twice the
 rows at half the length (the same tokens): its flops and bytes there tell how they grow with a
@@ -51,10 +55,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner._measure import Rejected, Run, measure
+from partitioner._measure import Rejected, Run
 from partitioner._placement import layer_device, normalize, versions, working_copy
 from partitioner._profiling import (
     AUTOCAST_DTYPES,
+    DEFAULT_BUDGET_S,
     LossFn,
     canonical_names,
     check_autocast,
@@ -68,6 +73,7 @@ from partitioner._profiling import (
     trust,
     uses_cuda,
 )
+from partitioner._reuse import Layers
 from partitioner._trees import describe, nbytes, tree_map
 from partitioner.device_memory import Meter
 from partitioner.figures import LayerProfile, Profile, ShapeProbe
@@ -99,13 +105,20 @@ def profile(
     init_fn: Callable[[nn.Module], None] | None = None,
     warmup: int = 2,
     repeat: int = 10,
+    budget: float | None = DEFAULT_BUDGET_S,
 ) -> Profile:
     """Profile every layer of ``model`` on ``sample`` (one micro-batch); see the module docstring.
 
     Each layer runs ``warmup`` times untimed, then at least ``repeat`` timed samples and more until
     its time settles; its times are the samples' minimum, their spread and floor gap are recorded,
     a time too noisy to trust leans on what its flops predict, and a ``NoisyProfileWarning`` names
-    such layers (``Profile.noisy_layers``, ``Profile.trusted``); see ``partitioner.noise``.
+    such layers (``Profile.noisy_layers``, ``Profile.trusted``); see ``partitioner.noise``. When the
+    noisy layers hold most of the time, every time is what its flops predict (``Profile.from_flops``).
+
+    A layer of the same structure as an earlier one, on inputs of the same shapes, takes that one's
+    figures (``LayerProfile.same_as``, ``partitioner._reuse``). ``budget``: seconds after which no
+    layer of a new structure is timed (its times are what its flops predict; its bytes and flops are
+    still measured); None: no limit.
 
     ``device``: where to profile every layer (default: where each lives); ``loss_fn(output,
     target)``: also profile the loss on the last layer's output (``target``: one micro-batch of
@@ -115,17 +128,19 @@ def profile(
     Any other module is traced (``pipeline.runtime.trace.tracing``) and profiled one layer group at a
     time on its graph (``partitioner.graph_profile``).
     """
+    check_options(autocast, warmup, repeat, loss_fn, budget)  # before a trace: refused at once
     if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
         return profile_graph(
             trace(model, sample), sample, device=device, autocast=autocast, loss_fn=loss_fn,
-            target=target, init_fn=init_fn, warmup=warmup, repeat=repeat,
+            target=target, init_fn=init_fn, warmup=warmup, repeat=repeat, budget=budget,
         )  # fmt: skip
     check_model(model)
-    check_options(autocast, warmup, repeat, loss_fn)
     dev = None if device is None else normalize(device)
     names = canonical_names(model)
     refuse_ambient_autocast()
     start = time.perf_counter()
+    deadline = None if budget is None else start + budget
+    same = Layers()  # layers profiled once per structure (partitioner._reuse)
     live = LiveBytes()
     meter = Meter(live)
     layers: list[LayerProfile] = []
@@ -146,12 +161,12 @@ def profile(
                     x = tree_map(x, lambda t, at=here: t.to(at))  # type: ignore[misc]
                     work = working_copy(layer, here, init_fn)
                 before = versions(layer)
-                run = Run(here, autocast, warmup, repeat, live)
+                run = Run(here, autocast, warmup, repeat, live, deadline)
                 given = x
                 try:
                     last = index == len(model._modules) - 1
-                    figures, x = measure(
-                        index, name, type(layer).__name__, work, work, x, run, first=index == 0, closing=last
+                    figures, x = same.figures(
+                        index, name, type(layer).__name__, work, x, run, first=index == 0, closing=last
                     )
                 except Rejected as err:
                     raise ValueError(
@@ -159,10 +174,15 @@ def profile(
                         "pass a sample that the model accepts (one micro-batch)"
                     ) from err.__cause__
                 if probed is not None and shape is not None:  # the same layer at half the length, if it runs
-                    seen = probe_layer(
-                        index, name, type(layer).__name__, work, given, run, shape, first=index == 0,
-                        closing=last,
-                    )  # fmt: skip
+                    seen = (
+                        dataclasses.replace(
+                            probed[figures.same_as], index=index, name=name, kind=figures.kind
+                        )
+                        if figures.same_as is not None and not last  # its structure's: the same there too
+                        else probe_layer(
+                            index, name, figures.kind, work, given, run, shape, first=index == 0, closing=last
+                        )
+                    )
                     if seen is None:
                         probed = None
                     else:
@@ -173,13 +193,13 @@ def profile(
             devices.append(str(here))
         probed_loss = None
         if loss_fn is not None:
-            run = Run(device_of(x), autocast, warmup, repeat, live)
+            run = Run(device_of(x), autocast, warmup, repeat, live, deadline)
             with meter.layer():
                 loss = profile_loss(loss_fn, target, x, run)
                 if probed is not None and shape is not None:
                     probed_loss = probe_loss(loss_fn, target, x, run, shape)
                     probed = None if probed_loss is None else probed
-    layers, loss, noisy, rates = trust(layers, loss, repeat)
+    layers, loss, noisy, rates, from_flops = trust(layers, loss, repeat, budget)
     return Profile(
         layers,
         ",".join(dict.fromkeys(devices)),
@@ -191,6 +211,7 @@ def profile(
         seconds=time.perf_counter() - start,
         noisy_layers=noisy,
         seconds_per_flop=rates,
+        from_flops=from_flops,
         shape=shape,
         probe=None if probed is None or half is None else ShapeProbe(half, probed, probed_loss),
         device_memory=meter.result(),

@@ -132,10 +132,18 @@ def test_traced_checkpoints_reshard_across_stage_counts_and_resume_exactly(tmp_p
     model = _model(0)
     sample = _batch()[0][: BATCH // M]
     prof = profile(model, sample, warmup=0, repeat=1)
+    # balanced by flops: the same layouts on any machine, every stage with parameters to save
     plan_a = partition(
-        model, 2, sample, profile=prof, schedule="interleaved-1f1b", n_virtual=2, n_microbatches=M
+        model,
+        2,
+        sample,
+        profile=prof,
+        schedule="interleaved-1f1b",
+        n_virtual=2,
+        n_microbatches=M,
+        cost="flops",
     )
-    plan_b = partition(model, 2, sample, profile=prof, schedule="1f1b", n_microbatches=M)
+    plan_b = partition(model, 2, sample, profile=prof, schedule="1f1b", n_microbatches=M, cost="flops")
     assert (plan_a.n_virtual, plan_b.n_virtual) == (2, 1)
 
     one, _, _ = _single(tmp_path, 0, None, "one")

@@ -105,7 +105,7 @@ def test_outliers_change_neither_the_times_nor_the_plan(fake_clock: Any) -> None
     base = [(1e-4 * f, 2e-4 * f, 0.0 if i == 0 else 1e-4 * f, 1e-4 * f) for i, f in enumerate(forward)]
     ranked = _best_bottlenecks([3.0 * f for f in forward])
     assert ranked[0][1] == (2, 3, 3) and ranked[1][0] >= 1.2 * ranked[0][0]
-    model, sample = _model([16] * 9)
+    model, sample = _model([16 + k for k in range(9)])  # of other shapes: each is timed (partitioner._reuse)
     _set_times(model, base)
     fake_clock(0, {})
     quiet, warned = _profile_quietly(model, sample)
@@ -157,7 +157,7 @@ def test_a_layer_disturbed_in_every_sample_leans_on_its_flops(fake_clock: Any) -
         fake_clock(seed, {5: _always})
         noisy, warned = _profile_quietly(model, sample)
         assert _balance(model, sample, noisy) == expected, seed
-        assert noisy.noisy_layers == [5] and not noisy.trusted
+        assert noisy.noisy_layers == [5] and not noisy.trusted and noisy.from_flops == []  # one: blended
         five = noisy.layers[5]
         assert five.noisy and five.error > noise.NOISE_LIMIT and five.samples == noise.MAX_REPEAT_FACTOR * 10
         assert five.timing is not None and five.timing.forward.measured >= 1.5 * base[5][0]
@@ -166,6 +166,67 @@ def test_a_layer_disturbed_in_every_sample_leans_on_its_flops(fake_clock: Any) -
         (message,) = warned
         assert "layer 5 (5: Linear)" in message and "repeat=N) (now 10)" in message
         assert "cost='flops'" in message and "quieter machine" in message
+
+
+def _flop_times(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[float, float, float, float]]:
+    """Per layer, times that its flops predict exactly (one rate per time), set on the fake clock."""
+    _set_times(model, [(1.0, 1.0, 1.0, 1.0)] * len(model))
+    counted = profile(model, sample, warmup=0, repeat=1).layers
+    rates = (1e-9, 2e-9, 1.5e-9, 0.8e-9)
+    flops = [(lp.flops, lp.backward_flops, lp.input_flops, lp.weight_flops) for lp in counted]
+    base = [(rates[0] * f, rates[1] * b, rates[2] * i, rates[3] * w) for f, b, i, w in flops]
+    _set_times(model, base)
+    return base
+
+
+def test_a_profile_noisy_in_most_of_its_time_is_priced_by_its_flops(fake_clock: Any) -> None:
+    model, sample = _model([16, 16, 16, 32, 32, 16, 48, 16, 16])
+    fake_clock(0, {})
+    base = _flop_times(model, sample)
+    big = (3, 4, 5, 6)  # most of the time
+    assert sum(base[k][0] + base[k][1] for k in big) > 0.5 * sum(f + b for f, b, _, _ in base)
+    fake_clock(1, dict.fromkeys(big, _always))
+    prof, warned = _profile_quietly(model, sample)
+    assert prof.noisy_layers == list(big) and prof.from_flops == list(range(len(model)))
+    rate = prof.layers[0].forward_time / prof.layers[0].flops
+    for lp in prof.layers:  # one rate for every time of every layer: the flops' balance, in seconds
+        assert lp.timing is not None and lp.forward_time == lp.timing.forward.predicted
+        for got, flops in ((lp.forward_time, lp.flops), (lp.backward_time, lp.backward_flops),
+                           (lp.input_time, lp.input_flops), (lp.weight_time, lp.weight_flops)):  # fmt: skip
+            assert got == pytest.approx(rate * flops)
+    assert _balance(model, sample, prof) == partition(model, 3, sample, profile=prof, cost="flops").balance
+    (message,) = warned
+    assert "4 of 8 layers are too noisy" in message and "every time is what its flops predict" in message
+    assert "\n" not in message and len(message) < 400, message
+
+
+def test_the_time_budget_leaves_later_layers_to_their_flops(fake_clock: Any) -> None:
+    model, sample = _model([16, 16, 16, 32, 32, 16, 48, 16, 16])
+    fake_clock(0, {})
+    base = _flop_times(model, sample)
+    with pytest.warns(noise.NoisyProfileWarning) as caught:
+        prof = profile(model, sample, budget=1e-9)  # spent at once: the first layer alone is timed
+    (message,) = [str(w.message) for w in caught]
+    assert "time budget (1e-09 s) ran out at layer 1 (1)" in message and "budget=None" in message
+    assert prof.from_flops == list(range(1, len(model))) and prof.layers[0].samples >= 10
+    timed = prof.layers[0]
+    assert timed.timing is not None and timed.forward_time == pytest.approx(
+        base[0][0], rel=0.01
+    )  # as measured
+    rate = (timed.timing.forward.measured + timed.timing.backward.measured) / (
+        timed.flops + timed.backward_flops
+    )
+    for lp in prof.layers[1:]:  # untimed, at the first layer's seconds per flop
+        assert lp.samples == 0 and lp.timing is not None and lp.timing.forward.measured == 0.0
+        for got, flops in ((lp.forward_time, lp.flops), (lp.backward_time, lp.backward_flops),
+                           (lp.input_time, lp.input_flops), (lp.weight_time, lp.weight_flops)):  # fmt: skip
+            assert flops > 0 and got == pytest.approx(rate * flops), lp.index
+    fake_clock(1, {0: _always})  # never settles: the deadline stops it at repeat samples, not 10 x
+    with pytest.warns(noise.NoisyProfileWarning):
+        assert profile(model, sample, budget=1e-9).layers[0].samples == 10
+    for bad in (0, -1.0, "5", True):
+        with pytest.raises(ValueError, match=rf"budget \({bad!r}\) must be a number of seconds > 0"):
+            profile(model, sample, budget=bad)  # type: ignore[arg-type]
 
 
 def test_the_statistic_the_spread_and_the_floor_gap() -> None:
@@ -229,6 +290,16 @@ def test_the_flop_prior_moves_noisy_times_by_their_precision() -> None:
     assert none == {} and [lp.forward_time for lp in alone] == [5e-6, 9e-6, 9e-6]
 
 
+def test_copies_add_no_evidence_to_the_prior() -> None:
+    # one stable layer measured and two copies of it (profiled once): one layer's evidence, too few for
+    # a prior (MIN_STABLE), so the noisy layer keeps its measurement
+    block = _layer(0, "Block", 1000, 1e-6, 0.01)
+    copies = [dataclasses.replace(block, index=k, same_as=0) for k in (1, 2)]
+    layers, _, rates = noise.with_prior([block, *copies, _layer(3, "Head", 1000, 9e-6, 0.5)])
+    assert rates == {} and layers[3].forward_time == 9e-6
+    assert [lp.forward_time for lp in layers[:3]] == [1e-6] * 3
+
+
 def statistics_median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -261,7 +332,7 @@ def test_a_traced_model_is_trusted_the_same_way_and_the_figures_serialise(fake_c
     class Net(nn.Module):  # not an nn.Sequential: traced, one layer per submodule
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+            self.blocks = nn.ModuleList(nn.Linear(16 + k, 17 + k) for k in range(5))  # each timed
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for block in self.blocks:
@@ -269,7 +340,8 @@ def test_a_traced_model_is_trusted_the_same_way_and_the_figures_serialise(fake_c
             return x
 
     net, sample = Net(), torch.randn(4, 16)
-    _set_times(net.blocks, [(1e-4, 2e-4, 1e-4, 1e-4)] * 5)  # alike: each the others' prior
+    size = [(16 + k) * (17 + k) / (18 * 19) for k in range(5)]  # times as their flops: each the others' prior
+    _set_times(net.blocks, [(1e-4 * r, 2e-4 * r, 1e-4 * r, 1e-4 * r) for r in size])
     fake_clock(3, {2: _always})
     with pytest.warns(noise.NoisyProfileWarning, match=r"layer 2 \(blocks\.2: Linear\)"):
         prof = profile(net, sample)

@@ -199,7 +199,9 @@ def _tied_plan(_: Any) -> tuple[str, tuple[str, ...]]:
     torch.manual_seed(0)
     model, x = gpt_tied(vocab_size=16, width=16, n_layers=4, n_heads=2, max_seq_len=8, batch_size=8)
     prof = profile(model, x[:2], warmup=0, repeat=1)
-    return partition(model, 2, x[:2], schedule="zb-v", n_microbatches=4, profile=prof).to_json(), V_SCHEDULES
+    # balanced by flops: the same V on any machine (the host's load must not choose the stages)
+    plan = partition(model, 2, x[:2], schedule="zb-v", n_microbatches=4, profile=prof, cost="flops")
+    return plan.to_json(), V_SCHEDULES
 
 
 _TIED = job(2, _tied, make_args=_tied_plan, batch="a")
