@@ -5,6 +5,7 @@
     python scripts/bench_schedules.py --cases fine --trace runs/traces   # + Chrome traces, overheads
     python scripts/bench_schedules.py --quick          # tiny cases, 2 steps (the smoke test)
     python scripts/bench_schedules.py --tradeoff       # memory against step time (bench/tradeoff.py)
+    python scripts/bench_schedules.py --v-sim          # the V orders, ours and torch's, simulated
 
 Cases: coarse, fine, fine-p8 (GPipe and 1F1B), interleaved, zb (timed layers); mlp, gpt (real).
 
@@ -34,6 +35,9 @@ The v case (``--cases v``; timed, p = 4, m = 8, two stages per rank in a V) sets
 our dualpipe-v beside torch's ``ScheduleDualPipeV`` and our zb-v beside its
 ``ScheduleZBVZeroBubble``, on the same V (rank r holds stages r and 2p - 1 - r);
 our v-half and v-min (no torch counterpart) are measured against torch's ZBV.
+``--cases v-uneven`` sets our zb-v beside torch's ZBV with F, B, W = 4, 6, 2 ms per stage.
+``--v-sim`` runs no process: it puts torch's orders for the same p and m (its
+``pipeline_order``, ``torch_v_order``) through our simulator beside ours, bubble and peak.
 Its pieces are here, registered at import, so that every spawned rank (which
 imports this file again) has them too.
 
@@ -50,6 +54,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -63,7 +68,22 @@ from bench.results import RankResult, Report
 from bench.runners import run_cases
 from bench.traces import write_traces
 
-__all__ = ["V_TORCH", "VCase", "main", "v_case"]
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.generators import in_message_order
+from pipeline.schedules.schedule import Schedule, schedule
+from pipeline.schedules.simulate import simulate
+from pipeline.schedules.validate import validate
+
+__all__ = [
+    "V_TORCH",
+    "VCase",
+    "main",
+    "torch_v_order",
+    "torch_v_schedule",
+    "v_case",
+    "v_sim",
+    "zb_v_uneven_case",
+]
 
 V_TORCH = {"dualpipe-v": "ScheduleDualPipeV", "zb-v": "ScheduleZBVZeroBubble"}  # ours -> torch's class
 
@@ -87,6 +107,14 @@ def v_case(p: int, m: int, t: float) -> VCase:
     )  # fmt: skip
     return VCase("v", "timed", p, m, (2 * t, 2 * t, 2 * t), runs=runs, rows=((0, 1), (2, 3), (4, 3), (5, 3)),
                  input_grad=False)  # fmt: skip
+
+
+def zb_v_uneven_case(p: int, m: int, f: float, b: float, w: float) -> VCase:
+    """zb-v beside torch's ZB-V with F, B, W unequal (seconds per stage; 2x per rank)."""
+    runs = (Run("ours", "zb-v", 2), Run("torch", "zb-v", 2))
+    return VCase(
+        "v-uneven", "timed", p, m, (2 * f, 2 * b, 2 * w), runs=runs, rows=((0, 1),), input_grad=False
+    )
 
 
 _plain_torch = runners._BUILDERS["torch"]
@@ -119,6 +147,61 @@ def _torch_v(case: Case, run: Run) -> Any:
 
 
 runners._BUILDERS["torch"] = _torch_v  # here and in every spawned rank, which imports this file again
+
+
+def torch_v_order(name: str, p: int, m: int) -> list[list[Action]]:
+    """torch's order (``pipeline_order``) of its counterpart of our V schedule ``name`` (``V_TORCH``),
+    per rank, spelt as ours: its I (input gradient) our B, its unsplit B our B and W, an overlapped
+    pair its F then its B; the slots it leaves empty for few micro-batches dropped."""
+    from torch.distributed.pipelining import schedules as ts
+
+    cls: Any = getattr(ts, V_TORCH[name])
+    kinds = {"F": (Kind.F,), "I": (Kind.B,), "W": (Kind.W,), "B": (Kind.B, Kind.W)}
+    rows = []
+    for r in range(p):
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+        row = []
+        for op in cls._calculate_single_rank_operations(fake, r):
+            for a in (op.sub_actions or (op,)) if op is not None else ():
+                row += [Action(a.stage_index, k, a.microbatch_index) for k in kinds[a.computation_type.value]]
+        rows.append(row)
+    return rows
+
+
+def torch_v_schedule(name: str, p: int, m: int) -> Schedule:
+    """torch's order for our ``name``, each rank pair's messages put in the order they are sent (our
+    channels match them so, as NCCL does; torch's orders take some out of it: ``in_message_order``
+    runs those forwards later), validated."""
+    orders = in_message_order(torch_v_order(name, p, m), p, name)
+    sched = Schedule(f"torch {name}", 2 * p, p, m, True, orders, "v")
+    validate(sched)
+    return sched
+
+
+# (F, B, W) per stage: equal (the papers' case), the input gradient 3x the weights' and a third of it,
+# a forward as long as the whole backward
+V_COSTS = ((1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 0.5, 1.5), (2.0, 1.0, 1.0))
+V_ORDERS = (("ours", "zb-v"), ("torch", "zb-v"), ("ours", "dualpipe-v"), ("torch", "dualpipe-v"))
+
+
+def v_sim(ps: tuple[int, ...] = (2, 4, 6, 8)) -> list[dict[str, Any]]:
+    """Per p and m (p, 2p, 4p), ours and torch's V orders simulated: the bubble, the step less a rank's
+    work, per ``V_COSTS``; the most stage activations a rank holds (1F1B's rank 0: 2p of them)."""
+    rows = []
+    for p in ps:
+        for m in (p, 2 * p, 4 * p):
+            for who, name in V_ORDERS:
+                if (who, name) == ("torch", "dualpipe-v") and m < 2 * p:
+                    continue  # torch's DualPipeV refuses m < 2p
+                sched = schedule(name, p, m) if who == "ours" else torch_v_schedule(name, p, m)
+                row: dict[str, Any] = {"p": p, "m": m, "order": f"{who} {name}"}
+                for f, b, w in V_COSTS:
+                    t = simulate(sched, f, b, w)
+                    row[f"bubble {f:g}/{b:g}/{w:g}"] = round(t.makespan - 2 * m * (f + b + w), 3)
+                row["peak"] = max(t.peak_activations)
+                row["1f1b peak"] = 2 * max(simulate(schedule("1f1b", p, m), 2, 2, 2).peak_activations)
+                rows.append(row)
+    return rows
 
 
 def _print(cases: list[Case], results: dict[int, list[RankResult]], report: Report, steps: int, warmup: int
@@ -162,7 +245,18 @@ def main(argv: list[str] | None = None) -> Report:
                              "next to simulated) in DIR, and where the time went")  # fmt: skip
     parser.add_argument("--tradeoff", action="store_true",
                         help="only memory against step time (1f1b, zb-h1 and the V schedules)")  # fmt: skip
+    parser.add_argument("--v-sim", action="store_true",
+                        help="only the V orders, ours and torch's, simulated (no processes)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.v_sim:
+        rows = v_sim()
+        print("# bubble: the step less a rank's work, in F units, per (F, B, W) per stage; peak: stage "
+              "activations per rank (1F1B's rank 0 holds 2p)")  # fmt: skip
+        cells = [list(rows[0])] + [[str(v) for v in row.values()] for row in rows]
+        widths = [max(len(r[c]) for r in cells) for c in range(len(cells[0]))]
+        for r in cells:
+            print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+        return Report()
     if args.tradeoff:
         from bench.tradeoff import tradeoff
 
@@ -173,7 +267,8 @@ def main(argv: list[str] | None = None) -> Report:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if steps < 1 or warmup < 0:
         parser.error(f"--steps ({steps}) must be >= 1 and --warmup ({warmup}) >= 0")
-    cases = all_cases(args.quick) + ([] if args.quick else [v_case(4, 8, 5e-3)])
+    v_cases = [v_case(4, 8, 5e-3), zb_v_uneven_case(4, 8, 4e-3, 6e-3, 2e-3)]
+    cases = all_cases(args.quick) + ([] if args.quick else v_cases)
     if args.cases:
         wanted = args.cases.split(",")
         unknown = sorted(set(wanted) - {c.key for c in cases})

@@ -95,14 +95,16 @@ def _hazard_cases() -> set[tuple[str, str, int, int]]:
 def test_without_the_rule_the_hazards_are_where_the_model_put_them(monkeypatch: pytest.MonkeyPatch) -> None:
     _all_ahead(monkeypatch)
     found = _hazard_cases()
-    assert len(found) == 51
-    # gpipe at every size; 1f1b and zb-h1 never; interleaved at m = p from p = 3; the V forwards
+    assert len(found) == 53
+    # gpipe at every size; 1f1b and zb-h1 never; interleaved at m = p from p = 3; the V forwards; zb-v
     sizes = {(p, m) for p in (2, 3, 4) for m in (p, 2 * p)}
     assert {(p, m) for n, label, p, m in found if n == "gpipe" and label == "train"} == sizes
     assert not {f for f in found if f[0] in ("1f1b", "zb-h1")}
     assert {(p, m) for n, _, p, m in found if n == "interleaved-1f1b"} == {(3, 3), (4, 4)}
     assert all((n, "forward", p, m) in found for n in ("zb-v", "dualpipe-v", "v-half", "v-min")
                for p in (2, 3, 4) for m in (p, 2 * p))  # fmt: skip
+    zb_v_train = {(p, m) for n, label, p, m in found if n == "zb-v" and label == "train"}
+    assert zb_v_train == {(3, 3), (3, 6), (4, 4), (4, 8)}  # its training orders from p = 3 on
     sched = unchecked("gpipe", 2, 4, 1)
     assert drain_hazards(sched.programs(), sched.rank_of) == [
         Hazard(rank=0, at=sched.programs()[0].instructions.index(parse_action("0F3")),

@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from pipeline.schedules.actions import Kind
-from pipeline.schedules.schedule import schedule
+from pipeline.schedules.schedule import schedule, unchecked
 from pipeline.schedules.simulate import simulate
 
 PM = [(p, m) for p in range(1, 7) for m in range(1, 13)]
@@ -114,23 +114,17 @@ def test_interleaved_zb_makespan_and_memory(p: int, v: int, groups: int) -> None
 
 
 @pytest.mark.parametrize("p", range(1, 7))
-def test_zb_v_is_valid_beats_interleaved_1f1b_and_zb_h1_and_bounds_memory(p: int) -> None:
-    """zb-v (greedy at F = B = W = 1) runs every m from 1 to 3p; at equal work (zb-h1's one stage
-    per rank is two of zb-v's, so it costs 2 per action) its step is shorter than zb-h1's and
-    interleaved-1f1b's, and for m >= p within p - 3 units of the bound 6m + p - 1 (rank p - 1
-    idles p - 1 units before its first input; interleaved-zb reaches it for m = 2p, 3p); a rank
-    holds at most 3p - 1 stage activations (2p + 1 when p = 1)."""
+def test_zb_v_beats_interleaved_1f1b_and_zb_h1(p: int) -> None:
+    """zb-v at F = B = W = 1, every m from 1 to 3p (validated, and its memory and bubble bounded, in
+    test_zb_v.py): at equal work (zb-h1's one stage per rank is two of zb-v's, so it costs 2 per
+    action) its step is shorter than zb-h1's and interleaved-1f1b's."""
     for m in range(1, 3 * p + 1):
-        zbv = simulate(schedule("zb-v", p, m), 1, 1, 1)  # validated
+        zbv = simulate(unchecked("zb-v", p, m, 2), 1, 1, 1)
         zbh1 = simulate(schedule("zb-h1", p, m), 2, 2, 2)
         assert zbv.makespan <= zbh1.makespan and (p == 1 or zbv.makespan < zbh1.makespan)
         if m % p == 0:
             inter = simulate(schedule("interleaved-1f1b", p, m, n_virtual=2), 1, 2)
             assert zbv.makespan <= inter.makespan and (p == 1 or zbv.makespan < inter.makespan)
-        if m >= p:
-            assert 6 * m + p - 1 <= zbv.makespan <= 6 * m + p - 1 + max(0, p - 3)
-        assert max(zbv.peak_activations) <= max(3 * p - 1, 2 * p + 1)
-        assert max(zbv.peak_activations) <= 2 * m + 1
 
 
 def test_zb_v_numbers() -> None:

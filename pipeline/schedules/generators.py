@@ -20,6 +20,7 @@ wraps them in a ``Schedule`` and validates it.  Pictures for p = 4, m = 8 on ran
 from __future__ import annotations
 
 import functools
+import heapq
 
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.placement import rank_of
@@ -27,6 +28,7 @@ from pipeline.schedules.placement import rank_of
 __all__ = [
     "dualpipe_v",
     "gpipe",
+    "in_message_order",
     "interleaved_1f1b",
     "interleaved_zb",
     "one_f_one_b",
@@ -127,31 +129,176 @@ def interleaved_zb(p: int, v: int, m: int) -> Orders:
 def zb_v(p: int, v: int, m: int) -> Orders:
     """ZB-V (Qi et al. 2024): two stages per rank placed in a V (rank r holds stages r and
     2p - 1 - r, so the turn, stages p - 1 and p, is on rank p - 1 and needs no message), B split
-    into B and W. The order is a greedy list schedule simulated at unit costs (F = B = W = 1):
-    each time unit every rank runs a ready B (oldest micro-batch, later stage first), else a ready
-    F when it holds fewer than 2p + 1 forwards whose W has not run, else its oldest pending W, else
-    a received F over the cap (which frees the messages queued behind it), else idles. A message is
-    consumed only when it is the oldest unconsumed one on its rank pair, so that sends and receives
-    are posted in the same order (in a V one pair carries forwards and backwards both ways).
+    into B and W, at most 2p stage activations per rank for any m: 1F1B's peak (its rank 0 holds p
+    micro-batches of a whole stage, 2p of these half-size ones; min(m, p) of them for m < p).
 
-    Simulated with F = B = W (p = 6, m = 18): 113 units, the same as interleaved-zb and the bound
-    6m + p - 1 (rank p - 1 waits p - 1 units for its first input), against interleaved-1f1b's 123
-    and zb-h1's 118 at equal work; a rank holds at most 3p - 1 stage activations (interleaved-zb
-    the same; 1F1B's rank 0 holds 2p in these half-size stages); the cap 2p + 1 gave the shortest
-    steps of 2p - 1 .. 2p + 2 at no more memory.
+    From m = 2p - 1 on, the paper's order (torch's ``ScheduleZBVZeroBubble``), put in our channels'
+    message order, W's moved into the gaps that leaves; fewer micro-batches, a list schedule at unit
+    costs that holds the cap (``_zb_v``). p = 4, m = 8 (F/B/W: rank r's stage r, f/b/w: its stage
+    2p - 1 - r; '.': idle) at F = B = W = 1: 51 units, the bound 6m + p - 1 (rank p - 1 waits p - 1
+    units for its first input; ideal 48, interleaved-1f1b 57, zb-h1 54 at equal work), 2p = 8 held:
+
+        r=0  FFFF...fbFwfbFwfbFwfbwFBWfbwBWfbwBWfbwBWfbwBWBWBWBW
+        r=1  .FFFF.f.fbFwfbFwfbwFBWfbwFBWfbwBWfbwBWfbwBbBWBWBWwW
+        r=2  ..FFFfFf.fbFwfbwFBWfbwFBWfbwFBWfbwBWfbwBbBWbBWBwwWW
+        r=3  ...FfFfFfFfbwFBWfbwFBWfbwFBWfbwFBWfbwBbBWbBwbBwwWWW
+
+    The bubble is 6m + p - 1 from m = p on (the bound) and at every p <= 12, m <= 4p + 3 no longer
+    than the greedy order's this replaced, which held 3p - 1 (1.375x 1F1B at p = 4, 1.44x at p = 8;
+    tests/test_zb_v.py). With F, B and W unequal the paper's steady state keeps its bubble whatever
+    m; the list schedule's (p <= m < 2p - 1) grows with m, as the greedy's did (BENCHMARKS.md).
     """
     if v != 2:
         raise ValueError(f"zb-v places exactly 2 stages per rank, got n_virtual={v}; pass n_virtual=2")
-    return _greedy_v(p, m, cap=2 * p + 1)
+    return _zb_v(p, m)
 
 
-def _greedy_v(p: int, m: int, cap: int) -> Orders:
+@functools.cache  # the auto search asks again for each candidate
+def _zb_v(p: int, m: int) -> Orders:
+    """m >= 2p - 1: the paper's order (``_zb_v_paper``), each rank pair's messages in the order they
+    are sent (``in_message_order``), W's moved into the gaps that leaves (``_weights_into_gaps``);
+    fewer micro-batches, whose steady state the paper's order never reaches: the list schedule
+    (``_zb_v_listed``)."""
+    if m >= 2 * p - 1:
+        return _weights_into_gaps(in_message_order(_zb_v_paper(p, m), p, "zb-v"), p)
+    return _zb_v_listed(p, m)
+
+
+def _zb_v_paper(p: int, m: int) -> list[list[Action]]:
+    """The ZB-V paper's order (Qi et al. 2024, section 6; torch's ``ScheduleZBVZeroBubble``): rank r,
+    stage d = r going down and u = 2p - 1 - r coming back, runs six phases; a B's W right after it
+    unless deferred, the deferred ones run oldest first:
+
+        1  2(p - r) - 1 x  F d                 warm-up: 2p - r - 1 forwards on d ...
+        2  r x             F u, F d            ... and r on u, 2p - 1 held
+        3  p - r x         F u, B u, W u       the first backwards from the V's end, at 2p held
+        4  until m F's     F d, B d, W d, F u, B u, W u   steady: an F in, a W out, 2p held
+        5  r x             B d, B u            cool-down, W's deferred...
+        6  p - r x         B d, W (oldest d)   ...and the rest of them last, u's first
+
+    Planned for max(m, 2p - 1) micro-batches (the warm-up's) with the others left out."""
+    n = max(m, 2 * p - 1)
+    return [[a for a in _zb_v_paper_rank(r, p, n) if a.microbatch < m] for r in range(p)]
+
+
+def _zb_v_paper_rank(r: int, p: int, n: int) -> list[Action]:
+    d, u = r, 2 * p - 1 - r
+    out: list[Action] = []
+    count: dict[tuple[int, Kind], int] = {}  # (stage, F or B) -> the next micro-batch
+    deferred: dict[int, list[Action]] = {d: [], u: []}  # per stage, the W's of deferred B's
+
+    def run(stage: int, kind: Kind, defer: bool = False) -> None:
+        i = count.get((stage, kind), 0)
+        count[stage, kind] = i + 1
+        out.append(Action(stage, kind, i))
+        if kind is Kind.B:
+            (deferred[stage] if defer else out).append(Action(stage, Kind.W, i))
+
+    for _ in range(2 * (p - r) - 1):
+        run(d, Kind.F)
+    for _ in range(r):
+        run(u, Kind.F)
+        run(d, Kind.F)
+    for _ in range(p - r):
+        run(u, Kind.F)
+        run(u, Kind.B)
+    while count[u, Kind.F] < n:
+        if count[d, Kind.F] < n:
+            run(d, Kind.F)
+        run(d, Kind.B)
+        run(u, Kind.F)
+        run(u, Kind.B)
+    for _ in range(r):
+        run(d, Kind.B, defer=True)
+        run(u, Kind.B, defer=True)
+    for _ in range(p - r):
+        run(d, Kind.B, defer=True)
+        out.append(deferred[d].pop(0))
+    return out + deferred[u] + deferred[d]
+
+
+def _weights_into_gaps(orders: Orders, p: int) -> Orders:
+    """``orders`` played at unit costs, each rank running, where its next action cannot run yet,
+    the first W further on whose B has run instead of idling (the cool-down's deferred W's fill the
+    gaps a message order leaves). Only W's move, and only earlier: no message changes places and
+    no rank holds more."""
     k = 2 * p
+    rows = [list(row) for row in orders]
+    place = {a: (r, t) for r, row in enumerate(rows) for t, a in enumerate(row)}
+    # actions as (rank, position): what each waits for, and each B's W (a rank's W's are its own)
+    needs = [
+        [[place[d] for d in (a.needs if a.kind is not Kind.F or a.stage > 0 else ()) if 0 <= d.stage < k]
+         for a in row]
+        for row in rows
+    ]  # fmt: skip
+    weight_of = {place[a]: place[Action(a.stage, Kind.W, a.microbatch)] for a in place if a.kind is Kind.B}
+    ran = [[False] * len(row) for row in rows]
+    at = [0] * p  # each rank's first action not yet run
+    free: list[list[int]] = [[] for _ in range(p)]  # per rank, a heap: positions of W's whose B has run
+    out: list[list[Action]] = [[] for _ in range(p)]
+    left = sum(len(row) for row in rows)
+    while left:
+        picks: list[tuple[int, int]] = []
+        for r, row in enumerate(rows):
+            while at[r] < len(row) and ran[r][at[r]]:
+                at[r] += 1
+            if at[r] == len(row):
+                continue
+            if all(ran[q][t] for q, t in needs[r][at[r]]):
+                picks.append((r, at[r]))
+                continue
+            heap = free[r]
+            while heap and ran[r][heap[0]]:  # run in its own turn since
+                heapq.heappop(heap)
+            if heap:
+                picks.append((r, heapq.heappop(heap)))
+        if not picks:
+            raise RuntimeError(f"zb-v's order cannot run at p={p}")
+        for r, t in picks:
+            out[r].append(rows[r][t])
+            ran[r][t] = True
+            w = weight_of.get((r, t))
+            if w is not None:
+                heapq.heappush(free[r], w[1])
+        left -= len(picks)
+    return tuple(tuple(row) for row in out)
+
+
+def _zb_v_listed(p: int, m: int) -> Orders:
+    """zb-v's order for m < 2p - 1: each time unit, every rank runs its oldest ready B (the later
+    stage first of equals), else its next ready F (the later stage first) while it holds fewer than
+    2p forwards whose W has not run, else its oldest pending W, else idles; the cap is never passed.
+
+    A rank takes a message only when it is the oldest unconsumed one on its rank pair (sends and
+    receives are posted in the same order). In a V one pair carries two streams each way, and each
+    begins at an end of the V: on r -> r + 1 the down-stage forwards and the up-stage backwards,
+    which start on rank 0 (stage 0's forward, the last stage's backward), and on r + 1 -> r the
+    up-stage forwards and the down-stage backwards, which start on rank p - 1 (stages p and p - 1,
+    the turn). So every rank takes each stream in the interleaving its starting rank chose, and a
+    receiver at the cap with an input queued before a gradient it needs would stall. The two starting
+    ranks therefore choose it: before the backward of micro-batch j that a stream carries, exactly
+    ``lead(j) = p + max(0, j - (p - 1) // 2)`` of its forwards (all of them once m have run)::
+
+        rank 0       down F's (stage 0)  before up B j (stage 2p - 1):   lead(j)
+        rank p - 1   up F's (stage p)    before down B j (stage p - 1):  lead(j)
+
+    p forwards fill the V as far as the cap allows; the shift (p - 1) // 2 is the middle of those
+    that kept the greedy's bubble at every m <= 4p + 3 (p <= 12: from about p / 3 to p / 2; 0,
+    p - 1 and the ends of that range lose up to p units at some m, and a shift of p deadlocks)."""
+    k, cap = 2 * p, 2 * p
+    shift = (p - 1) // 2
+
+    def lead(j: int) -> int:
+        return min(m, p + max(0, j - shift))
 
     def rank(s: int) -> int:
         return rank_of("v", p, s)
 
     stages = [sorted((r, k - 1 - r), reverse=True) for r in range(p)]  # the later stage first
+    # each rank's stream starts: (its forward stage, its backward stage) whose counts it interleaves
+    starts = {0: (0, k - 1), p - 1: (p, p - 1)}
+    ran_f = [0] * k  # per stage: micro-batches whose F (B) ran, in micro-batch order
+    ran_b = [0] * k
     done: set[Action] = set()
     channel: dict[tuple[int, int], list[Action]] = {}  # (src, dst) -> sent, not yet consumed
     held = [0] * p  # forwards whose W has not run
@@ -161,13 +308,11 @@ def _greedy_v(p: int, m: int, cap: int) -> Orders:
 
     def need(a: Action) -> Action | None:
         """The input ``a`` takes from another stage (None: none)."""
-        if a.kind is Kind.F:
-            return Action(a.stage - 1, Kind.F, a.microbatch) if a.stage > 0 else None
-        return Action(a.stage + 1, Kind.B, a.microbatch) if a.stage < k - 1 else None
+        return _input_of(a, k)
 
     def ready(a: Action, r: int) -> bool:
-        if a in done or (a.kind is Kind.B and Action(a.stage, Kind.F, a.microbatch) not in done):
-            return False
+        if a.kind is Kind.B and ran_f[a.stage] <= a.microbatch:
+            return False  # its own F has not run
         d = need(a)
         if d is None:
             return True
@@ -176,45 +321,42 @@ def _greedy_v(p: int, m: int, cap: int) -> Orders:
         src = rank(d.stage)
         return src == r or channel[(src, r)][0] == d
 
-    def received(a: Action, r: int) -> bool:
-        # an input waiting on a rank pair is taken whatever the cap: messages behind it wait for it
-        d = need(a)
-        return d is not None and rank(d.stage) != r
+    def chosen(a: Action, r: int) -> bool:
+        """Whether a starting rank's interleaving lets ``a`` run now (other ranks: always)."""
+        if r not in starts:
+            return True
+        f, b = starts[r]
+        if a.kind is Kind.F and a.stage == f:
+            return a.microbatch < lead(ran_b[b])
+        if a.kind is Kind.B and a.stage == b:
+            return ran_f[f] >= lead(a.microbatch)
+        return True
 
-    # each stage runs its F's, and its B's, in micro-batch order (the oldest ready one is taken, and a
-    # later one is never ready before it: its input queues behind the earlier's on the rank pair), so
-    # only each stage's next F and next B are candidates: the oldest micro-batch, then the later stage
-    after = {Kind.F: [0] * k, Kind.B: [0] * k}  # per stage: micro-batches that ran
-
-    def oldest(kind: Kind, r: int, only_received: bool = False) -> Action | None:
-        found = [
-            a
-            for s in stages[r]
-            if after[kind][s] < m
-            and ready(a := Action(s, kind, after[kind][s]), r)
-            and (not only_received or received(a, r))
+    def next_of(kind: Kind, r: int) -> list[Action]:
+        ran = ran_f if kind is Kind.F else ran_b
+        return [
+            a for s in stages[r] if ran[s] < m and ready(a := Action(s, kind, ran[s]), r) and chosen(a, r)
         ]
-        return min(found, key=lambda a: a.microbatch, default=None)  # the first of equals: later stage
 
     while len(done) < total:
-        ran: list[tuple[int, Action]] = []
+        picks: list[tuple[int, Action]] = []
         for r in range(p):
-            pick = oldest(Kind.B, r)
+            found = next_of(Kind.B, r)
+            pick = min(found, key=lambda a: a.microbatch) if found else None  # the first of equals: later
             if pick is None and held[r] < cap:
-                pick = oldest(Kind.F, r)
+                pick = next(iter(next_of(Kind.F, r)), None)
             if pick is None and pending_w[r]:
                 pick = pending_w[r].pop(0)
-            if pick is None:  # over the cap with nothing else to run: take a waiting input, which
-                # frees the messages behind it on its rank pair (else the pipeline would stall)
-                pick = oldest(Kind.F, r, only_received=True)
             if pick is not None:
-                ran.append((r, pick))
-                if pick.kind is not Kind.W:
-                    after[pick.kind][pick.stage] += 1
-        if not ran:
-            raise RuntimeError(f"zb-v's list schedule stalls at p={p}, m={m}, cap={cap}")
-        for r, a in ran:
-            d = need(a) if a.kind is not Kind.W else None
+                picks.append((r, pick))
+                if pick.kind is Kind.F:
+                    ran_f[pick.stage] += 1
+                elif pick.kind is Kind.B:
+                    ran_b[pick.stage] += 1
+        if not picks:
+            raise RuntimeError(f"zb-v's list schedule stalls at p={p}, m={m}")
+        for r, a in picks:
+            d = need(a)
             if d is not None and rank(d.stage) != r:
                 channel[(rank(d.stage), r)].pop(0)
             orders[r].append(a)
@@ -224,7 +366,7 @@ def _greedy_v(p: int, m: int, cap: int) -> Orders:
                 pending_w[r].append(Action(a.stage, Kind.W, a.microbatch))
             else:
                 held[r] -= 1
-        for r, a in ran:  # what finished this unit: ready for the next
+        for r, a in picks:  # what finished this unit: ready for the next
             done.add(a)
             out = a.stage + 1 if a.kind is Kind.F else a.stage - 1
             if a.kind is not Kind.W and 0 <= out < k and rank(out) != r:
@@ -250,7 +392,7 @@ def dualpipe_v(p: int, v: int, m: int) -> Orders:
 
     p = 4, m = 8 at F = B = W = 1 (F/B/W: stage d, f/b/w: stage u; '.': idle), 51 units (ideal 48,
     the bound 6m + p - 1; zb-v 51, 1F1B at equal work 66), every rank at most 2p + 1 = 9 stage
-    activations (DualPipeV's PP + 1; zb-v 11):
+    activations (DualPipeV's PP + 1; zb-v 8):
 
         r=0  FFFFF..fbFwfbFwfbwfFbwfBWbwfBWbwfBWbwfBWbwBWBW.BWBW
         r=1  .FFFFFf.fbFwfbwfFbwfBWFbwfBWbwfBWbwfBWbwBWbBw.BWBWW
@@ -259,7 +401,7 @@ def dualpipe_v(p: int, v: int, m: int) -> Orders:
 
     Our channels match a rank pair's messages in posting order (as NCCL does), and from p = 3 on
     DualPipeV's receivers take some out of it (p = 3: rank 1 takes stage 5's gradient 0 before
-    stage 0's activation 4, which rank 0 sent first): ``_in_message_order`` then has the sender
+    stage 0's activation 4, which rank 0 sent first): ``in_message_order`` then has the sender
     run that forward right after the message taken first (p = 4, m = 8: 3 forwards move, p = 8,
     m = 16: 21; none at p <= 2), which keeps the bubble and holds no more.
 
@@ -277,7 +419,7 @@ def dualpipe_v(p: int, v: int, m: int) -> Orders:
 def _dualpipe_v(p: int, m: int) -> Orders:
     full = max(m, 2 * p)
     wanted = [[a for a in _dualpipe_v_rank(r, p, full) if a.microbatch < m] for r in range(p)]
-    return _in_message_order(wanted, p, "dualpipe-v")
+    return in_message_order(wanted, p, "dualpipe-v")
 
 
 def _dualpipe_v_rank(r: int, p: int, m: int) -> list[Action]:
@@ -333,8 +475,9 @@ def _dualpipe_v_rank(r: int, p: int, m: int) -> list[Action]:
     return out
 
 
-def _in_message_order(wanted: list[list[Action]], p: int, name: str) -> Orders:
-    """``wanted`` (V placement) with each rank pair's messages taken in the order they are sent.
+def in_message_order(wanted: list[list[Action]], p: int, name: str) -> Orders:
+    """``wanted`` (V placement) with each rank pair's messages taken in the order they are sent
+    (dualpipe-v's order; scripts/bench_schedules.py puts torch's V orders through it to compare).
 
     Our channels, like NCCL's, match a pair's messages in posting order, and in a V one pair
     carries forwards one way and gradients the other way, so both ends must mix them alike. Where a
