@@ -32,7 +32,10 @@ Not every place can be cut (``cut_groups``): the pipeline sends a tensor or a tu
 and a stage's input is a leaf of autograd, which refuses a layer that writes into its input
 (``nn.ReLU(inplace=True)``). Layers joined by such places form one group that no split breaks.
 A traced model's profile says so per cut itself (``Profile.cut_reasons``: every value live
-across the cut counts, not only the previous layer's output).
+across the cut counts, not only the previous layer's output). And every stage holds a parameter:
+a layer holding none (a ``Dropout``, a pooling, a final scale) joins its neighbour's group, so no
+rank is left with nothing for its optimizer; where fewer groups hold parameters than there are
+stages, ``partition`` refuses, naming them.
 """
 
 from __future__ import annotations
@@ -228,7 +231,10 @@ def _blocked(layers: Sequence[LayerProfile], cut: int, reasons: Sequence[str] | 
 def cut_groups(
     layers: Sequence[LayerProfile], reasons: Sequence[str] | None = None
 ) -> tuple[list[int], list[str]]:
-    """Sizes of the runs of layers that no cut may split, and the reasons for the joins."""
+    """Sizes of the runs of layers that no cut may split, and the reasons for the joins.
+
+    Every stage holds a parameter (``_bare``): when the profile names parameters, a run holding
+    none joins the run before it (a first run, the run after it)."""
     sizes, joined = [1], []
     for cut in range(len(layers) - 1):
         why = _blocked(layers, cut, reasons)
@@ -237,17 +243,52 @@ def cut_groups(
             joined.append(why)
         else:
             sizes.append(1)
-    return sizes, joined
+    if not any(lp.params for lp in layers):  # no parameter named (a profile made by hand): no rule
+        return sizes, joined
+    out: list[int] = []
+    start, waiting = 0, 0
+    for size in sizes:
+        bare = _bare(layers, start, start + size)
+        if bare:
+            joined.append(bare)
+        if bare and out:
+            out[-1] += size
+        elif bare:
+            waiting += size
+        else:
+            out.append(waiting + size)
+            waiting = 0
+        start += size
+    return out, joined
+
+
+def _bare(layers: Sequence[LayerProfile], start: int, stop: int) -> str:
+    """Why layers [start, stop) cannot be a stage alone: they hold no parameter ('' if they do).
+
+    A rank without parameters has nothing to train: ``torch.optim.AdamW(pipe.parameters())``
+    raises there. One rule for the solver's groups and for a given balance's problems."""
+    if any(lp.params for lp in layers[start:stop]):
+        return ""
+    what = f"layer {start} ({layers[start].name})" if stop - start == 1 else f"layers {start}..{stop - 1}"
+    return f"{what} holds no parameter, so it stays with a stage that does"
 
 
 def cut_problems(
     layers: Sequence[LayerProfile], balance: Sequence[int], reasons: Sequence[str] | None = None
 ) -> list[str]:
-    """What makes ``balance`` unrunnable: stage boundaries at places that cannot be cut."""
+    """What makes ``balance`` unrunnable: stage boundaries at places that cannot be cut, and
+    stages that would hold no parameter (when the profile names parameters)."""
     out, end = [], 0
     for s, size in enumerate(balance[:-1]):
         end += size
         why = _blocked(layers, end - 1, reasons)
         if why:
             out.append(f"the boundary between stages {s} and {s + 1}: {why}")
+    if any(lp.params for lp in layers):
+        start = 0
+        for s, size in enumerate(balance):
+            bare = _bare(layers, start, start + size)
+            if bare:
+                out.append(f"stage {s}: {bare}; its rank's optimizer would have nothing to train")
+            start += size
     return out

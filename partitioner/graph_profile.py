@@ -163,4 +163,5 @@ def traced_record(traced: Traced) -> dict[str, Any]:
         "method": traced.method,
         "fingerprint": traced.fingerprint,
         "sample": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in traced.signature],
+        "stages": traced.stages,  # what its layers were grouped for: each rank groups them so again
     }

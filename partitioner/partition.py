@@ -164,9 +164,13 @@ def partition(
 
     ``model`` is an ``nn.Sequential`` (its children are the layers) or any module that
     ``torch.export`` (or else ``torch.fx.symbolic_trace``) can trace with ``sample``: its layers
-    are then groups of its traced calls (one per transformer block), a cut costs every tensor
-    live across it, and the plan records its ``cuts`` (the layer each stage after the first
-    begins with) and the trace (``graph``), which ``Pipeline`` checks against the model.
+    are then groups of its traced calls (one per transformer block; grouped for the p x v stages,
+    p for the auto search, so that a module holding more than a balanced stage's share of the
+    calls, an encoder, is split into its children: ``pipeline.runtime.trace.layers``; a given
+    ``profile`` keeps its own grouping), a cut costs every tensor live across it,
+    and the plan records its ``cuts`` (the layer each stage after the first begins with) and the
+    trace (``graph``), which ``Pipeline`` checks against the model. Every stage holds a parameter
+    (``partitioner.costs.cut_groups``): a layer without one stays with a neighbour.
     Parameters that layers of several stages hold (tied weights) are in ``plan.ties``
     (name -> stages).
 
@@ -287,8 +291,9 @@ def plan_for(
     """The ``Plan`` of any ``balance`` (k = p * v layer counts), with the predictions ``partition``
     makes: ours, equal counts, torchgpipe's. The options default as in ``partition``. A balance
     with a boundary where the model cannot be cut is planned, and ``plan.problems`` says why
-    no pipeline can run it. ``dp``: pipeline replicas, recorded in the plan; ``shard``, ``tp``,
-    ``zero``: as in ``partition`` (``partitioner.composition``)."""
+    no pipeline can run it (and names a stage that would hold no parameter). ``dp``: pipeline
+    replicas, recorded in the plan; ``shard``, ``tp``, ``zero``: as in ``partition``
+    (``partitioner.composition``)."""
     check_composition(shard, tp, zero)
     given: Any = balance  # Plan names what is wrong with it
     shape = Plan(balance=given, schedule=schedule, n_virtual=n_virtual or 0, recompute=recompute, dp=dp,
@@ -358,7 +363,7 @@ def _profiled(
     elif profile is not None:
         n = len(profile)
     else:
-        traced = trace(model, sample)
+        traced = trace(model, sample, stages=n_ranks * v)  # a module above a balanced stage: split
         n = len(traced.layers)
     what = "layers" if traced is None else f"layers (groups of its traced calls: {_names(traced)})"
     check_stage_count(n, n_ranks, v, what)

@@ -92,6 +92,7 @@ class TracedGraph:
     fingerprint: str  # identifies the graph: its layers, their calls, the sample's signature
     sample: list[tuple[list[int], str]]  # per input of the sample: its shape and dtype name
     layers: list[str] = field(default_factory=list)  # the layers' names in order, to name a difference
+    stages: int = 2  # the stages its layers were grouped for (trace.layers: which modules are opened)
 
     def __post_init__(self) -> None:  # JSON gives lists: the same values either way, so equal plans
         object.__setattr__(self, "sample", [(list(shape), str(dtype)) for shape, dtype in self.sample])
@@ -233,7 +234,7 @@ class Plan:
     rank_peaks: list[float] = field(default_factory=list)  # per rank, peak bytes: its program walked
     ties: dict[str, list[int]] = field(default_factory=dict)  # tied parameter name -> the stages holding it
     cuts: list[str] = field(default_factory=list)  # a traced model: the layer each stage but the first begins
-    problems: list[str] = field(default_factory=list)  # why a cut of the balance is impossible (plan_for)
+    problems: list[str] = field(default_factory=list)  # (plan_for) impossible cuts, stages without parameters
     graph: TracedGraph | None = None  # a traced model: how, to trace it again on every rank
     autocast: str | None = None  # the dtype the profile ran under (None: fp32)
     loss_profiled: bool = False  # the last stage's predictions include the loss

@@ -153,7 +153,7 @@ def scale() -> None:
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        layers = group_layers(traced.graph)
+        layers = group_layers(traced.graph, model)
         values = live_values(traced.graph, layers, traced.inputs)
         reasons = cut_blocks(traced.graph, layers, values, model)
         figures = _synthetic(

@@ -42,7 +42,7 @@ def test_a_plan_for_another_model_is_refused(planned: tuple[nn.Module, torch.Ten
     _, _, plan = planned
     deeper, _ = gpt_tied(n_layers=3, **KW)  # type: ignore[arg-type]
     with pytest.raises(
-        ValueError, match=r"made for another model \(layer 5 is blocks.2 in this TiedGPT but norm"
+        ValueError, match=r"made for another model \(layer 4 is blocks.2 in this TiedGPT but norm"
     ):
         plan_stages(deeper, plan, [0], torch.device("cpu"))
     with pytest.raises(ValueError, match=r"splits an nn.Sequential of 8 layers, but the model is a TiedGPT"):

@@ -117,8 +117,7 @@ def test_the_plan_names_tied_weights() -> None:
     assert plan.ties == {"tok.weight": [0, 1]} and plan.graph is not None
     assert plan.graph.layers == [  # the positions' arange is no layer: each stage makes it
         "tok",
-        "pos",
-        "add",
+        "pos",  # with the loose add of the two embeddings
         "blocks.0",
         "blocks.1",
         "norm",

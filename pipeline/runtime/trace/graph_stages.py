@@ -3,9 +3,11 @@
     # p: ranks, k: stages, s: stage, r: rank
 
 ``partition`` records in a traced model's plan how it traced it (``plan.graph``, a ``TracedGraph``:
-method, fingerprint, the sample's shapes and dtypes, the layers' names). Every rank then::
+method, fingerprint, the sample's shapes and dtypes, the layers' names and the stages they were
+grouped for). Every rank then::
 
     model (real or meta) --trace(zeros of the sample's shapes, on the model's device)--> graph
+        --layers grouped for the plan's stages (plan.graph.stages)
         --fingerprint == the plan's?--> no: ValueError naming the first layer that differs
         --stage_specs(balance)--> a holder per stage (the model's own modules, nothing copied)
         --find_ties(all k holders)--> ties (the same on every rank)
@@ -90,12 +92,13 @@ def traced_for_plan(model: nn.Module, plan: Plan) -> Traced:
     sample = tuple(
         torch.zeros(shape, dtype=getattr(torch, dtype), device=where) for shape, dtype in record.sample
     )
-    key = (str(where), repr(record.sample), tuple((name, id(sub)) for name, sub in model.named_modules()))
+    modules = tuple((name, id(sub)) for name, sub in model.named_modules())
+    key = (str(where), repr(record.sample), record.stages, modules)
     cached = _traces.get(model)
     if cached is not None and cached[0] == key:
         traced = dataclasses.replace(cached[1], root=model)
     else:
-        traced = trace(model, sample if len(sample) > 1 else sample[0])
+        traced = trace(model, sample if len(sample) > 1 else sample[0], stages=record.stages)
         _traces[model] = (key, dataclasses.replace(traced, root=nn.Module()))  # not the model itself
     if traced.fingerprint != record.fingerprint:
         raise ValueError(_another_model(model, record, traced))

@@ -3,14 +3,31 @@
     # n: layers, l: layer, s: stage, [a, b): the layers of one stage
 
 Grouping. Every call node carries the stack of modules it was called in (``nn_module_stack``,
-outermost first). A node belongs to the outermost module of its stack that is not *opened*; a
-module is opened (replaced by its children) when it holds more than half of the model's calls
-(a wrapper such as ``self.encoder``, or an ``nn.Sequential`` of every layer).
-Calls of the root itself, or of an opened module outside any child (a residual ``x + block(x)``
-written in the loop), are *loose*. A layer is a run of consecutive calls with the same owner; loose
-calls form runs of their own, named after their first call::
+outermost first). A node belongs to the outermost module of its stack that is not *opened*. The
+layers are grouped for k stages (``stages``: partition's p x v), and a stage of a balanced split
+holds 1/k of the model; a module holding more than that can only be balanced once it is split, so
+every module holding more than 1/k of the model's calls is opened (replaced by its children),
+again inside it until each module left is small enough::
 
-    tok | pos | add (loose) | blocks.0 | blocks.1 | ... | ln | head
+    T5, 6 + 6 blocks, 745 calls          k = 2 (> 372)          k = 4 (> 186)
+      model.encoder     262 calls        one layer              opened: embed, block.0 .. block.5, norm
+      model.decoder     470 calls        opened: block.0 ..     opened
+      each block        ~77 calls        one layer each         one layer each
+
+The calls are the measure because grouping comes before any profile (and every rank groups its
+trace again, as the plan records: ``TracedGraph.stages``); k = 2 opens the wrappers that hold most
+of the model (``self.encoder``, an ``nn.Sequential`` of every block).
+
+Calls of the root itself, or of an opened module outside any child (a residual ``x + block(x)``
+written in the loop, a logits slice, a final softcap or scale), are *loose*. A layer is a run of
+consecutive calls with the same owner; a loose run that reads a parameter is a layer of its own,
+named after its first call, and one that reads none joins a neighbour, losing one of the two
+cuts around it: the one that cannot be made anyway (``cut_blocks``: a reduction that drops the
+batch dimension joins the layer after it), else the cut before it when it reads a value made
+there, else the cut after it. A layer holding no parameter could otherwise be given a rank of
+its own (a 0.07 ms multiply), where an optimizer over the rank's parameters finds none::
+
+    tok | pos + add | blocks.0 | blocks.1 | ... | ln | head + scale
     one layer per transformer block; a module called in one go is one contiguous run
     (the positions' ``arange`` is no layer: it is made from sizes alone, see sizes.py)
 
@@ -45,6 +62,7 @@ __all__ = [
     "cut_blocks",
     "group_layers",
     "live_values",
+    "opened_modules",
     "reads",
     "size_hint",
     "writes_input",
@@ -101,35 +119,94 @@ def _op_name(node: fx.Node) -> str:
     return str(name).replace(".default", "")
 
 
-def group_layers(graph: fx.Graph) -> list[Layer]:
-    """The layers of ``graph`` (see the module docstring), in the order their first calls run."""
+def group_layers(graph: fx.Graph, module: nn.Module, stages: int = 2) -> list[Layer]:
+    """The layers of ``graph``, traced from ``module`` (see the module docstring), in the order their
+    first calls run; ``stages``: how many stages they are grouped for (``opened_modules``)."""
     mark_derived(graph)
     calls = [n for n in graph.nodes if n.op in _CALLS and not recomputed(n)]  # no layer's (sizes.py)
-    counts: Counter[str] = Counter(path for node in calls for path, _ in _stack(node))
-    opened = {p for p, c in counts.items() if 2 * c > len(calls)}
+    opened = opened_modules(calls, stages)
     owner: dict[str, int] = {}
-    runs: list[tuple[str | None, str, list[fx.Node]]] = []  # (owner path or None, kind, nodes)
+    runs: list[_Run] = []
     for node in calls:
         producer = node.args[0] if node.target is operator.getitem and node.args else None
         if isinstance(producer, fx.Node) and producer.name in owner and not is_tensor(producer):
-            runs[owner[producer.name]][2].append(node)  # a part of a multi-value result stays with it
+            runs[owner[producer.name]].nodes.append(node)  # a part of a multi-value result stays with it
             owner[node.name] = owner[producer.name]
             continue
         key = next(((p, k) for p, k in _stack(node) if p not in opened), None)
         path = None if key is None else key[0]
-        if not runs or runs[-1][0] != path or (path is None and runs[-1][0] is not None):
+        if not runs or runs[-1].path != path or (path is None and runs[-1].path is not None):
             kind = key[1] if key is not None else _op_name(node)
-            runs.append((path, kind, []))
-        runs[-1][2].append(node)
+            runs.append(_Run(path, kind, []))
+        runs[-1].nodes.append(node)
         owner[node.name] = len(runs) - 1
+    each = _layers(runs)
+    inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+    blocked = cut_blocks(graph, each, live_values(graph, each, inputs), module)
+    parameters = {name for name, _ in module.named_parameters()}  # the names get_attr reads them by
+    return _layers(_join_loose(runs, parameters, blocked))
+
+
+def opened_modules(calls: list[fx.Node], stages: int) -> set[str]:
+    """The modules replaced by their children: each holding more than 1 / ``stages`` of the calls."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(
+            f"stages ({stages!r}) must be an integer >= 1: the stages the layers are grouped for"
+        )
+    counts: Counter[str] = Counter(path for node in calls for path, _ in _stack(node))
+    return {path for path, count in counts.items() if stages * count > len(calls)}
+
+
+@dataclass
+class _Run:
+    """Consecutive calls with one owner: a module's path, or None for loose calls."""
+
+    path: str | None
+    kind: str
+    nodes: list[fx.Node]
+
+
+def _layers(runs: list[_Run]) -> list[Layer]:
     names: Counter[str] = Counter()
     layers = []
-    for path, kind, nodes in runs:
-        base = path if path is not None else nodes[0].name
+    for run in runs:
+        base = run.path if run.path is not None else run.nodes[0].name
         names[base] += 1
         name = base if names[base] == 1 else f"{base}#{names[base]}"  # a module called again later
-        layers.append(Layer(name, kind, tuple(n.name for n in nodes), tuple(sorted(reads(nodes)))))
+        layers.append(
+            Layer(name, run.kind, tuple(n.name for n in run.nodes), tuple(sorted(reads(run.nodes))))
+        )
     return layers
+
+
+def _join_loose(runs: list[_Run], parameters: set[str], blocked: list[str]) -> list[_Run]:
+    """``runs`` with every loose run that reads no parameter joined to a neighbour (the docstring):
+    across a cut that cannot be made anyway (``blocked[l]``: the cut after run l), else the run
+    before it if it reads a value made there, else the run after it."""
+    n = len(runs)
+    joins = [n > 1 and run.path is None and not reads(run.nodes) & parameters for run in runs]
+    after = [False] * n  # run j joins the run after it (else the run before it)
+    for j, run in enumerate(runs):
+        if not joins[j]:
+            continue
+        if j == 0 or j == n - 1:
+            after[j] = j == 0
+        elif blocked[j - 1] or blocked[j]:
+            after[j] = not blocked[j - 1]
+        else:
+            made = {node.name for node in runs[j - 1].nodes}
+            after[j] = not any(a.name in made for node in run.nodes for a in node.all_input_nodes)
+    out: list[_Run] = []
+    waiting: list[fx.Node] = []  # calls that join the next run
+    for j, run in enumerate(runs):
+        if joins[j] and after[j]:
+            waiting.extend(run.nodes)
+        elif joins[j]:
+            out[-1].nodes.extend(run.nodes)
+        else:
+            out.append(_Run(run.path, run.kind, waiting + run.nodes))
+            waiting = []
+    return out
 
 
 def reads(nodes: list[fx.Node]) -> set[str]:

@@ -31,6 +31,7 @@ the stage's own ``training`` flag (modes.py), so ``stage.eval()`` evaluates as t
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -128,23 +129,29 @@ def _live(traced: Traced, cut: int, s: int) -> tuple[str, ...]:
 
 def holder(root: nn.Module, targets: Iterable[str], constants: dict[str, torch.Tensor]) -> nn.Module:
     """A plain module holding, at their paths in ``root``, root's own submodules that own ``targets``
-    (get_attr names and called module paths), and root's own parameters and buffers that they name."""
+    (get_attr names and called module paths), and the parameters and buffers they name.
+
+    A tensor's owner is held whole, as the model's own module (its class's ``reset_parameters``
+    and an ``init_fn`` see it), unless that would bring tensors of its children that ``targets``
+    do not name: BART's ``final_logits_bias`` belongs to the whole model, and a layer adding it
+    must not hold (nor tie across stages) every weight. Such a tensor is held alone, at its path
+    under plain containers, as root's own tensors are."""
     out = nn.Module()
+    targets = list(targets)
+    wanted = _tensor_ids(root, [t for t in targets if t not in constants])
     owners: set[str] = set()
+    alone: list[str] = []
     for target in targets:
         if target in constants:
             out.register_buffer(target, constants[target], persistent=False)
             continue
-        path, _, name = target.rpartition(".")
+        path = target.rpartition(".")[0]
         if isinstance(_get(root, target), nn.Module):
             owners.add(target)
-        elif path:
+        elif path and _only(root.get_submodule(path), wanted):
             owners.add(path)
-        elif name in root._parameters:
-            out.register_parameter(name, root._parameters[name])
         else:
-            persistent = name not in root._non_persistent_buffers_set
-            out.register_buffer(name, getattr(root, name), persistent=persistent)
+            alone.append(target)
     # in root's module order: a parameter held under two paths (BERT's decoder.weight, the word
     # embedding) then has in the holder the first name it has in root, the name the graph reads
     order = {path: j for j, (path, _) in enumerate(root.named_modules(remove_duplicate=False))}
@@ -154,7 +161,49 @@ def holder(root: nn.Module, targets: Iterable[str], constants: dict[str, torch.T
             continue  # inside a module held already
         _attach(out, path, root.get_submodule(path))
         attached.append(path)
+    for target in sorted(alone):
+        if not any(target.startswith(a + ".") for a in attached):
+            _hold(out, root, target)
     return out
+
+
+def _tensor_ids(root: nn.Module, targets: list[str]) -> set[int]:
+    """The tensors ``targets`` name, those of the modules they name included, by identity."""
+    out: set[int] = set()
+    for target in targets:
+        obj = _get(root, target)
+        if isinstance(obj, nn.Module):
+            out.update(id(t) for t in itertools.chain(obj.parameters(), obj.buffers()))
+        else:
+            out.add(id(obj))
+    return out
+
+
+def _only(owner: nn.Module, wanted: set[int]) -> bool:
+    """Whether every tensor that ``owner``'s children hold is one of ``wanted``."""
+    return all(
+        id(t) in wanted
+        for child in owner.children()
+        for t in itertools.chain(child.parameters(), child.buffers())
+    )
+
+
+def _hold(out: nn.Module, root: nn.Module, target: str) -> None:
+    """Root's tensor ``target`` (a parameter or buffer), itself, at its path in ``out``."""
+    path, _, name = target.rpartition(".")
+    owner = root.get_submodule(path)
+    at = out
+    for part in path.split(".") if path else ():
+        nxt = at._modules.get(part)
+        if nxt is None:
+            nxt = nn.Module()
+            at.add_module(part, nxt)
+        at = nxt
+    if name in owner._parameters:
+        at.register_parameter(name, owner._parameters[name])
+    else:  # a buffer, or a plain tensor attribute (in no state dict: not persistent)
+        persistent = name in owner._buffers and name not in owner._non_persistent_buffers_set
+        at.register_buffer(name, getattr(owner, name), persistent=persistent)
 
 
 def _get(root: nn.Module, target: str) -> Any:

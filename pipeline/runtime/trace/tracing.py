@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeline.runtime.inputs.microbatch import Signature
-from pipeline.runtime.trace.layers import Layer, Value, group_layers, live_values
+from pipeline.runtime.trace.layers import Layer, Value, group_layers, live_values, opened_modules
 from pipeline.runtime.trace.untraceable import untraceable
 
 __all__ = ["CONSTANT", "Traced", "first_names", "is_constant", "sample_signature", "trace"]
@@ -81,6 +81,7 @@ class Traced:
     signature: Signature
     device: torch.device
     fingerprint: str
+    stages: int = 2  # the stages its layers are grouped for (layers.py opens modules above 1 / stages)
 
     def nodes(self) -> dict[str, fx.Node]:
         return {node.name: node for node in self.graph.nodes}
@@ -98,17 +99,20 @@ def sample_signature(sample: Any) -> Signature:
     return tuple((tuple(t.shape), t.dtype) for t in items)
 
 
-def trace(module: nn.Module, sample: Any, method: str = "auto") -> Traced:
+def trace(module: nn.Module, sample: Any, method: str = "auto", stages: int = 2) -> Traced:
     """The traced graph of ``module`` on ``sample`` (see the module docstring); the module is not run.
 
     ``sample`` may live on the meta device (a meta model is traced with meta inputs). ``method``:
-    "auto" (export, then fx), "export" or "symbolic_trace" (that tracer only).
+    "auto" (export, then fx), "export" or "symbolic_trace" (that tracer only). ``stages``: the
+    number of stages its layers are grouped for (layers.py: a module holding more than 1 / stages
+    of the calls is split into its children).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(module).__name__}")
     if method not in ("auto", "export", "symbolic_trace"):
         raise ValueError(f"method ({method!r}) must be 'auto', 'export' or 'symbolic_trace'")
     sig = sample_signature(sample)
+    opened_modules([], stages)  # checked before tracing
     args = sample if isinstance(sample, tuple) else (sample,)
     device = args[0].device
     mode = module.training
@@ -131,13 +135,13 @@ def trace(module: nn.Module, sample: Any, method: str = "auto") -> Traced:
         module.train(mode)
     graph, method, outputs, spec, out_constants, constants = found
     _canonical_names(graph, module)
-    layers = group_layers(graph)
+    layers = group_layers(graph, module, stages)
     inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
     values = live_values(graph, layers, inputs)
     fingerprint = _fingerprint(method, sig, layers, graph)
     return Traced(
         module, graph, method, inputs, outputs, spec, out_constants, constants, layers, values, sig,
-        device, fingerprint,
+        device, fingerprint, stages,
     )  # fmt: skip
 
 
