@@ -11,7 +11,8 @@ Workloads (``--cases``), each at p = 1, 2 and 4 (``--ranks``):
     tiny   an MLP of 8 layers 16 wide, 2 rows per micro-batch, m = 8: nearly all host time is runtime
     mlp    an MLP of 12 layers 768 wide, 8 rows per micro-batch, m = 6 (m = 8 at p = 4: interleaved
            needs m to be a multiple of p)
-    gpt    the reference GPT (pipeline.reference.models.gpt), width 256, 6 blocks, 64 tokens, m = 8
+    gpt    the reference GPT (pipeline.reference.models.gpt), width 128, 6 blocks, 2 rows of 64 tokens
+           per micro-batch, m = 8
 
 Runs: at p = 1, ours (1F1B, GPipe) against a plain loop over the same micro-batches (forward,
 backward of loss / m, accumulating) and against torch.distributed.pipelining on one stage; at
@@ -85,7 +86,7 @@ def _workload(key: str, p: int, quick: bool) -> tuple[str, int, dict[str, int]]:
         m = 8 if p == 4 else 6
         return "mlp", m, {"width": 768, "depth": 12, "batch_size": 8 * m}
     m = 8
-    return "gpt", m, {"width": 256, "n_layers": 6, "n_heads": 4, "max_seq_len": 64, "batch_size": 2 * m}
+    return "gpt", m, {"width": 128, "n_layers": 6, "n_heads": 4, "max_seq_len": 64, "batch_size": 2 * m}
 
 
 def cases(keys: list[str], ranks: list[int], quick: bool) -> list[Case]:
