@@ -3,6 +3,7 @@
     python scripts/bench_overhead.py                 # every case: 1, 2 and 4 ranks; tiny and real layers
     python scripts/bench_overhead.py --quick         # tiny layers on 1 and 2 ranks, 3 steps (the test's run)
     python scripts/bench_overhead.py --cases mlp,gpt --ranks 2 --steps 40 --json runs/overhead.json
+    python scripts/bench_overhead.py --repeats 3      # each rank count launched 3 times, steps pooled
 
     # p: ranks, m: micro-batches, v: stages per rank, a: a compute action (F or B) of a rank
 
@@ -190,8 +191,9 @@ def _rank_main(todo: list[Case], steps: int, warmup: int, split_steps: int) -> d
 
 @dataclass(frozen=True)
 class StepRow:
-    """Ours against one rival on one case: median steps, the median of the per-step ratios and its
-    quartiles, cpu ms per rank and step (mean over ranks)."""
+    """Ours against one rival on one case, over every repeat's steps: median steps, the median of the
+    per-step ratios and its quartiles, each repeat's median ratio, cpu ms per rank and step (mean over
+    ranks)."""
 
     case: str
     ours: str
@@ -201,14 +203,19 @@ class StepRow:
     ratio: float
     ratio_q1: float
     ratio_q3: float
+    repeats: list[float]
     cpu_ours_ms: float
     cpu_rival_ms: float
+
+    @property
+    def spread(self) -> str:
+        return f"{min(self.repeats):.3f}-{max(self.repeats):.3f}"
 
 
 @dataclass(frozen=True)
 class SplitRow:
-    """Ours on one case: compute actions per rank and step, µs per action by category (mean over
-    ranks), the runtime's share of the (instrumented) step."""
+    """Ours on one case: compute actions per rank and step, µs per action by category (the median over
+    repeats of the mean over ranks), the runtime's share of the (instrumented) step."""
 
     case: str
     ours: str
@@ -217,7 +224,11 @@ class SplitRow:
     runtime_share: float
 
 
-def _step_times(per_rank: list[_Measured], key: str, j: int) -> list[float]:
+# per rank count: per repeat, per rank, per case key
+Results = dict[int, list[list[dict[str, _Measured]]]]
+
+
+def _step_times(per_rank: list[_Measured], j: int) -> list[float]:
     steps = [r.steps[j] for r in per_rank]
     return [max(s[k][1] for s in steps) - min(s[k][0] for s in steps) for k in range(len(steps[0]))]
 
@@ -229,40 +240,47 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def report(
-    todo: list[Case], results: dict[int, list[dict[str, _Measured]]]
-) -> tuple[list[StepRow], list[SplitRow]]:
+def _split_row(title: str, run: Run, splits: list[list[dict[str, Any]]]) -> SplitRow:
+    """``splits``: per repeat, each rank's split of ``run``."""
+    actions = statistics.mean(s["actions"] for rep in splits for s in rep)
+    per_step = {c: statistics.median(statistics.mean(s["seconds"][c] for s in rep) for rep in splits)
+                for c in CATEGORIES}  # fmt: skip
+    per_step["runtime"] = sum(per_step[c] for c in RUNTIME)
+    step = statistics.median(statistics.mean(s["step"] for s in rep) for rep in splits)
+    return SplitRow(title, run.label, actions, {c: per_step[c] / actions * 1e6 for c in SHOWN},
+                    per_step["runtime"] / step)  # fmt: skip
+
+
+def report(todo: list[Case], results: Results) -> tuple[list[StepRow], list[SplitRow]]:
     step_rows, split_rows = [], []
     for case in todo:
-        per_rank = [r[case.key] for r in results[case.p]]
-        times = [_step_times(per_rank, case.key, j) for j in range(len(case.runs))]
-        cpu = [statistics.mean(statistics.median(c for _, _, c in r.steps[j]) for r in per_rank)
-               for j in range(len(case.runs))]  # fmt: skip
+        repeats = [[r[case.key] for r in rep] for rep in results[case.p]]  # per repeat, per rank
+        n = len(case.runs)
+        times = [[_step_times(per_rank, j) for j in range(n)] for per_rank in repeats]  # per repeat, run
+        cpu = [statistics.mean(statistics.median(c for rep in repeats for _, _, c in rep[q].steps[j])
+                               for q in range(case.p)) for j in range(n)]  # fmt: skip
         title = f"{case.key} m={case.m}"
         for i, r in case.rows:
-            q1, ratio, q3 = _quartiles([a / b for a, b in zip(times[i], times[r], strict=True)])
+            ratios = [[a / b for a, b in zip(t[i], t[r], strict=True)] for t in times]
+            q1, ratio, q3 = _quartiles([x for rep in ratios for x in rep])
             step_rows.append(StepRow(
-                title, case.runs[i].label, case.runs[r].label, statistics.median(times[i]) * 1e3,
-                statistics.median(times[r]) * 1e3, ratio, q1, q3, cpu[i] * 1e3, cpu[r] * 1e3,
+                title, case.runs[i].label, case.runs[r].label,
+                statistics.median(x for t in times for x in t[i]) * 1e3,
+                statistics.median(x for t in times for x in t[r]) * 1e3,
+                ratio, q1, q3, [statistics.median(rep) for rep in ratios], cpu[i] * 1e3, cpu[r] * 1e3,
             ))  # fmt: skip
         for j, run in enumerate(case.runs):
-            splits = [m.split[j] for m in per_rank if j in m.split]
-            if not splits:
-                continue
-            actions = statistics.mean(s["actions"] for s in splits)
-            per_step = {c: statistics.mean(s["seconds"][c] for s in splits) for c in CATEGORIES}
-            per_step["runtime"] = sum(per_step[c] for c in RUNTIME)
-            us = {c: per_step[c] / actions * 1e6 for c in SHOWN}
-            share = per_step["runtime"] / statistics.mean(s["step"] for s in splits)
-            split_rows.append(SplitRow(title, run.label, actions, us, share))
+            splits = [[m.split[j] for m in rep if j in m.split] for rep in repeats]
+            if any(splits):
+                split_rows.append(_split_row(title, run, [rep for rep in splits if rep]))
     return step_rows, split_rows
 
 
 STEP_COLUMNS = [
     ("case", "case", "{}"), ("ours", "ours", "{}"), ("rival", "rival", "{}"),
     ("ours ms", "ours_ms", "{:.2f}"), ("rival ms", "rival_ms", "{:.2f}"), ("ours/rival", "ratio", "{:.3f}"),
-    ("q1", "ratio_q1", "{:.3f}"), ("q3", "ratio_q3", "{:.3f}"), ("cpu ours", "cpu_ours_ms", "{:.1f}"),
-    ("cpu rival", "cpu_rival_ms", "{:.1f}"),
+    ("q1", "ratio_q1", "{:.3f}"), ("q3", "ratio_q3", "{:.3f}"), ("repeats", "spread", "{}"),
+    ("cpu ours", "cpu_ours_ms", "{:.1f}"), ("cpu rival", "cpu_rival_ms", "{:.1f}"),
 ]  # fmt: skip
 
 
@@ -297,6 +315,7 @@ def main(argv: list[str] | None = None) -> tuple[list[StepRow], list[SplitRow]]:
     parser.add_argument(
         "--split-steps", type=int, help="instrumented steps for the split (default 10, quick 2)"
     )
+    parser.add_argument("--repeats", type=int, default=1, help="launches per rank count, steps pooled")
     parser.add_argument("--json", default=None, help="write the rows and raw step times to this path")
     args = parser.parse_args(argv)
     keys = args.cases.split(",") if args.cases else (["tiny"] if args.quick else ["tiny", "mlp", "gpt"])
@@ -314,32 +333,40 @@ def main(argv: list[str] | None = None) -> tuple[list[StepRow], list[SplitRow]]:
     steps = args.steps if args.steps is not None else (3 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     split_steps = args.split_steps if args.split_steps is not None else (2 if args.quick else 10)
-    if steps < 1 or warmup < 0 or split_steps < 0:
+    repeats = args.repeats
+    if steps < 1 or warmup < 0 or split_steps < 0 or repeats < 1:
         parser.error(
-            f"--steps ({steps}) must be >= 1, --warmup ({warmup}) and --split-steps ({split_steps}) >= 0"
+            f"--steps ({steps}) and --repeats ({repeats}) must be >= 1, --warmup ({warmup}) and "
+            f"--split-steps ({split_steps}) >= 0"
         )
 
     todo = cases(keys, ranks, args.quick)
     began = time.perf_counter()
-    results = {
-        p: launch(_rank_main, p, [c for c in todo if c.p == p], steps, warmup, split_steps, backend="gloo")
-        for p in sorted({c.p for c in todo})
-    }
+    results: Results = {p: [] for p in sorted({c.p for c in todo})}
+    for _ in range(repeats):  # every rank count once per repeat: a drift in the load spreads over all
+        for p, per in results.items():
+            per.append(launch(_rank_main, p, [c for c in todo if c.p == p], steps, warmup, split_steps,
+                              backend="gloo"))  # fmt: skip
     step_rows, split_rows = report(todo, results)
     import pipeline
 
     print(f"# torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, gloo, "
-          f"1 thread per rank, {steps} steps after {warmup} warm-up; pipeline from "
+          f"1 thread per rank, {repeats} x {steps} steps after {warmup} warm-up; pipeline from "
           f"{os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))}")  # fmt: skip
-    print("\nStep time, ours against each rival (ours/rival: median over steps of the paired ratio)")
+    print(
+        "\nStep time, ours against each rival (ours/rival: median over steps of the paired ratio; repeats: "
+        "the range of each repeat's median)"
+    )
     print(table(step_rows, STEP_COLUMNS))  # type: ignore[arg-type]
     if split_rows:
         print(
-            f"\nOurs, host µs per compute action by where it goes ({split_steps} instrumented steps, "
-            "mean over ranks; runtime % of the instrumented step)"
+            f"\nOurs, host µs per compute action by where it goes (median over {split_steps} instrumented "
+            "steps, mean over ranks, median over repeats; runtime % of the instrumented step)"
         )
         print(split_table(split_rows))
-    missing = sorted({n for per in results.values() for r in per for m in r.values() for n in m.missing})
+    missing = sorted(
+        {n for per in results.values() for rep in per for r in rep for m in r.values() for n in m.missing}
+    )
     if missing:
         print(f"note: not in this runtime, so not timed: {', '.join(missing)}")
     print(f"\n# total {time.perf_counter() - began:.0f} s")
@@ -347,8 +374,11 @@ def main(argv: list[str] | None = None) -> tuple[list[StepRow], list[SplitRow]]:
         raw = {
             "steps": [asdict(r) for r in step_rows],
             "split": [asdict(r) for r in split_rows],
-            "times": {
-                c.key: [_step_times([r[c.key] for r in results[c.p]], c.key, j) for j in range(len(c.runs))]
+            "times": {  # per case, per repeat, per run: each step's seconds
+                c.key: [
+                    [_step_times([r[c.key] for r in rep], j) for j in range(len(c.runs))]
+                    for rep in results[c.p]
+                ]
                 for c in todo
             },
         }

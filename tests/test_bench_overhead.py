@@ -18,28 +18,32 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SCRIPT = SCRIPTS / "bench_overhead.py"
 sys.path.insert(0, str(SCRIPTS))
 
+from bench.cases import Case, Run  # noqa: E402
 from bench.tally import CATEGORIES, RUNTIME, Tally  # noqa: E402
+from bench_overhead import _Measured, report  # noqa: E402
 
 
 @pytest.mark.slow
 def test_quick_run_prints_both_tables(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=200, check=False,
+        [sys.executable, str(SCRIPT), "--quick", "--repeats", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for column in (
+    columns = (
         "ours/rival",
         "q1",
         "q3",
+        "repeats",
         "cpu ours",
         "header",
         "meter",
         "clock",
         "post/take",
         "runtime %",
-    ):
+    )
+    for column in columns:
         assert column in proc.stdout, f"column {column!r} missing from:\n{proc.stdout}"
     report = json.loads(out.read_text())
     rivals = {(row["case"].split()[1], row["rival"]) for row in report["steps"]}
@@ -48,14 +52,14 @@ def test_quick_run_prints_both_tables(tmp_path: Path) -> None:
         ("p=2", "torch 1f1b"), ("p=2", "torch gpipe"), ("p=2", "torch interleaved-1f1b v=2"),
     }  # fmt: skip
     for row in report["steps"]:
-        assert (
-            row["ours_ms"] > 0 and row["rival_ms"] > 0 and row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"]
-        )
+        assert row["ours_ms"] > 0 and row["rival_ms"] > 0
+        assert row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"] and len(row["repeats"]) == 2
+    # per case, per repeat, per run: the 3 steps
+    assert all(len(reps) == 2 and all(len(t) == 3 for t in reps[0]) for reps in report["times"].values())
     assert len(report["split"]) == 5  # every run of ours: 1F1B and GPipe at p = 1, three schedules at p = 2
     for row in report["split"]:
-        assert row["actions"] == (
-            8 if "p=1" in row["case"] else 8 * (2 if "interleaved" in row["ours"] else 1)
-        )
+        interleaved = "interleaved" in row["ours"]
+        assert row["actions"] == 8 * (2 if interleaved else 1)  # F and B of m = 4 per stage held
         assert all(row["us"][c] >= 0 for c in (*RUNTIME, "runtime", "compute", "wait"))
         assert 0 < row["runtime_share"] < 1
 
@@ -116,3 +120,22 @@ def test_the_split_names_functions_the_runtime_has() -> None:
         assert set(RUNTIME) < set(CATEGORIES)
     finally:
         tally.restore()
+
+
+def _rank(spans: list[list[tuple[float, float]]], cpu: float) -> dict[str, _Measured]:
+    """One rank's steps per run: (start, end) each, and its CPU seconds."""
+    return {"t p=2": _Measured([[(a, b, cpu) for a, b in run] for run in spans])}
+
+
+def test_the_report_pools_every_repeat_s_paired_steps() -> None:
+    case = Case("t p=2", "mlp", 2, 4, runs=(Run("ours", "1f1b"), Run("torch", "1f1b")), rows=((0, 1),))
+    # repeat 1: steps of 1.0 and 2.0 s against 2.0 and 2.0 (rank 1 ends last); repeat 2: 3.0 against 2.0
+    first = [_rank([[(0, 0.5), (10, 11.5)], [(20, 21), (30, 31)]], 0.1),
+             _rank([[(0, 1.0), (10, 12.0)], [(20, 22), (30, 32)]], 0.3)]  # fmt: skip
+    second = [_rank([[(0, 3.0)], [(5, 7)]], 0.2), _rank([[(0.5, 2.0)], [(5, 6)]], 0.2)]
+    (row,), split = report([case], {2: [first, second]})
+    assert split == []
+    assert row.repeats == [0.75, 1.5]  # each repeat's median of the paired ratios 0.5, 1.0 | 1.5
+    assert row.ratio == 1.0 and row.ours_ms == 2000.0 and row.rival_ms == 2000.0  # pooled medians
+    assert row.cpu_ours_ms == pytest.approx(200.0)  # per rank the median over all steps, then the mean
+    assert row.spread == "0.750-1.500"
