@@ -1,6 +1,9 @@
-"""The step header's encoding, the autocast word, the message specs and the send checks."""
+"""The step header's encoding, its cost per call through the store, the autocast word, the message specs
+and the send checks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -9,10 +12,12 @@ from pipeline.runtime.comm.p2p import NCCL_DTYPES
 from pipeline.runtime.step.metadata import (
     HEADER_LEN,
     autocast_mode,
+    begin_call,
     check_sendable,
     decode,
     encode,
     encode_words,
+    exchange_header,
     send_tensors,
     set_specs,
 )
@@ -96,3 +101,120 @@ def test_unsendable_dtypes_are_named_by_boundary_on_both_ends() -> None:
         check_sendable({recv_b.action: recv_b}, NCCL_DTYPES, "NCCL")  # type: ignore[dict-item]
     recv_b.spec = (((4,), torch.float32),)
     check_sendable({recv_b.action: recv_b}, NCCL_DTYPES, "NCCL")  # type: ignore[dict-item]
+
+
+# ---- the step header through the store: what a call costs, and what a new shape costs
+
+
+class _Group:
+    """The store and the per-rank ``Comm`` stand-ins of one group (exchange_header's use of ``Comm``):
+    every store call on a step header key is logged as (rank, op, key, bytes)."""
+
+    def __init__(self, p: int) -> None:
+        self.p, self.keys, self.log = p, {}, []  # type: ignore[var-annotated]
+        self.comms = [_Comm(self, r) for r in range(p)]
+
+
+class _Comm:
+    def __init__(self, group: _Group, rank: int) -> None:
+        self.group, self.me, self.key_prefix = group, rank, "pipe"
+        self.call, self.header = (0, 0), None  # type: ignore[var-annotated]
+
+    def name(self, q: int) -> int:
+        return q
+
+    def set_key(self, key: str, value: bytes) -> None:
+        self.group.keys[key] = value
+        self.group.log.append((self.me, "set", key, len(value)))
+
+    def wait_key(self, key: str, what: str) -> bytes:
+        value = self.group.keys[key]  # the setter ran first
+        self.group.log.append((self.me, "get", key, len(value)))
+        return value  # type: ignore[no-any-return]
+
+    def add_key(self, key: str, amount: int) -> int:
+        self.group.keys[key] = self.group.keys.get(key, 0) + amount
+        self.group.log.append((self.me, "add", key, 8))
+        return self.group.keys[key]  # type: ignore[no-any-return]
+
+    def delete_keys(self, keys: list[str]) -> None:
+        for key in keys:
+            del self.group.keys[key]
+            self.group.log.append((self.me, "delete", key, 0))
+
+
+def _call(group: _Group, kind: str, micro: list[Any], extra: tuple[int, ...] = ()) -> list[Any]:
+    """One call on every rank, rank 0 first: each rank's (signatures, autocast, extra words)."""
+    for comm in group.comms:
+        begin_call(comm, kind)  # type: ignore[arg-type]
+    cpu = torch.device("cpu")
+    return [
+        exchange_header(comm, r, group.p, cpu, micro if r == 0 else None, extra)  # type: ignore[arg-type]
+        for r, comm in enumerate(group.comms)
+    ]
+
+
+def _sig(rows: int) -> Any:
+    return (((rows, 4), torch.float32),)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_an_unchanged_header_is_one_message_of_16_bytes(p: int) -> None:
+    group = _Group(p)
+    first = _call(group, "step", [_sig(4), _sig(4)])
+    full = next(n for r, op, _, n in group.log if op == "set")
+    assert full > 16
+    for step in range(2, 5):
+        group.log.clear()
+        kind = "evaluate" if step == 3 else "step"  # another executor, the same call sequence
+        got = _call(group, kind, [_sig(4), _sig(4)])
+        assert got == first  # every rank: the signatures, autocast off, no extra words
+        key = f"pipe/header{step}"
+        sets = [(r, n) for r, op, k, n in group.log if op == "set" and k == key]
+        gets = [(r, n) for r, op, k, n in group.log if op == "get" and k == key]
+        assert sets == [(0, 16)]  # one message from rank 0, two words
+        assert sorted(gets) == [(r, 16) for r in range(1, p)]  # read once by every other rank
+        ops = sorted(op for _, op, _, _ in group.log)
+        if p == 2:  # the one reader deletes it: no counter
+            assert ops == ["delete", "get", "set"]
+        else:  # a counter names the last reader, which deletes the key and the counter
+            assert ops == ["add", "add", "delete", "delete", "get", "get", "set"]
+        assert not group.keys  # nothing left behind
+
+
+def test_a_new_shape_or_new_words_send_the_full_header_again() -> None:
+    group = _Group(3)
+    _call(group, "step", [_sig(4), _sig(4)])
+    for micro, extra in (([_sig(3), _sig(3)], ()), ([_sig(3), _sig(3)], (5, 6)), ([_sig(4), _sig(4)], ())):
+        group.log.clear()
+        got = _call(group, "step", micro, extra)
+        assert all(g == (tuple(micro), 0, extra) for g in got)  # every rank sets up the new shape
+        (sent,) = [n for _, op, _, n in group.log if op == "set"]
+        assert sent > 16  # the full header
+    group.log.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast rides in the first word
+        got = _call(group, "step", [_sig(4), _sig(4)])
+    assert [n for _, op, _, n in group.log if op == "set"] == [16]
+    assert all(mode == 2 for _, mode, _ in got)
+
+
+def test_a_repeated_header_names_what_rank_0_and_the_reader_hold() -> None:
+    group = _Group(2)
+    _call(group, "step", [_sig(4)])
+    group.comms[1].header = None  # a reader that missed the full header (never, unless a bug)
+    with pytest.raises(RuntimeError, match=r"rank 1 holds none step header but rank 0 repeats call 1's"):
+        _call(group, "step", [_sig(4)])
+
+
+def test_a_repeated_header_still_names_a_call_that_differs() -> None:
+    group = _Group(2)
+    _call(group, "step", [_sig(4)])
+    begin_call(group.comms[0], "evaluate")  # type: ignore[arg-type]
+    begin_call(group.comms[1], "step")  # type: ignore[arg-type]
+    cpu = torch.device("cpu")
+    exchange_header(group.comms[0], 0, 2, cpu, [_sig(4)])  # type: ignore[arg-type]
+    assert group.keys["pipe/header2"] and len(group.keys["pipe/header2"]) == 16
+    with pytest.raises(
+        ValueError, match=r"rank 1 is in step\(\) \(its call number 2 .* but rank 0 in evaluate"
+    ):
+        exchange_header(group.comms[1], 1, 2, cpu, None)  # type: ignore[arg-type]

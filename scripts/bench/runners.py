@@ -67,11 +67,15 @@ def _workload(case: Case, v: int) -> _Workload:
         return _Workload(model, [1] * n_stages, x, torch.randn(case.m * MB_ROWS, WIDTH), timed_loss)
     if case.workload == "mlp":
         model, x = models.mlp(**case.model)
-        half = len(model) // 2
-        return _Workload(model, [half, len(model) - half], x, torch.randn_like(x), _mse)
+        return _Workload(model, _even(len(model), case.p * v), x, torch.randn_like(x), _mse)
     model, x = models.gpt(**case.model)
-    cut = (len(model) - 1) // 2  # embedding + half the blocks | the other blocks, norm, head
-    return _Workload(model, [cut, len(model) - cut], x, torch.randint_like(x, 96), models.gpt_loss)
+    balance = _even(len(model), case.p * v)  # 2 stages: embedding + half the blocks | the rest, norm, head
+    return _Workload(model, balance, x, torch.randint_like(x, 96), models.gpt_loss)
+
+
+def _even(n: int, k: int) -> list[int]:
+    """``n`` layers over ``k`` stages as evenly as possible, the last stages one more each."""
+    return [n // k + (1 if s >= k - n % k else 0) for s in range(k)]
 
 
 def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,9 @@ class Comm:
         c.make_communicators()
         # (kind, number) of the Pipeline call in progress; the step header carries it (metadata.py)
         self.call = (0, 0)
+        # the last full step header set or read: (its call number, its content); a header that
+        # repeats it travels as its number alone (metadata.py)
+        self.header: tuple[int, Any] | None = None
 
     def name(self, q: int) -> int:
         """How errors name group rank ``q``: its global rank in a mesh, else ``q``."""

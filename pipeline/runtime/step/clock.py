@@ -59,9 +59,12 @@ class StepClock:
             torch.cuda.synchronize()
             self._anchor = (stream.record_event(self.compute, timing=True), time.time())
 
-    def begin(self) -> None:
-        """A compute action is about to run (it may still wait for its input: ``input_ready``)."""
+    def begin(self, waits: bool = False) -> None:
+        """A compute action is about to run; ``waits``: it takes a receive first, and its busy time
+        starts at ``input_ready`` (no start is taken here, on a GPU no event recorded for nothing)."""
         self._recv = None
+        if waits:
+            return
         if self.cuda:
             self._start_event = stream.record_event(self.compute, timing=True)
         else:

@@ -41,7 +41,13 @@ tensors and works, so that the next step starts clean.
 Memory: the rank's ``ActivationMeter`` (memory.py), shared with its stages, also counts each
 receive buffer from its posting to the end of the compute that takes it, and each sent tensor
 until its reap; a training step resets its peak at the start and keeps it at the end
-(``meter.last_peak``), the step's inputs, targets, parameters and buffers excepted.
+(``meter.last_peak``), the step's inputs, targets, parameters and buffers excepted. A step that
+does not measure memory pays nothing of this: no list of what to skip, no token per message.
+
+Per compute action the loop does only what that action needs, decided before the step: its hooks
+are bound into the program (``hook``), the clock is two host times on CPU (events on a GPU), an
+end event is kept only where the run-ahead or a forced drain reads it (scripts/bench_overhead.py
+measures each part's host time per action).
 """
 
 from __future__ import annotations
@@ -73,12 +79,7 @@ from pipeline.schedules.timeline import TimedAction
 __all__ = ["RUN_AHEAD", "Executor"]
 
 RUN_AHEAD = 2  # compute actions the host may queue past the last one the device finished
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, tuple):
-        return [t for item in batch for t in _tensors(item)]
-    return [batch] if isinstance(batch, torch.Tensor) else []
+_Hooks = tuple[Callable[[], None], Callable[[], None]]  # what runs just before a compute, and just after
 
 
 def _normal(device: torch.device) -> torch.device:
@@ -119,7 +120,7 @@ class Executor:
         self.meter: ActivationMeter = first.meter if first is not None else ActivationMeter()
         for st in stages.values():
             st.meter = self.meter
-        self._buffers: dict[Action, list[Any]] = {}  # the meter's tokens per posted message
+        self._metering = False  # this step counts memory (the meter's tokens per message, Msg.held)
         self._consumed: list[Any] = []  # receive buffers' tokens, held until their compute ends
         # per-step state
         self.inputs: list[Batch] = []
@@ -135,10 +136,12 @@ class Executor:
         # groups (a gloo worker still finishing a collective when the interpreter finalizes aborts it)
         compiled = compile_rank(sched, rank, stages, weakref.proxy(self), comm.name if comm else None)
         # per compute action: what runs just before it and just after it (the data-parallel reduction)
-        self._hooks: dict[Action, tuple[Callable[[], None], Callable[[], None]]] = {}
+        self._hooks: dict[Action, _Hooks] = {}
         # data parallelism: told the step's rows, gives the replica's share of the global batch (B_d / B)
         self.on_rows: Callable[[list[int]], Callable[[], torch.Tensor]] | None = None
         self._program = compiled.program
+        self._waits = compiled.waits  # computes that take a receive: their busy time starts in ``take``
+        self._bound = self._bind_hooks()  # the program with each compute's hooks: (action, fn, waits, hooks)
         self.msgs = compiled.msgs  # by comm action; the describer gives them their specs (describe.py)
         self._local = compiled.local  # (receiving stage, i) -> hand-over on this rank
         # a device-wide sync forced after chosen computes (drain.py; none unless the environment asks)
@@ -162,6 +165,15 @@ class Executor:
         if a not in {b for b, _ in self._program if b is not None}:
             raise ValueError(f"rank {self.rank} runs no {a} in this schedule")
         self._hooks[a] = (before, after)
+        self._bound = self._bind_hooks()
+
+    def _bind_hooks(self) -> list[tuple[Action | None, Callable[[], None], bool, _Hooks | None]]:
+        """The program with what each compute action needs beside it (whether it waits for a receive,
+        its hooks): the step looks nothing up."""
+        return [
+            (a, fn, a in self._waits, self._hooks.get(a) if a is not None else None)
+            for a, fn in self._program
+        ]
 
     def follow_current_stream(self) -> None:
         """Compute runs on the caller's current stream, read at every step (not only at construction):
@@ -180,12 +192,12 @@ class Executor:
             m.tensors = send_tensors(m)
         for m in recvs:
             m.tensors = [comm.empty(sh, dt) for sh, dt in m.spec]
-        for m in (*sends, *recvs):
-            assert m.action is not None
-            self._buffers[m.action] = self.meter.hold(m.tensors)
-        start = time.perf_counter()
+        if self._metering:
+            for m in (*sends, *recvs):
+                m.held = self.meter.hold(m.tensors)
+        start = time.perf_counter() if self.clock.record else 0.0
         works = comm.post([(m.tensors, m.peer) for m in sends], [(m.tensors, m.peer) for m in recvs], what)
-        if sends:
+        if sends and self.clock.record:
             self.clock.posted([m.action for m in sends if m.action is not None], start)
         for m, w in zip(sends, works, strict=False):
             m.works = w
@@ -199,8 +211,7 @@ class Executor:
         for m in sends:
             if m.works is not None:
                 self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
-                m.works, m.tensors = None, []
-                self._buffers.pop(m.action, None)  # type: ignore[arg-type]
+                m.works, m.tensors, m.held = None, [], None
 
     def take(self, m: Msg) -> Any:
         """A compute action's input: from the local hand-over, or the receive posted for it."""
@@ -214,7 +225,9 @@ class Executor:
         if self.nccl:
             self._ordered.append((m.what, works))
         m.works = None
-        self._consumed.append(self._buffers.pop(m.action, None))
+        if m.held is not None:
+            self._consumed.append(m.held)
+            m.held = None
         self.release(m.reap)
         # The compute that asked for this input starts now: waiting is not busy time.
         self.clock.input_ready(m.action, start)
@@ -238,34 +251,38 @@ class Executor:
         for st in self.stages.values():
             st.losses = []
             st.reset_peak()
-        if self.training:  # parameters, buffers and the step's data are not activations
-            modules = [st.module for st in self.stages.values()]
-            owned = [t for mod in modules for t in (*mod.parameters(), *mod.buffers())]
-            owned += [t for batch in (*inputs, *targets) for t in _tensors(batch)]
-            self.meter.begin_step(owned)
+        self._metering = self.training and self.meter.enabled
+        if self._metering:  # parameters, buffers and the step's data are not activations
+            self.meter.begin_step(
+                self.meter.owned([st.module for st in self.stages.values()], (*inputs, *targets))
+            )
         try:
             with emulation.strict_devices(self.emulated):
                 self.units = described.units
                 share = self.on_rows(self.units) if self.on_rows is not None else None
                 for st in self.stages.values():  # every step: another executor shares the stages
                     st.set_rows(self.units, share)
-                bound, drain, k = self.nccl, self._drain_at, 0
-                for a, fn in self._program:
+                bound, drain, k, steps = self.nccl, self._drain_at, 0, self._steps
+                ends = self._ends if bound or drain is not None else None  # what reads the end events
+                begin, end, consumed = clock.begin, clock.end, self._consumed
+                for a, fn, waits, hooks in self._bound:
                     if a is None:
                         fn()
                         continue
                     if bound and len(self._ends) == RUN_AHEAD:
                         self._run_ahead_wait()
-                    hooks = self._hooks.get(a)
                     if hooks is not None:
                         hooks[0]()
-                    clock.begin()
+                    begin(waits)
                     fn()  # may wait for its input first (clock.input_ready)
-                    self._ends.append((a, clock.end(a)))
-                    if drain is not None and drain(self._steps, k):
-                        self._device_sync(a)
+                    event = end(a)
+                    if ends is not None:
+                        ends.append((a, event))
+                        if drain is not None and drain(steps, k):
+                            self._device_sync(a)
                     k += 1
-                    self._consumed.clear()
+                    if consumed:
+                        consumed.clear()
                     if hooks is not None:
                         hooks[1]()
                 self._drain()
@@ -315,9 +332,8 @@ class Executor:
         for m in self._sent:
             if m.works is not None:
                 self.comm.order(m.works, self.compute_stream, m.what)  # type: ignore[union-attr]
-                m.works, m.tensors = None, []
+                m.works, m.tensors, m.held = None, [], None
         self._sent = []
-        self._buffers.clear()
 
     def _reset(self) -> None:
         """After a failure: drop the step's tensors and works, so that the next step starts clean."""
@@ -326,7 +342,6 @@ class Executor:
         msgs = (*self.msgs.values(), *self._local.values(), *self._sent)
         self._abandoned = [m.works for m in msgs if m.works is not None]
         for m in msgs:
-            m.value, m.tensors, m.works = None, [], None
+            m.value, m.tensors, m.works, m.held = None, [], None, None
         self._sent = []
-        self._buffers.clear()
         self._consumed.clear()

@@ -76,6 +76,14 @@ class ActivationMeter:
 
     # ---- the step
 
+    @staticmethod
+    def owned(modules: Iterable[torch.nn.Module], batches: Iterable[Any]) -> list[torch.Tensor]:
+        """What a step skips: ``modules``' parameters and buffers, and the tensors of ``batches`` (the
+        step's inputs and targets, tensors or tuples of them). Listed again at every step that measures
+        (FSDP swaps a stage's parameters for their gathered copies), and at no other."""
+        out = [t for mod in modules for t in (*mod.parameters(), *mod.buffers())]
+        return out + [t for batch in batches for t in _tensors(batch)]
+
     def begin_step(self, owned: Iterable[torch.Tensor]) -> None:
         """Start a step's peak from what is held now; ``owned``: parameters and buffers (skipped)."""
         # a DTensor (a shard of FSDP's or tensor parallelism's) has its storage in its local tensor
@@ -134,6 +142,12 @@ class ActivationMeter:
                 return
             del self._refs[key]
             self.now -= self._sizes.pop(key)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, tuple):
+        return [t for item in batch for t in _tensors(item)]
+    return [batch] if isinstance(batch, torch.Tensor) else []
 
 
 def _unpack(held: Any) -> torch.Tensor:

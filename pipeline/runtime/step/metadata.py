@@ -11,8 +11,19 @@ reads it there, and the last to read it deletes it:
     header:  [autocast, m, d, d x (n, (dtype, ndim, *shape) per tensor), m x index, e, e x word]
     rank 0 --set key header<n>--> store --get--> ranks 1 .. p-1
 
-one store write and p - 1 reads per step, made while rank 0 computes its first
-forward, so they are off the critical path. The header is host bytes: no rank
+A header whose content (all but its first word) is that of the last full header
+(a run of fixed shapes: every step but the first) goes as two words, 16 bytes:
+
+    same:    [autocast, the call number of that full header]
+
+Every rank reads every header in call order, so each holds the last full one
+(``Comm.header``); a reader that does not hold the one named fails at once. Rank 0
+still takes every micro-batch's signature at every step and compares: a new shape
+sends the full header, which every rank sets up before it posts a receive.
+
+One store write of 16 bytes and p - 1 reads per step (with 2 ranks the one reader
+deletes the key; with more, a counter names the last), made while rank 0 computes
+its first forward, so they are off the critical path. The header is host bytes: no rank
 reads a device tensor for it, so a step on CUDA never waits on the device for
 its signature (a header sent on the GPU had to be copied to the host, a sync).
 Every rank must run the step under the same autocast state (it decides the dtypes between
@@ -89,6 +100,7 @@ _DTYPES = (
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CALLS = ("step", "evaluate", "predict")  # the Pipeline calls that run a schedule, as the header numbers them
 _KIND_SHIFT, _COUNT_SHIFT = 8, 10
+_SAME_LEN = 2  # words of a header that repeats the last full one (a full one has at least 6)
 
 
 # ---- the header
@@ -160,8 +172,10 @@ def exchange_header(
     store: one key per call of the Pipeline, whichever executor runs it (a step's or an evaluation's).
 
     Rank 0 passes its micro-batches' signatures as ``micro`` (and ``extra``) and sets the header; the
-    others (None) read it and check that they run the same call under the same autocast state. The
-    last reader deletes it (a counter in the store), so the store does not grow with the steps.
+    others (None) read it and check that they run the same call under the same autocast state. A
+    header that repeats the last full one goes as two words (the module docstring). The last reader
+    deletes it (with more than one reader, a counter in the store names it), so the store does not
+    grow with the steps.
     """
     mode = autocast_mode(device)
     if rank == 0:
@@ -169,14 +183,34 @@ def exchange_header(
         sigs, words = tuple(micro), tuple(extra)
     if comm is None or p == 1:
         return sigs, mode, words
-    at = f"{comm.key_prefix}/header{comm.call[1]}"  # a rank one call ahead reads another key
+    n = comm.call[1]
+    at = f"{comm.key_prefix}/header{n}"  # a rank one call ahead reads another key
     if rank == 0:
-        header = _header_words(sigs, words, _call_word(mode, comm.call))
-        comm.set_key(at, struct.pack(f"<{len(header)}q", *header))
+        tag = _call_word(mode, comm.call)
+        if comm.header is not None and comm.header[1] == (sigs, words):
+            comm.set_key(at, struct.pack("<2q", tag, comm.header[0]))  # the same again
+        else:
+            header = _header_words(sigs, words, tag)
+            comm.set_key(at, struct.pack(f"<{len(header)}q", *header))
+            comm.header = (n, (sigs, words))
         return sigs, mode, words
     raw = comm.wait_key(at, f"the step's input signature header from rank {comm.name(0)}")
-    sigs, words, word = _read_header(struct.unpack(f"<{len(raw) // 8}q", raw))
-    if comm.add_key(f"{at}/read", 1) == p - 1:  # the last of the p - 1 readers
+    values = struct.unpack(f"<{len(raw) // 8}q", raw)
+    if len(values) == _SAME_LEN:
+        word, since = values
+        if comm.header is None or comm.header[0] != since:
+            held = "none" if comm.header is None else f"call {comm.header[0]}'s"
+            raise RuntimeError(
+                f"rank {comm.me} holds {held} step header but rank {comm.name(0)} repeats call {since}'s; "
+                "every rank reads every header in call order, so this is a bug, please report it"
+            )
+        sigs, words = comm.header[1]
+    else:
+        sigs, words, word = _read_header(values)
+        comm.header = (n, (sigs, words))
+    if p == 2:  # the one reader
+        comm.delete_keys([at])
+    elif comm.add_key(f"{at}/read", 1) == p - 1:  # the last of the p - 1 readers
         comm.delete_keys([at, f"{at}/read"])
     theirs, call = _split_word(word)
     if call != comm.call:

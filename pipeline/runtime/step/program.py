@@ -42,10 +42,13 @@ class Msg:
     was posted (sent tensors or receive buffers); ``works``: their works until
     waited for; ``spec``: the (shape, dtype) expected or allocated, set at setup;
     ``mask``: for gradients, which tensors of the batch take one; ``reap``: sends
-    known to be done once this receive is.
+    known to be done once this receive is; ``held``: the memory meter's tokens for ``tensors``, in a
+    step that measures memory (memory.py).
     """
 
-    __slots__ = ("action", "like_tuple", "mask", "peer", "reap", "spec", "tensors", "value", "what", "works")
+    __slots__ = (
+        "action", "held", "like_tuple", "mask", "peer", "reap", "spec", "tensors", "value", "what", "works",
+    )  # fmt: skip
 
     def __init__(self, action: Action | None, peer: int, peer_name: int | None = None) -> None:
         self.action, self.peer = action, peer
@@ -60,6 +63,7 @@ class Msg:
         self.mask: list[bool] = []
         self.like_tuple = False
         self.reap: list[Msg] = []
+        self.held: list[Any] | None = None
 
 
 class Host(Protocol):
@@ -86,6 +90,7 @@ class Compiled:
     program: list[Instruction]
     msgs: dict[Action, Msg] = field(default_factory=dict)  # by comm action on this rank
     local: dict[tuple[int, int], Msg] = field(default_factory=dict)  # (receiving stage, i) -> hand-over
+    waits: set[Action] = field(default_factory=set)  # the computes whose input is a receive (``take``)
 
 
 def compile_rank(
@@ -118,6 +123,7 @@ class _Compiler:
         self.n_stages = sched.n_stages
         self.msgs: dict[Action, Msg] = {}
         self.local: dict[tuple[int, int], Msg] = {}
+        self.waits: set[Action] = set()
 
     def _msg(self, a: Action) -> Msg:
         if a not in self.msgs:
@@ -148,7 +154,7 @@ class _Compiler:
             elif isinstance(x, Action):
                 out.append((x, self._bind(x)))
                 waited = None
-        return Compiled(out, self.msgs, self.local)
+        return Compiled(out, self.msgs, self.local, self.waits)
 
     def _bind(self, a: Action) -> Callable[[], None]:
         s, i, stage, host = a.stage, a.microbatch, self.stages[a.stage], self.host
@@ -157,6 +163,8 @@ class _Compiler:
         prev_local = not first and self.sched.rank_of(s - 1) == self.rank
         if a.kind is Kind.F:
             src = None if first else self._box(s, i) if prev_local else self._msg(Action(s, Kind.RECV_F, i))
+            if src is not None and src.action is not None:
+                self.waits.add(a)
             dst = (
                 None if last else self._box(s + 1, i) if next_local else self._msg(Action(s, Kind.SEND_F, i))
             )
@@ -170,6 +178,8 @@ class _Compiler:
             return forward
         if a.kind is Kind.B:
             gsrc = None if last else self._box(s, i) if next_local else self._msg(Action(s, Kind.RECV_B, i))
+            if gsrc is not None and gsrc.action is not None:
+                self.waits.add(a)
             gdst = (
                 None if first else self._box(s - 1, i) if prev_local else self._msg(Action(s, Kind.SEND_B, i))
             )
