@@ -23,6 +23,7 @@ stage's tensors what transformers gives them (``partition``, ``Pipeline``)::
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Callable, Iterator
 
@@ -143,6 +144,7 @@ def hf_init(model: nn.Module, *, pretrained: bool = False) -> Callable[[nn.Modul
         )
 
     def init(stage: nn.Module) -> None:
+        paths = {id(sub): path for path, sub in stage.named_modules(remove_duplicate=False)}
         with torch.no_grad(), _guarded(), _checkpoint_held(stage, pretrained):
             for sub in _children_first(stage):
                 held, owner = owners.get(id(sub), (None, None))
@@ -150,8 +152,35 @@ def hf_init(model: nn.Module, *, pretrained: bool = False) -> Callable[[nn.Modul
                     owner = by_class.get(type(sub))
                 if owner is not None:
                     owner._init_weights(sub)  # type: ignore[operator]
+                elif (stand_in := _stand_in(model, paths.get(id(sub)), sub, owners)) is not None:
+                    with contextlib.suppress(AttributeError):  # it reads a tensor the holder lacks:
+                        stand_in[1]._init_weights(stand_in[0])  # type: ignore[operator]  # named unset
 
     return init
+
+
+def _stand_in(
+    model: nn.Module, path: str | None, sub: nn.Module, owners: dict[int, tuple[nn.Module, nn.Module]]
+) -> tuple[nn.Module, nn.Module] | None:
+    """A stage's bare holder of tensors taken alone from a module (a top model's own buffer, such
+    as BART's ``final_logits_bias``: ``trace.traced``) is initialised as that module: a shallow copy
+    of the model's module at the same path, holding the holder's tensors and no children, goes
+    through its owner's ``_init_weights``, which writes the holder's tensors in place (a tensor it
+    replaces instead stays unwritten, and materialising names it)."""
+    if path is None or type(sub) is not nn.Module or not (sub._parameters or sub._buffers):
+        return None
+    try:
+        original = model.get_submodule(path)
+    except AttributeError:
+        return None
+    _, owner = owners.get(id(original), (None, None))
+    if owner is None or type(original) is nn.Module:
+        return None
+    shim = copy.copy(original)
+    shim._parameters = dict(sub._parameters)
+    shim._buffers = dict(sub._buffers)
+    shim._modules = {}
+    return shim, owner
 
 
 def _is_hf(module: nn.Module) -> bool:
