@@ -204,6 +204,7 @@ def test_compiled_under_the_nccl_emulation(tmp_path_factory: pytest.TempPathFact
     _check_gpt(_EMULATED.results(tmp_path_factory), ["1f1b/except_last", "zb-h1/except_last"])
 
 
+@pytest.mark.slow  # the suite's time on 2 cores: run with -m slow
 def test_four_ranks_traced_and_replicas(four: list[Any]) -> None:
     _check_gpt(four, [f"{s}/{mode}" for (s, _), mode in itertools.product(
         [c for c in CONFIGS if c[0] in FOUR], ("never", "always"))])  # fmt: skip
@@ -324,6 +325,7 @@ def test_many_kinds_of_layer_each_compile_none_falls_back_to_eager() -> None:
     assert ok == total == 10
 
 
+@pytest.mark.slow  # the suite's time on 2 cores: run with -m slow
 def test_inductor_split_backward_matches_one_process() -> None:
     """The one inductor case (C++ code generation on this machine): zb-h1 on the MLP (one kind of
     layer: a forward and a backward graph to build, about 20 s on 2 CPU cores)."""
