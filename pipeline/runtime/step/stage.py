@@ -152,9 +152,11 @@ class StageRuntime:
         """The stage's layers for micro-batch ``i`` (and its weighted loss on the last stage);
         ``chain`` collects (a_l, o_l)."""
         with self.meter.saving():
-            if chain is None:
-                out: Batch = self.module(x) if not self.compiled else x
-                for call in self.calls:  # compiled: the Sequential's forward, layer by layer
+            if chain is None and not self.compiled:
+                out: Batch = self.module(x)
+            elif chain is None:  # compiled: the Sequential's forward, layer by layer
+                out = x
+                for call in self.calls:
                     out = call(out)
             else:
                 out = x
