@@ -24,6 +24,7 @@ from partitioner._placement import changed_parameters, normalize
 from partitioner._trees import describe, nbytes, tensors, tree_map
 from partitioner.figures import LayerProfile
 from partitioner.noise import FALLBACK_SHARE, flop_rate, noisy_share, priced_by_flops, warn_noisy, with_prior
+from pipeline.launch import CPU_THREADS
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -38,6 +39,7 @@ __all__ = [
     "held_names",
     "loss_figures",
     "profile_loss",
+    "rank_threads",
     "refuse_ambient_autocast",
     "trust",
     "uses_cuda",
@@ -54,6 +56,7 @@ def check_options(
     repeat: int,
     loss_fn: LossFn | None,
     budget: float | None = None,
+    threads: int | None = None,
 ) -> None:
     check_autocast(autocast)
     for label, count, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
@@ -65,6 +68,11 @@ def check_options(
         raise ValueError(
             f"budget ({budget!r}) must be a number of seconds > 0 (how long the profile times layers), "
             "or None for no limit"
+        )
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(
+            f"threads ({threads!r}) must be an integer >= 1 (intra-op threads while timing on CPU), or None "
+            f"for a launched rank's ({CPU_THREADS})"
         )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
@@ -157,6 +165,22 @@ def uses_cuda(model: nn.Module, sample: Any, dev: torch.device | None) -> bool:
         return True
     held = itertools.chain(model.parameters(), model.buffers(), tensors(sample))
     return (dev is not None and dev.type == "cuda") or any(t.is_cuda for t in held)
+
+
+@contextlib.contextmanager
+def rank_threads(threads: int | None, cuda: bool) -> Iterator[None]:
+    """On CPU, intra-op threads as a launched rank runs (``threads``, None: ``launch``'s default) while
+    the layers are timed, put back on the way out: a balance is made of the times ranks will see, and
+    with fewer threads than cores other work on the host cannot stall a kernel's threads at a barrier
+    in every sample (two threads on a busy 2-core host: 10-100x slower, no floor to find). On CUDA the
+    host's threads are left as they are."""
+    before = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(threads or CPU_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

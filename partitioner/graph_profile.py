@@ -43,6 +43,7 @@ from partitioner._profiling import (
     generators_kept,
     held_names,
     profile_loss,
+    rank_threads,
     refuse_ambient_autocast,
     trust,
     uses_cuda,
@@ -73,12 +74,13 @@ def profile_graph(
     warmup: int = 2,
     repeat: int = 10,
     budget: float | None = DEFAULT_BUDGET_S,
+    threads: int | None = None,
 ) -> Profile:
     """Profile every layer of ``traced`` on ``sample`` (the one it was traced with); see the docstring.
 
     The options are ``partitioner.profile``'s.
     """
-    check_options(autocast, warmup, repeat, loss_fn, budget)
+    check_options(autocast, warmup, repeat, loss_fn, budget, threads)
     dev = None if device is None else normalize(device)
     refuse_ambient_autocast()
     start = time.perf_counter()
@@ -93,7 +95,8 @@ def profile_graph(
     layers: list[LayerProfile] = []
     devices: list[str] = []
     loss = None
-    with generators_kept(uses_cuda(traced.root, sample, dev)):
+    cuda = uses_cuda(traced.root, sample, dev)
+    with generators_kept(cuda), rank_threads(threads, cuda):
         for index, layer in enumerate(traced.layers):
             spec = layer_spec(traced, index)
             label = f"layer {index} ({layer.name}: {layer.kind})"

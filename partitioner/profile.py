@@ -69,6 +69,7 @@ from partitioner._profiling import (
     generators_kept,
     held_names,
     profile_loss,
+    rank_threads,
     refuse_ambient_autocast,
     trust,
     uses_cuda,
@@ -106,6 +107,7 @@ def profile(
     warmup: int = 2,
     repeat: int = 10,
     budget: float | None = DEFAULT_BUDGET_S,
+    threads: int | None = None,
 ) -> Profile:
     """Profile every layer of ``model`` on ``sample`` (one micro-batch); see the module docstring.
 
@@ -118,7 +120,8 @@ def profile(
     A layer of the same structure as an earlier one, on inputs of the same shapes, takes that one's
     figures (``LayerProfile.same_as``, ``partitioner._reuse``). ``budget``: seconds after which no
     layer of a new structure is timed (its times are what its flops predict; its bytes and flops are
-    still measured); None: no limit.
+    still measured); None: no limit. ``threads``: intra-op threads while profiling on CPU (default:
+    a launched rank's, ``pipeline.launch.CPU_THREADS``; restored after).
 
     ``device``: where to profile every layer (default: where each lives); ``loss_fn(output,
     target)``: also profile the loss on the last layer's output (``target``: one micro-batch of
@@ -128,11 +131,11 @@ def profile(
     Any other module is traced (``pipeline.runtime.trace.tracing``) and profiled one layer group at a
     time on its graph (``partitioner.graph_profile``).
     """
-    check_options(autocast, warmup, repeat, loss_fn, budget)  # before a trace: refused at once
+    check_options(autocast, warmup, repeat, loss_fn, budget, threads)  # before a trace: refused at once
     if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
         return profile_graph(
             trace(model, sample), sample, device=device, autocast=autocast, loss_fn=loss_fn,
-            target=target, init_fn=init_fn, warmup=warmup, repeat=repeat, budget=budget,
+            target=target, init_fn=init_fn, warmup=warmup, repeat=repeat, budget=budget, threads=threads,
         )  # fmt: skip
     check_model(model)
     dev = None if device is None else normalize(device)
@@ -149,7 +152,8 @@ def profile(
     shape = sample_shape(sample)
     half = probe_shape(shape)  # the length probe's shape (Profile.probe, partitioner.lengths)
     probed: list[LayerProfile] | None = [] if half is not None else None
-    with generators_kept(uses_cuda(model, sample, dev)):
+    cuda = uses_cuda(model, sample, dev)
+    with generators_kept(cuda), rank_threads(threads, cuda):
         x = sample
         # every entry, a module that appears twice included (named_children() would skip it)
         for index, (name, layer) in enumerate(model._modules.items()):

@@ -84,6 +84,7 @@ from pipeline.runtime.comm.watchdog import process_alive
 
 __all__ = [
     "BACKENDS",
+    "CPU_THREADS",
     "EMULATE_NCCL_ENV",
     "FORKSERVER_PRELOAD",
     "DistInfo",
@@ -94,6 +95,7 @@ __all__ = [
 ]
 
 BACKENDS = ("gloo", "nccl", "nccl-emulated")
+CPU_THREADS = 1  # intra-op threads per rank on CPU unless launch(threads=) says (ranks share the cores)
 _POLL_S = 0.05
 _KILL_GRACE_S = 2.0
 _SETTLE_S = 0.3  # how long to let a failure's echoes on other ranks arrive
@@ -280,7 +282,7 @@ def _run_rank(
     _set_backend_env(backend)
     try:
         if _group_backend(backend) == "gloo":
-            torch.set_num_threads(threads or 1)
+            torch.set_num_threads(threads or CPU_THREADS)
         _local_device(backend, rank)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         with startup.bounded(rank, f"the other ranks to connect (init_process_group, {store_path})", timeout):

@@ -321,14 +321,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     cfg = flags.parse_args(argv)
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     if flags.torchrun_world() is None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # profile as the ranks run: one thread each
         try:
-            plan = make_plan(cfg, _device(cfg))
+            plan = make_plan(cfg, _device(cfg))  # profiled with a rank's threads (profile's default)
         except FlagError as exc:
             flags.fail(str(exc))
-        finally:
-            torch.set_num_threads(threads)
         return _stopped(launch(train, cfg.dp * cfg.stages, cfg, plan, backend=backend, timeout=_TIMEOUT_S))
     init_distributed(backend, timeout=_TIMEOUT_S)  # dcp's collectives in a save wait this long at most
     try:

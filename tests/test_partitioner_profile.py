@@ -3,6 +3,8 @@ exactly as they were, in-place and dict layers, the loss, meta models, clear err
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -185,6 +187,49 @@ def test_bad_models_and_arguments() -> None:
         profile(nn.Sequential(nn.ReLU()), torch.randn(2), autocast=torch.float64)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         profile(nn.Sequential(nn.ReLU()), torch.randn(2), loss_fn="mse")  # type: ignore[arg-type]
+    for threads in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"threads \({threads!r}\) must be an integer >= 1"):
+            profile(nn.Sequential(nn.ReLU()), torch.randn(2), threads=threads)  # type: ignore[arg-type]
+
+
+class _Traced(nn.Module):  # not a Sequential: profiled on its traced graph
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["sequential", "traced"])
+def test_layers_are_timed_with_a_launched_ranks_threads(
+    traced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU every layer runs with the threads a launched rank has (launch's default, or threads=),
+    and the caller's count comes back: a balance of the times ranks will see (two threads on a busy
+    2-core host stall at each kernel's barrier in every sample)."""
+    from partitioner import _measure
+    from pipeline.launch import CPU_THREADS
+
+    seen: list[int] = []
+    timed = _measure.one_sample
+
+    def counted(*args: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return timed(*args)
+
+    monkeypatch.setattr(_measure, "one_sample", counted)
+    model = _Traced() if traced else nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        for given, expected in ((None, CPU_THREADS), (2, 2)):
+            seen.clear()
+            profile(model, torch.randn(2, 4), warmup=0, repeat=1, threads=given)
+            assert seen and set(seen) == {expected}
+            assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_layer_writing_into_its_parameters_is_named() -> None:
