@@ -112,7 +112,7 @@ def _adamw_reference() -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in model.named_parameters()}
 
 
-_JOBS = {p: job(p, _matrix, timeout=120.0) for p in (2, 4)}
+_JOBS = {p: job(p, _matrix, timeout=120.0, batch="c") for p in (2, 4)}
 
 
 @pytest.fixture(scope="module", params=[2, 4])

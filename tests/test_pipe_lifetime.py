@@ -223,8 +223,8 @@ def _two_ranks_args(factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(factory.mktemp("lifetime")), plan.to_json()
 
 
-_TWO = job(2, _two_ranks, make_args=_two_ranks_args, timeout=120.0)
-_EMULATED = job(2, _emulated, backend="nccl-emulated", timeout=60.0)
+_TWO = job(2, _two_ranks, make_args=_two_ranks_args, timeout=120.0, batch="c")
+_EMULATED = job(2, _emulated, backend="nccl-emulated", timeout=60.0, batch="c")
 _FOUR = job(4, _four_ranks, timeout=120.0, batch="b")
 
 

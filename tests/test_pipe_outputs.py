@@ -130,7 +130,7 @@ def _matrix() -> dict[str, Any]:
 
 
 _JOBS = {
-    (p, b): job(p, _matrix, timeout=180.0, backend=b, batch="a" if p == 2 else "b")
+    (p, b): job(p, _matrix, timeout=180.0, backend=b, batch="c" if p == 2 else "b")
     for p, b in itertools.product((2, 4), BACKENDS)
 }
 

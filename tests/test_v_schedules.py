@@ -204,7 +204,7 @@ def _tied_plan(_: Any) -> tuple[str, tuple[str, ...]]:
     return plan.to_json(), V_SCHEDULES
 
 
-_TIED = job(2, _tied, make_args=_tied_plan, batch="a")
+_TIED = job(2, _tied, make_args=_tied_plan, batch="c")
 
 
 def test_a_weight_tied_across_the_v_on_one_rank(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -496,7 +496,7 @@ def _matrix() -> dict[str, Any]:
     return out
 
 
-_JOBS = {p: job(p, _matrix, timeout=180.0) for p in (2, 4)}
+_JOBS = {p: job(p, _matrix, timeout=180.0, batch="c") for p in (2, 4)}
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -583,7 +583,7 @@ def _one_row_first() -> list[tuple[int, list[tuple[int, int]]]]:
     return out  # type: ignore[return-value]
 
 
-_ONE_ROW_FIRST = job(2, _one_row_first, timeout=120.0)
+_ONE_ROW_FIRST = job(2, _one_row_first, timeout=120.0, batch="c")
 
 
 def test_a_first_step_of_single_rows_leaves_later_rows_of_many_to_the_rules(
@@ -615,7 +615,7 @@ def _both_forms() -> tuple[float, float, bool]:
     return out[0][0], out[1][0], same
 
 
-_BOTH_FORMS = job(2, _both_forms, timeout=120.0)
+_BOTH_FORMS = job(2, _both_forms, timeout=120.0, batch="c")
 
 
 def test_a_padded_tensor_with_lengths_is_the_list_of_its_sequences(
