@@ -355,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
         check_mode(args.recompute)
     except ValueError as err:
         _library_error(parser, err)
-    torch.set_num_threads(args.threads)  # profile each layer as a rank will run it
     model, sample = load_model(args.model, parser)
     try:  # the stage count too: a Sequential's layers are known before it is profiled
         check_stage_count(len(model), args.stages, v)
@@ -378,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_fn=_square_loss,  # the loss --measure trains with: it runs on the last stage
             target=torch.zeros(_rows(sample)),
             repeat=args.repeat,
+            threads=args.threads,  # each layer timed as a rank will run it
         )
         if measure_bandwidth:
             links = _measured_links(args.stages, 2 if args.auto else v, _backend(prof))

@@ -174,3 +174,23 @@ def test_bandwidth_measured_by_ping_pong(tmp_path: Path, capsys: pytest.CaptureF
     plan = Plan.from_json(path.read_text())
     first = plan.stages[0]
     assert first.forward_time > 0 and first.sent_bytes > 0
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_threads_reach_the_profile(threads: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads times each layer with that many intra-op threads (default 1, a launched rank's)."""
+    import torch
+
+    seen: list[int] = []
+    profiled = profile_balance.profile
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["threads"])  # type: ignore[arg-type]
+        return profiled(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profile_balance, "profile", recorded)
+    before = torch.get_num_threads()
+    flag = [] if threads is None else ["--threads", str(threads)]
+    assert profile_balance.main(["--model", SMALL, "--stages", "2", *flag, *FAST]) == 0
+    assert seen == [1 if threads is None else threads]
+    assert torch.get_num_threads() == before  # the caller's own count is left alone
