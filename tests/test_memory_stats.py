@@ -6,8 +6,8 @@ Launches of 2 and 4 ranks run the reference GPT, MLP and ResNet, and an MLP whos
 activations dominate, under every schedule (gpipe, 1f1b, interleaved-1f1b with v = 2, zb-h1) and
 recomputation mode (never, except_last, always). Each rank measures its step's true peak
 (``step(..., measure_memory=True)``: every tensor storage from allocation to free, transients
-included, plus the parameters, buffers and gradients) and each must be within 10 % of what
-``partitioner.memory.rank_peaks`` predicts from the profile (the plan's per-rank peak). One more
+included, plus the parameters, buffers and gradients) and ``partitioner.memory.rank_peaks``'s
+prediction from the profile (the plan's per-rank peak) must be at least it and at most 10 % above. One more
 case steps an Adam optimizer and counts its state. The ResNet's last stage starts at its
 ``Flatten``, a view of the received buffer that the classifier saves: one storage, counted once.
 
@@ -107,7 +107,8 @@ def _predicted(name: str, p: int, sched: str, v: int, mode: str, factor: float) 
 
 
 def _close(measured: float, predicted: float) -> bool:
-    return abs(measured - predicted) <= 0.10 * measured
+    """An upper bound (to the byte: a plan at its limit must fit) at most 10 % above."""
+    return measured <= predicted <= (1.0 + bench_memory.ERROR) * measured
 
 
 @pytest.mark.parametrize("name", MODELS)
