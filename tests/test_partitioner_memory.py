@@ -232,6 +232,17 @@ def test_a_view_or_in_place_layer_joins_the_storages_around_it() -> None:
     assert (first.saved, first.output, first.grads, first.output_is_input) == (0.0, u, 0.0, False)
     mid = stage_bytes(prof, [4, 1], 0.0)[0]  # the second Linear saves a view of the first's output
     assert (mid.saved, mid.output, mid.grads) == (u, u, u)
+    # a stage of the two views sends its input's storage, but receives a gradient of its own
+    views = stage_bytes(prof, [1, 2, 2], 0.0)[1]
+    assert (views.input, views.output, views.output_is_input) == (u, u, True)
+    sched = schedule("1f1b", 3, 1)
+    # rank 1 holds the input buffer (also what it sends), then the received gradient, never both
+    # sent and input apart: u at once beside the input gradient it makes
+    alone = [StageBytes(saved=0.0, input=0.0, output=0.0), dataclasses.replace(views, saved=0.0, static=0.0,
+             transient_backward=0.0), StageBytes(saved=0.0, input=0.0, output=0.0)]  # fmt: skip
+    apart = [alone[0], dataclasses.replace(alone[1], output_is_input=False), alone[2]]
+    assert rank_peaks(sched, alone, "never")[1] == 2 * u  # the input, then the gradient beside it
+    assert rank_peaks(sched, apart, "never")[1] == 3 * u  # a sent copy counted apart
 
 
 # -- the solver's rows: coefficients from the walk with unit bytes, an upper bound of the walk ----------
