@@ -106,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             got, pred = measured[r][key], predicted[key][r]
             worst, under = max(worst, abs(pred / got - 1)), under + (pred < got)
             cells.append(f"{got / 1e6:7.3f} / {pred / 1e6:7.3f} ({pred / got - 1:+.1%})")
+        plan = plans[key]
         label = (
             f"{key[0]:>4} {key[1]:9}"
             if key != "smallest"
-            else f"auto's smallest fit {named / 1e6:.3f} MB: "
-            + (f"{plans[key].n_microbatches} micro-batches, recompute {plans[key].recompute}")
+            else f"auto's smallest fit {(named or 0.0) / 1e6:.3f} MB: "
+            f"{plan.n_microbatches} micro-batches, recompute {plan.recompute}"
         )
         print(f"{label} " + "  ".join(cells))
     print(f"under the measured peak: {under} cells; largest error: {worst:.1%}")

@@ -412,10 +412,15 @@ def test_scaling_is_linear_or_fits_a_per_call_overhead() -> None:
 def test_bytes_scale_as_a_fixed_part_and_a_part_per_row() -> None:
     # a transient of 100 bytes at 4 rows and 40 at 1 row: 20 per row and 20 fixed (a weight's gradient)
     prof = synthetic(2, rows=4)
-    at4 = Profile([dataclasses.replace(lp, backward_transient_bytes=100, saved_bytes=64) for lp in prof.layers],
-                  "cpu", prof.graph)  # fmt: skip
-    at1 = Profile([dataclasses.replace(lp, backward_transient_bytes=40, saved_bytes=16) for lp in prof.layers],
-                  "cpu", prof.graph)  # fmt: skip
+
+    def at(transient: int, saved: int) -> Profile:
+        layers = [
+            dataclasses.replace(lp, backward_transient_bytes=transient, saved_bytes=saved)
+            for lp in prof.layers
+        ]
+        return Profile(layers, "cpu", prof.graph)
+
+    at4, at1 = at(100, 64), at(40, 16)
     # between the two sizes: the line through both (exact for c + s r, above a convex figure)
     assert [lp.backward_transient_bytes for lp in scale_profile(at4, 4, 2, (at1, 1)).layers] == [60, 60]
     assert [lp.saved_bytes for lp in scale_profile(at4, 4, 2, (at1, 1)).layers] == [32, 32]
