@@ -89,9 +89,13 @@ def rank_peaks(
         SEND_*   the sent tensor from its post to the program's free of it
         RECV_*   the buffer from its posting (one comm block ahead) to its compute's end
         F, B, W  while it runs: its layers' transients (``StageBytes.transient_*``): F's
-                 (a recomputing F's: its outputs too, no graph keeps them), B's (split: the
-                 input gradients'), W's (the weight gradients'); on the last stage its last
-                 layer's closing figures (its output and gradient freed inside, by the loss's)
+                 (a recomputing F's: its no-grad forward's most, no graph keeps them), B's
+                 (split: the input gradients', beside the output gradients kept so far), W's
+                 (the weight gradients'); on the last stage its last layer's closing figures
+                 (its output and gradient freed inside, by the loss's)
+        F, last  the recorded loss (``kept``), to the step's end
+        a view   a stage whose output is its input's storage (``output_is_input``): what it
+                 sends and replays is its input buffer; its received gradient its own
 
     ``recompute``: one mode for every stage, or one per stage. ``microbatches[s][f][i]``: figure f
     (of ``PARTS``) of micro-batch i on stage s, where micro-batches differ (a variable-length
