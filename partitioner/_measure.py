@@ -10,7 +10,8 @@ has one (as a pipeline step is: autocast's weight cache is then filled once and 
                                        saved by both (weight cache)      -> cache_bytes (once)
                                        pass 1's output -> layer l + 1's input
     untimed, LiveBytes               one forward, one backward -> what each allocates and frees
-                                     again: forward_ and backward_transient_bytes; the split
+                                     again: forward_ and backward_transient_bytes; one forward
+                                     under no_grad -> no_grad_forward_bytes (its most); the split
                                      backward's parts -> input_ and weight_transient_bytes; the
                                      three backwards closing (the output held by its graph alone,
                                      its gradient made inside, as under the loss) -> closing_*
@@ -110,6 +111,7 @@ def measure(
         with run.live:
             out, saved, cache, inplace, saved_io, aliases = _untimed(fn, x, owned, first)
         transients = _transients(fn, x, first, wanted, closing)
+        no_grad_forward = _no_grad_forward(fn, x, first)
         flops, backward_flops = _flops(fn, x, first)
         input_flops, weight_flops = _split_flops(fn, x, wanted, first)
         samples = _timed(fn, x, wanted, first, run) if timed else []
@@ -149,6 +151,7 @@ def measure(
         closing_backward_transient_bytes=transients[4],
         closing_input_transient_bytes=transients[5],
         closing_weight_transient_bytes=transients[6],
+        no_grad_forward_bytes=no_grad_forward,
         sendable=sendable(out),
         input_flops=input_flops,
         weight_flops=weight_flops,
@@ -277,6 +280,16 @@ def _forward_transient(fn: Callable[[Any], Any], x: Any, first: bool) -> tuple[i
         forward = live.peak[device] - live.now[device] if device is not None else 0
     del out
     return max(forward, 0), device
+
+
+def _no_grad_forward(fn: Callable[[Any], Any], x: Any, first: bool) -> int:
+    """The most one forward under ``no_grad`` holds at once beyond its input, its output included:
+    what a recomputing F allocates (no graph: an intermediate lives while Python refers to it)."""
+    a, _ = fresh(x, first)
+    with torch.no_grad(), LiveBytes() as live:
+        out = fn(a)
+    del out
+    return int(live.most())
 
 
 def _backward_peak(

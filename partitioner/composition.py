@@ -13,7 +13,9 @@ Memory (``Composition.static``), per layer on one rank::
     L      = P - W + W / T                       tensor parallelism splits the Linear weights only
                                                  (Megatron's colwise/rowwise pairs); biases, norms,
                                                  embeddings and buffers stay whole on every tp rank
-    S = 1  : static = L + L + f L + X            parameters, gradients, optimizer state
+    S = 1  : static = L + L + f L + X (+ 4 n)    parameters, gradients, optimizer state; with
+                                                 state (f > 0), a step count per parameter tensor
+                                                 (n of them, ``STEP_BYTES``), as every S has
     S > 1  : static = L / S                      the sharded parameters (FSDP's storage)
                     + L                          gathered once per step and kept through it (ZeRO-2)
                     + L                          the unsharded gradients, accumulated until the
@@ -68,6 +70,7 @@ from torch import nn
 from partitioner.figures import LayerProfile, Profile
 
 __all__ = [
+    "STEP_BYTES",
     "Composition",
     "check_composition",
     "check_tensor_parallel",
@@ -75,6 +78,12 @@ __all__ = [
     "composition_of",
     "tensor_parallel",
 ]
+
+
+# bytes an optimizer with state keeps per parameter tensor beside its state per byte: torch's Adam,
+# AdamW, Adagrad, RMSprop, NAdam, RAdam, Adamax each keep a step count, a 0-dim float32 tensor (of
+# every shard alike); SGD's momentum keeps none (counted anyway: 4 bytes a tensor over, a bound)
+STEP_BYTES = 4.0
 
 
 @dataclass(frozen=True)
@@ -96,18 +105,21 @@ class Composition:
         (numbers or numpy arrays)."""
         return param_bytes - linear_bytes + linear_bytes / self.tp
 
-    def static(self, param_bytes: Any, linear_bytes: Any, other_bytes: Any) -> Any:
+    def static(self, param_bytes: Any, linear_bytes: Any, other_bytes: Any, tensors: Any = 0) -> Any:
         """A layer's static bytes on one rank: parameters, gradients, optimizer state (sharded or
-        not, see the module docstring) plus ``other_bytes`` (buffers, weight copies)."""
+        not, see the module docstring) plus ``other_bytes`` (buffers, weight copies); ``tensors``:
+        its parameter tensors, each with a step count when the optimizer keeps state (``STEP_BYTES``)."""
         mine = self.local(param_bytes, linear_bytes)
         f = self.optimizer_state_factor
+        steps = STEP_BYTES * tensors if f > 0 else 0.0
         if self.shard == 1:
-            return mine * (2.0 + f) + other_bytes
-        return 2.0 * mine + mine * (1.0 + f) / self.shard + other_bytes
+            return mine * (2.0 + f) + other_bytes + steps
+        return 2.0 * mine + mine * (1.0 + f) / self.shard + other_bytes + steps
 
     def static_of(self, lp: LayerProfile) -> float:
         """``static`` of a profiled layer (or loss)."""
-        return float(self.static(lp.param_bytes, lp.linear_weight_bytes, lp.buffer_bytes + lp.cache_bytes))
+        other = lp.buffer_bytes + lp.cache_bytes
+        return float(self.static(lp.param_bytes, lp.linear_weight_bytes, other, len(lp.params)))
 
     # ---- time
 

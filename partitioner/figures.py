@@ -122,6 +122,9 @@ class LayerProfile:
     closing_backward_transient_bytes: int = 0
     closing_input_transient_bytes: int = 0
     closing_weight_transient_bytes: int = 0
+    # the most its forward holds at once under no_grad (a recomputing F): intermediates that Python
+    # still refers to and its output, beyond its input; with a graph they are saved, not transient
+    no_grad_forward_bytes: int = 0
     sendable: bool = True
     params: tuple[str, ...] = ()
     linear_weight_bytes: int = 0  # of param_bytes, nn.Linear weights: what tensor parallelism splits

@@ -195,8 +195,7 @@ def stage_bytes(
             inner = [j for j in group if start < j < stop]
             if inner and not held and max(savers) == 0:  # a split chain keeps what no layer saves
                 chain += max(float(layers[j - 1].activation_bytes) for j in inner)
-        if not last and storages[0][-1] == stop:
-            output = 0.0  # it sends a view of its input: the input buffer is that storage
+        view = not last and storages[0][-1] == stop  # it sends a view of its input: that storage
         # split backward: one gradient per storage of its layers' outputs, held from B to W; the
         # one that is the input's gradient (a view's backward) is the sent one, kept until W
         grads, kept = 0.0, False
@@ -211,7 +210,11 @@ def stage_bytes(
             grads += most
         static = sum(rule.static_of(lp) for lp in lps)
         moments = _transients(layers, loss if last else None, io, start, stop)
-        out.append(StageBytes(max(saved, 0.0), inp, output, chain, grads, static, kept, *moments))
+        scalar = float(loss.activation_bytes) if last and loss is not None else 0.0
+        # the last stage holds its loss as its graph's root (F to B, W when split), the loss's gradient
+        # from B (to W when split), and a copy of each loss to the step's end (``StageBytes.kept``)
+        figures = (max(saved, 0.0) + scalar, inp, output, chain, grads + scalar, static, kept, view, scalar)
+        out.append(StageBytes(*figures, *moments))
         start = stop
     return out
 
@@ -234,7 +237,10 @@ def _transients(
 
     Under a loss the last layer's output is held by its graph alone and its gradient is the loss's
     (freed once read, the output once the op saving it has run): its ``closing_*`` figures, no
-    read added. W runs layer by layer with every output gradient held (``grads``, the received
+    read added; the loss's own gradient (ones, made by the stage) is held through the whole B. A
+    split B frees nothing (its graphs are retained for W) and keeps each output gradient it makes:
+    layer j runs beside its own and every later layer's (no excess over the later layers' saved
+    bytes, none being freed). W runs layer by layer with every output gradient held (``grads``, the received
     one) and each graph still whole when its layer's turn comes: a layer's W figure alone. A
     recomputing F keeps no graph: layer j's input (the previous layer's output), transient and
     output at once."""
@@ -249,6 +255,11 @@ def _transients(
     reads = [float(lp.activation_bytes) for lp in figures[:-1]] + [0.0]
     if closing >= 0:
         reads[closing] = 0.0  # the loss's gradient: inside the closing figures
+    # a split B keeps every output gradient it has made for W and frees no graph (retain_graph):
+    # layer j runs beside the gradients of its own output and of every later inner output
+    kept = [sum(reads[k:]) for k in range(len(figures))]
+    # under a loss, the gradient it starts from (ones, the loss's size) lives through all of B
+    ones = float(loss.activation_bytes) if loss is not None else 0.0
 
     def part(field: str) -> list[float]:
         # the loss's node runs in B and again in W: its whole backward is its figure in both
@@ -260,18 +271,23 @@ def _transients(
 
     pairs = zip(figures, later, strict=True)
     forward = max(max(lp.forward_transient_bytes - after, 0.0) for lp, after in pairs)
-    each = [max(b + g - after, 0.0)
+    each = [max(b + g - after, 0.0) + ones
             for b, g, after in zip(part("backward_transient_bytes"), reads, later, strict=True)]  # fmt: skip
-    inputs = [max(b + g - after, 0.0)
-              for b, g, after in zip(part("input_transient_bytes"), reads, later, strict=True)]  # fmt: skip
+    inputs = [b + g + ones for b, g in zip(part("input_transient_bytes"), kept, strict=True)]
     # a split B on stage 0 runs no backward for its first layer (no gradient for the step's data)
     input_grad = max(inputs[1:], default=0.0) if start == 0 else max(inputs)
     weight = max(part("weight_transient_bytes"))
     outs = [0.0 if lp.output_aliases_input else float(lp.activation_bytes) for lp in figures]
     before = [0.0, *(float(lp.activation_bytes) for lp in figures[:-1])]  # the stage's input: held
-    recompute = max(b + lp.forward_transient_bytes + o
-                    for lp, b, o in zip(figures, before, outs, strict=True))  # fmt: skip
+    recompute = max(b + _no_grad(lp, o) for lp, b, o in zip(figures, before, outs, strict=True))
     return forward, max(each), input_grad, weight, recompute
+
+
+def _no_grad(lp: LayerProfile, output: float) -> float:
+    """The most layer ``lp``'s forward holds at once under no_grad (a recomputing F), its output
+    included: measured (``no_grad_forward_bytes``: what Python still refers to, which a graph would
+    have saved), and never below its transient and ``output`` (a profile without that figure)."""
+    return max(float(lp.forward_transient_bytes) + output, float(lp.no_grad_forward_bytes))
 
 
 def _storages(
@@ -316,7 +332,8 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) 
     shared = np.minimum(np.concatenate([[np.inf], outs[:-1]]), ins)  # with layer l - 1; all of layer 0's
     own = column("saved_bytes") - shared
     other = column("buffer_bytes") + column("cache_bytes")
-    least = rule.static(column("param_bytes"), column("linear_weight_bytes"), other)
+    tensors = np.asarray([len(lp.params) for lp in layers], np.float64)
+    least = rule.static(column("param_bytes"), column("linear_weight_bytes"), other, tensors)
     static = least.copy()
     if loss is not None:  # the loss's figures on the last layer: its input once, its target never
         own[-1] += loss.saved_bytes - min(outs[-1], io[-1, 0]) - io[-1, 1]
@@ -328,15 +345,19 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) 
     input_grad = column("input_transient_bytes") + act
     weight = column("weight_transient_bytes")
     outs = np.where(column("output_aliases_input") > 0, 0.0, act)
-    recompute = np.concatenate([[0.0], act[:-1]]) + forward + outs  # its input, transient, output
+    no_grad = np.asarray([_no_grad(lp, o) for lp, o in zip(layers, outs, strict=True)], np.float64)
+    recompute = np.concatenate([[0.0], act[:-1]]) + no_grad  # its input beside its forward's most
+    root = np.zeros(n)  # the loss, on the last layer
     if loss is not None:  # the last layer's closing figures (under the loss) and the loss's own
-        last = layers[-1]
+        last, scalar = layers[-1], float(loss.activation_bytes)
+        root[-1] = scalar  # held as the graph's root; its gradient through B (and to W: grads)
         lossb = max(loss.backward_transient_bytes, loss.input_transient_bytes)
         forward[-1] = max(forward[-1], loss.forward_transient_bytes)
         backward[-1] = max(backward[-1], last.closing_backward_transient_bytes, loss.backward_transient_bytes)
-        input_grad[-1] = max(input_grad[-1], last.closing_input_transient_bytes, lossb)
+        backward[-1] += scalar
+        input_grad[-1] = max(input_grad[-1], last.closing_input_transient_bytes, lossb) + scalar
         weight[-1] = max(weight[-1], last.closing_weight_transient_bytes, lossb)
-        recompute[-1] = max(recompute[-1], act[-1] + loss.forward_transient_bytes + loss.activation_bytes)
+        recompute[-1] = max(recompute[-1], act[-1] + _no_grad(loss, float(loss.activation_bytes)))
     return {
         "static": static.tolist(),
         "transient_forward": forward.tolist(),
@@ -344,9 +365,9 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) 
         "transient_input_grad": input_grad.tolist(),
         "transient_weight": weight.tolist(),
         "transient_recompute": recompute.tolist(),
-        "saved": np.maximum(own, 0.0).tolist(),
+        "saved": (np.maximum(own, 0.0) + root).tolist(),
         "chain": np.where(unsaved, act, 0.0).tolist(),
-        "grads": act.tolist(),
+        "grads": (act + root).tolist(),
         "least": least.tolist(),
     }
 

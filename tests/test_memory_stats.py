@@ -6,8 +6,8 @@ Launches of 2 and 4 ranks run the reference GPT, MLP and ResNet, and an MLP whos
 activations dominate, under every schedule (gpipe, 1f1b, interleaved-1f1b with v = 2, zb-h1) and
 recomputation mode (never, except_last, always). Each rank measures its step's true peak
 (``step(..., measure_memory=True)``: every tensor storage from allocation to free, transients
-included, plus the parameters, buffers and gradients) and each must be within 10 % of what
-``partitioner.memory.rank_peaks`` predicts from the profile (the plan's per-rank peak). One more
+included, plus the parameters, buffers and gradients) and ``partitioner.memory.rank_peaks``'s
+prediction from the profile (the plan's per-rank peak) must be at least it and at most 10 % above. One more
 case steps an Adam optimizer and counts its state. The ResNet's last stage starts at its
 ``Flatten``, a view of the received buffer that the classifier saves: one storage, counted once.
 
@@ -107,7 +107,8 @@ def _predicted(name: str, p: int, sched: str, v: int, mode: str, factor: float) 
 
 
 def _close(measured: float, predicted: float) -> bool:
-    return abs(measured - predicted) <= 0.10 * measured
+    """An upper bound (to the byte: a plan at its limit must fit) at most 10 % above."""
+    return measured <= predicted <= (1.0 + bench_memory.ERROR) * measured
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -190,6 +191,34 @@ def test_the_walk_is_exact_where_every_stage_weighs_its_own(tmp_path_factory: py
                 wrong.append(f"{sched}/{mode} rank {r}: measured {got}, predicted {peaks[r]:.0f} "
                              f"({peaks[r] / got - 1:+.1%})")  # fmt: skip
     assert not wrong, "\n".join(wrong)
+
+
+def _replicated_peak() -> dict[str, Any]:
+    """Two replicas of one stage, AdamW, gradients set to None between steps (``zero_grad``)."""
+    model, x, y, loss_fn = _model("wide")
+    pipe = Pipeline(model, Plan(balance=[8], schedule="1f1b", n_microbatches=M, dp=2), loss_fn=loss_fn)
+    opt = torch.optim.AdamW(pipe.parameters())
+    rows = slice(pipe.replica * len(x) // 2, (pipe.replica + 1) * len(x) // 2)
+    pipe.step(x[rows], y[rows])
+    opt.step()
+    opt.zero_grad()
+    pipe.step(x[rows], y[rows], measure_memory=True)
+    stats = pipe.memory_stats(opt)
+    pipe.close()
+    return stats
+
+
+_REPLICATED = job(2, _replicated_peak)
+
+
+def test_the_replicas_gradient_buckets_count_from_the_step_s_start(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # the gradients live in the reducer's flat buckets, kept from step to step: alive at the step's
+    # start though zero_grad set every .grad to None (the peak read 0.78x its static bytes without them)
+    for stats in _REPLICATED.results(tmp_path_factory):
+        static = stats["parameters"] + stats["gradients"] + stats["optimizer"]
+        assert stats["peak"] >= static + stats["activations"] > static, stats
 
 
 def test_the_measured_peak_is_every_live_byte() -> None:

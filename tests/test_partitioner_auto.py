@@ -409,6 +409,29 @@ def test_scaling_is_linear_or_fits_a_per_call_overhead() -> None:
         batch_rows((torch.zeros(5, 2), torch.zeros(4)))
 
 
+def test_bytes_scale_as_a_fixed_part_and_a_part_per_row() -> None:
+    # a transient of 100 bytes at 4 rows and 40 at 1 row: 20 per row and 20 fixed (a weight's gradient)
+    prof = synthetic(2, rows=4)
+
+    def at(transient: int, saved: int) -> Profile:
+        layers = [
+            dataclasses.replace(lp, backward_transient_bytes=transient, saved_bytes=saved)
+            for lp in prof.layers
+        ]
+        return Profile(layers, "cpu", prof.graph)
+
+    at4, at1 = at(100, 64), at(40, 16)
+    # between the two sizes: the line through both (exact for c + s r, above a convex figure)
+    assert [lp.backward_transient_bytes for lp in scale_profile(at4, 4, 2, (at1, 1)).layers] == [60, 60]
+    assert [lp.saved_bytes for lp in scale_profile(at4, 4, 2, (at1, 1)).layers] == [32, 32]
+    # beyond the larger: in proportion to it (c >= 0: never under), below the smaller: its figure
+    assert [lp.backward_transient_bytes for lp in scale_profile(at4, 4, 8, (at1, 1)).layers] == [200, 200]
+    # one profile: a transient never below its figure nor the rows' share of it; saved bytes per row
+    alone = scale_profile(at4, 4, 1)
+    assert [(lp.backward_transient_bytes, lp.saved_bytes) for lp in alone.layers] == [(100, 16)] * 2
+    assert [lp.backward_transient_bytes for lp in scale_profile(at4, 4, 8).layers] == [200, 200]
+
+
 def test_plan_with_modes_per_stage_prices_each_stage_by_its_mode() -> None:
     prof = synthetic(6, seed=7)
     per = partition(_identity(6), 2, None, profile=prof, n_microbatches=4, recompute=("always", "never"))

@@ -193,9 +193,9 @@ def test_stage_bytes_counts_a_storage_two_layers_save_once() -> None:
     assert io == [(u, u)] * 4 + [(u, u)]  # the loss saves its input and its target
     first, last = stage_bytes(prof, [2, 2], 0.0, io)
     # stage 0: y0 (x0 is the step's data; y1, sent, is its output); stage 1: y2, y3 (the target:
-    # data), its input y1 held on its own
+    # data), its input y1 held on its own, and the loss (4 bytes) its graph's root
     assert (first.saved, first.input, first.output) == (u, 0.0, u)
-    assert (last.saved, last.input, last.output) == (2 * u, u, 0.0)
+    assert (last.saved, last.input, last.output, last.kept) == (2 * u + 4, u, 0.0, 4)
     assert first.static == 2 * sum(lp.param_bytes for lp in prof.layers[:2])
     # the profile records what each layer saves of its input and output: the same figures
     assert [(lp.saved_input_bytes, lp.saved_output_bytes) for lp in prof.layers] == io[:-1]
@@ -208,6 +208,7 @@ def test_stage_bytes_counts_a_storage_two_layers_save_once() -> None:
     )
     upper = stage_bytes(unknown, [2, 2], 0.0)  # nothing known to be shared: every layer's own bytes
     assert upper[0].saved == 4 * u  # all four, the output again beside them: an upper bound
+    assert upper[1].saved == 6 * u + 4  # the layers' four, the loss's input and target, the loss
 
 
 def test_a_view_or_in_place_layer_joins_the_storages_around_it() -> None:
@@ -223,14 +224,25 @@ def test_a_view_or_in_place_layer_joins_the_storages_around_it() -> None:
     first, last = stage_bytes(prof, [2, 3], 0.0)
     # stage 1 starts at the Flatten: the Linear saves a view of the received input (held as the
     # input), the ReLU its output in place, which the loss saves too: one storage
-    assert (last.saved, last.input, last.output) == (u, u, 0.0)
+    assert (last.saved, last.input, last.output) == (u + 4, u, 0.0)  # and the loss, 4 bytes
     # split: the Flatten's output gradient is the input gradient it sends, kept until W; the
-    # Linear's output gradient (the ReLU's input's) is a storage of its own
-    assert (last.grads, last.input_grad_kept) == (u, True)
+    # Linear's output gradient (the ReLU's input's) is a storage of its own; the loss's (ones)
+    assert (last.grads, last.input_grad_kept) == (u + 4, True)
     # stage 0 sends the Unflatten's output, a view of the Linear's: one storage, counted as output
-    assert (first.saved, first.output, first.grads) == (0.0, u, 0.0)
+    assert (first.saved, first.output, first.grads, first.output_is_input) == (0.0, u, 0.0, False)
     mid = stage_bytes(prof, [4, 1], 0.0)[0]  # the second Linear saves a view of the first's output
     assert (mid.saved, mid.output, mid.grads) == (u, u, u)
+    # a stage of the two views sends its input's storage, but receives a gradient of its own
+    views = stage_bytes(prof, [1, 2, 2], 0.0)[1]
+    assert (views.input, views.output, views.output_is_input) == (u, u, True)
+    sched = schedule("1f1b", 3, 1)
+    # rank 1 holds the input buffer (also what it sends), then the received gradient, never both
+    # sent and input apart: u at once beside the input gradient it makes
+    alone = [StageBytes(saved=0.0, input=0.0, output=0.0), dataclasses.replace(views, saved=0.0, static=0.0,
+             transient_backward=0.0), StageBytes(saved=0.0, input=0.0, output=0.0)]  # fmt: skip
+    apart = [alone[0], dataclasses.replace(alone[1], output_is_input=False), alone[2]]
+    assert rank_peaks(sched, alone, "never")[1] == 2 * u  # the input, then the gradient beside it
+    assert rank_peaks(sched, apart, "never")[1] == 3 * u  # a sent copy counted apart
 
 
 # -- the solver's rows: coefficients from the walk with unit bytes, an upper bound of the walk ----------
@@ -344,7 +356,8 @@ def test_each_compute_is_charged_its_own_transient() -> None:
     loss = lp(2, 4, forward_transient_bytes=3, backward_transient_bytes=5, input_transient_bytes=5)
     first, last = stage_bytes(Profile(layers, "cpu", layer_graph(layers), loss=loss), [1, 1], 0.0)
     assert (first.transient_backward, first.transient_input_grad, first.transient_weight) == (10, 0, 30)
-    assert (last.transient_backward, last.transient_input_grad, last.transient_weight) == (400, 500, 600)
+    # B beside the loss's gradient it starts from (ones, the loss's 4 bytes); W reads it as held (grads)
+    assert (last.transient_backward, last.transient_input_grad, last.transient_weight) == (404, 504, 600)
     assert first.transient_recompute == 1 + 64  # its transient and output (its input: the data)
     assert last.transient_recompute == 7 + 32  # more than the loss's: its input, transient, output
     # the walk charges each compute its own: W only in a split schedule, F's recompute figure only
@@ -386,4 +399,4 @@ def test_layer_bounds_count_a_storage_two_layers_save_once() -> None:
     loss = LayerProfile(4, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, 4, 2 * u, (1,), "float32",
                         saved_input_bytes=u, saved_target_bytes=u)  # fmt: skip
     prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=u, loss=loss)
-    assert layer_bounds(prof, 2.0)["saved"] == [u, u, u, u]
+    assert layer_bounds(prof, 2.0)["saved"] == [u, u, u, u + 4]  # the last: the loss too (4 bytes)

@@ -109,7 +109,9 @@ def test_bf16_autocast_cut_bytes_and_saved_bytes() -> None:
     plan = plan_for(bf16, [2, 2], schedule="gpipe", n_microbatches=4)
     for st, fig in zip(plan.stages, stage_bytes(bf16, [2, 2], 2.0), strict=True):
         lps = bf16.layers[st.start : st.stop]
-        assert fig.static == sum(4 * lp.param_bytes + lp.cache_bytes + lp.buffer_bytes for lp in lps)
+        # Adam's state (2 per byte) and a 4-byte step count per parameter tensor
+        assert fig.static == sum(4 * lp.param_bytes + lp.cache_bytes + lp.buffer_bytes + 4 * len(lp.params)
+                                 for lp in lps)  # fmt: skip
         assert st.memory_bytes >= fig.static + 4 * fig.saved  # the solver's row bounds the walk
     assert plan.autocast == "bfloat16"
 

@@ -37,6 +37,12 @@ class StageBytes:
     # split backward: the input gradient it sends is a layer's output gradient too (a view's
     # backward; counted in ``input``, not ``grads``): held from B until sent and until W
     input_grad_kept: bool = False
+    # the output it sends is its input's storage (a view: ``nn.Flatten`` last): what it sends and a
+    # replay's output are the input buffer, while the gradient it receives is a buffer of its own
+    output_is_input: bool = False
+    # the last stage: each micro-batch's loss kept from its F to the step's end, the step's result
+    # (``StageRuntime._loss`` records a copy); the same for every micro-batch, not one of PARTS
+    kept: float = 0.0
     # held only while one compute runs: the most a layer's forward allocates and frees again; the
     # most a layer's backward allocates at once, plus the gradient of its output it reads (the
     # stage's last layer reads the received one, counted in ``output``; on the last stage the
@@ -49,8 +55,9 @@ class StageBytes:
     # split backward's W: the weight gradients only (``weight_transient_bytes``): no input gradient,
     # and the output gradients it reads are held anyway (``grads``, the received one)
     transient_weight: float = 0.0
-    # a recomputing F (under no_grad: no graph keeps its layers' outputs): each layer's output
-    # beside its input and its forward's transient, the stage's input held apart
+    # a recomputing F (under no_grad: no graph keeps its layers' outputs): each layer's input beside
+    # the most its forward holds under no_grad (its output, intermediates Python still refers to),
+    # the stage's input held apart
     transient_recompute: float = 0.0
     # per figure of PARTS, the share of its bytes that grows as rows x length² at fixed tokens (the
     # attention scores a kernel materialises), the rest growing as the tokens; empty: all as tokens
@@ -82,13 +89,17 @@ def rank_peaks(
         SEND_*   the sent tensor from its post to the program's free of it
         RECV_*   the buffer from its posting (one comm block ahead) to its compute's end
         F, B, W  while it runs: its layers' transients (``StageBytes.transient_*``): F's
-                 (a recomputing F's: its outputs too, no graph keeps them), B's (split: the
-                 input gradients'), W's (the weight gradients'); on the last stage its last
-                 layer's closing figures (its output and gradient freed inside, by the loss's)
+                 (a recomputing F's: its no-grad forward's most, no graph keeps them), B's
+                 (split: the input gradients', beside the output gradients kept so far), W's
+                 (the weight gradients'); on the last stage its last layer's closing figures
+                 (its output and gradient freed inside, by the loss's)
+        F, last  the recorded loss (``kept``), to the step's end
+        a view   a stage whose output is its input's storage (``output_is_input``): what it
+                 sends and replays is its input buffer; its received gradient its own
 
     ``recompute``: one mode for every stage, or one per stage. ``microbatches[s][f][i]``: figure f
     (of ``PARTS``) of micro-batch i on stage s, where micro-batches differ (a variable-length
-    step's shapes); None: each weighs ``stages[s]``. Static bytes and ``input_grad_kept`` are
+    step's shapes); None: each weighs ``stages[s]``. Static bytes, ``kept`` and the flags are
     ``stages``'.
     """
     modes = [recompute] * sched.n_stages if isinstance(recompute, str) else list(recompute)
@@ -115,12 +126,15 @@ def rank_peaks(
 
     def weigh_own(key: tuple[str, int, int]) -> tuple[int, float]:
         kind, s, i = key
+        if kind == "kept":
+            return 0, stages[s].kept
         return 0, microbatches[s][_FIELD[kind]][i]  # type: ignore[index]
 
     gin_kept = [st.input_grad_kept for st in stages]
+    views = [st.output_is_input for st in stages]
     return [
         sum(stages[s].static for s in sched.stages_of(r))
-        + walk(sched, r, weigh if microbatches is None else weigh_own, 1, modes, gin_kept)[0]
+        + walk(sched, r, weigh if microbatches is None else weigh_own, 1, modes, gin_kept, views)[0]
         for r in range(sched.n_ranks)
     ]
 
@@ -131,7 +145,7 @@ _BUFFER = {Kind.RECV_F: "in", Kind.RECV_B: "gout", Kind.SEND_F: "out", Kind.SEND
 _FIELD = {"in": "input", "gin": "input", "out": "output", "gout": "output", "new": "output",
           "set": "saved", "chain": "chain", "grads": "grads", "tf": "transient_forward",
           "tb": "transient_backward", "tbi": "transient_input_grad", "tw": "transient_weight",
-          "tfr": "transient_recompute"}  # fmt: skip
+          "tfr": "transient_recompute", "kept": "kept"}  # fmt: skip
 # the per-micro-batch figures of StageBytes
 PARTS = ("saved", "input", "output", "chain", "grads", "transient_forward", "transient_backward",
          "transient_input_grad", "transient_weight", "transient_recompute")  # fmt: skip
@@ -151,10 +165,12 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
     for mode in modes:
         check_mode(mode)
     p, width = sched.n_ranks, len(PARTS)
-    column = {kind: PARTS.index(f) for kind, f in _FIELD.items()}
+    column = {kind: PARTS.index(f) for kind, f in _FIELD.items() if f in PARTS}
 
     def weigh(key: tuple[str, int, int]) -> tuple[int, float]:  # a slot per (stage of r, figure)
         kind, s, _ = key
+        if kind == "kept":  # not a per-micro-batch figure: no row of its own
+            return (s // p) * width, 0.0
         return (s // p) * width + column[kind], 1.0
 
     out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
@@ -172,13 +188,15 @@ def walk(
     width: int,
     modes: list[str],
     gin_kept: Sequence[bool] = (),
+    views: Sequence[bool] = (),
 ) -> list[float]:
     """Rank r's most bytes held at once (see ``rank_peaks``), per slot: ``weigh(key)`` is a held
     tensor's (slot, bytes), and each of the ``width`` slots gets its own maximum over the step (one
     slot: the peak itself). It walks ``sched.program(r)``, the order the executor runs: what a post
     holds, a free releases, and a receive's buffer goes at the end of the compute that waited for
     it. ``gin_kept[s]``: stage s's sent input gradient is held until its W too
-    (``StageBytes.input_grad_kept``). Slots are plain numbers, not arrays: planning walks thousands
+    (``StageBytes.input_grad_kept``); ``views[s]``: its output is its input's storage
+    (``StageBytes.output_is_input``). Slots are plain numbers, not arrays: planning walks thousands
     of programs of thousands of instructions."""
     gins = {s for s, kept in enumerate(gin_kept) if kept}
     refs: dict[tuple[str, int, int], int] = {}
@@ -194,15 +212,23 @@ def walk(
     local_in = {s for s in mine if s > 0 and sched.rank_of(s - 1) == r}
     local_gout = {s for s in mine if s < sched.n_stages - 1 and sched.rank_of(s + 1) == r}
 
-    def same(key: tuple[str, int, int]) -> tuple[str, int, int]:
-        kind, s, i = key
-        if kind == "in" and s in local_in:
-            return ("out", s - 1, i)
-        if kind == "gout" and s in local_gout:
-            return ("gin", s + 1, i)
-        return key
+    # a stage whose output is a view of its input sends, and replays, that storage: one holder's
+    viewed = {s for s in mine if s < len(views) and views[s]}
 
-    handover = bool(local_in or local_gout)
+    def same(key: tuple[str, int, int]) -> tuple[str, int, int]:
+        while True:  # the V turn's stage before may send a view of its input in turn
+            kind, s, i = key
+            if kind in ("out", "new") and s in viewed:
+                key = ("in", s, i)
+            elif kind == "in" and s in local_in:
+                key = ("out", s - 1, i)
+            elif kind == "gout" and s in local_gout:
+                return ("gin", s + 1, i)
+            else:
+                return key
+
+    handover = bool(local_in or local_gout or viewed)
+    last = sched.n_stages - 1
 
     def take(*keys: tuple[str, int, int]) -> None:
         # only increments: each slot's maximum is reached at the end of a take
@@ -250,6 +276,8 @@ def walk(
                 kept = [] if replays else [("set", s, i), ("out", s, i)]
                 take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
                 momentary(("tfr" if replays else "tf", s, i))
+                if s == last:  # its loss, recorded until the step's end
+                    take(("kept", s, i))
                 if s in local_in:  # taken out of the hand-over at this compute's end
                     consumed.append(("in", s, i))
                 if s + 1 in local_in:  # handed to the next stage here: held until its F takes it

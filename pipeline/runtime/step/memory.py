@@ -184,7 +184,10 @@ def measured(pipe: Any, on: bool) -> Iterator[None]:
         yield
         return
     params = list(pipe.parameters())
-    before = storage_bytes([*params, *pipe.buffers(), *(p.grad for p in params)])
+    # the replicas' gradient buckets persist from step to step, .grad set to None or not
+    reducer = getattr(getattr(pipe, "_replicas", None), "reducer", None)
+    kept = reducer.held() if reducer is not None else []
+    before = storage_bytes([*params, *pipe.buffers(), *(p.grad for p in params), *kept])
     with LiveBytes() as live:
         yield
     pipe.measured_peak = before + live.most()
