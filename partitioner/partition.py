@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from partitioner._balance import balance_of
+from partitioner._floors import refuse_below_static
 from partitioner._options import Options
 from partitioner._planning import predicted
 from partitioner._trees import tree_map
@@ -238,13 +239,14 @@ def partition(
     check_tensor_parallel(model, profile, tp)
     profile = tensor_parallel(profile, net.composition)  # one tp rank's compute: the costs and times
     net.measured(profile.device_memory)
-    sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
         raise ValueError(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
             f"{len(sizes) - 1} places ({'; '.join(reasons)}); use at most {len(sizes) // v} ranks"
         )
+    refuse_below_static(profile, net, k, sizes)  # before the schedule and its walk: milliseconds
+    sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     plan = predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
     _check_walk(plan, net)
     plan.build_schedule()  # the generator's order, validated (cached per shape for the run)

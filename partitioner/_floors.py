@@ -1,0 +1,149 @@
+"""Lower bounds on the memory limit a configuration needs, each checked before what it saves.
+
+    # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer, o: option
+
+Two floors, each read off the data of the rule it bounds, never a formula of its own:
+
+    static floor   the layers' static bytes (weights, gradients, optimizer state, buffers:
+                   ``layer_bounds``' "least", ``partitioner.memory``), with no activation and no
+                   buffer: every row of every schedule and mode holds at least these, so a limit
+                   they do not fit fits nothing. No schedule is built: a refusal in milliseconds.
+    rows floor     a group's (schedule, v, m) memory rows (the walk's coefficients times the
+                   layers' bounds, ``memory_rows``) with each stage on the least of its modes'
+                   rows and offsets: the per-stage choice (``Modes.smallest``, the joint DP) and
+                   every uniform mode need at least this. One ``_fit.smallest`` instead of the
+                   joint one, and the same coefficients.
+
+``static_floor`` <= ``rows_floor`` <= the exact smallest limit of every config of the group. The
+auto search orders groups by the static floor and, when nothing fits, skips a group whose floor
+already reaches the smallest limit found (``partitioner.auto``); ``partition`` refuses below the
+static floor before it builds its schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from partitioner._balance import Modes
+from partitioner._fit import fits, smallest
+from partitioner._inputs import _prefix
+from partitioner._options import Options, reserve_fix, reserve_text
+from partitioner._planning import grouped, least_memory
+from partitioner.figures import Profile
+from pipeline.schedules.program import Program
+from pipeline.schedules.schedule import Schedule
+
+__all__ = ["group_fits", "group_floor", "refuse_below_static", "static_fits", "static_floor", "walked_ranks"]
+
+
+def _static_row(profile: Profile, net: Options, sizes: list[int]) -> list[float]:
+    """Prefix sums over the layer groups of each layer's static bytes (``least_memory``)."""
+    return _prefix(grouped(least_memory(profile, net.composition), sizes))
+
+
+def _base(net: Options) -> list[float]:
+    """What x multiplies: 1 per rank (x is the limit), or each rank's own limit (x a factor)."""
+    if net.scalar_limit or net.memory_limit is None:
+        return [1.0] * net.n_ranks
+    return net.memory_limit
+
+
+def static_fits(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
+    """Whether some balance into k stages holds the layers' static bytes within the limits."""
+    return _fits_static(_static_row(profile, net, sizes), net, k)
+
+
+def _fits_static(row: list[float], net: Options, k: int) -> bool:
+    assert net.memory_limit is not None  # called only with a limit
+    return fits([row], net.stage_limits(1.0, net.memory_limit, [0.0] * k, k), k)
+
+
+def static_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
+    """The least limit (or factor on the per-rank limits) at which the static bytes of k stages fit."""
+    return _floor_static(_static_row(profile, net, sizes), net, k)
+
+
+def _floor_static(row: list[float], net: Options, k: int) -> float:
+    return smallest([row], k, *net.affine(_base(net), [0.0] * k, k))
+
+
+def refuse_below_static(profile: Profile, net: Options, k: int, sizes: list[int]) -> None:
+    """A ValueError when no split into k stages holds even the static bytes: it names their floor
+    (a limit there gets the exact smallest limit, activations included, from ``check_fit``)."""
+    if net.memory_limit is None:
+        return
+    row = _static_row(profile, net, sizes)
+    if _fits_static(row, net, k):
+        return
+    floor = _floor_static(row, net, k)
+    given = net.memory_limit
+    alone = (
+        f"no split into {k} stages fits even the weights, gradients, optimizer state and buffers alone, "
+        "before any activation"
+    )
+    if net.scalar_limit:
+        raise ValueError(
+            f"memory_limit ({given[0]:g} bytes per rank) is too small: {alone}: they need a limit of at "
+            f"least {floor!r} bytes per rank{reserve_text(net.device)}; raise memory_limit past that (a "
+            f"limit there is answered with the smallest that fits, activations included) "
+            f"{reserve_fix(net.device)}or use more ranks"
+        )
+    raise ValueError(
+        f"memory_limit ({given}) is too small: {alone}: the limits must grow by a factor of at least "
+        f"{floor!r}{reserve_text(net.device)}; raise memory_limit {reserve_fix(net.device)}or use more ranks"
+    )
+
+
+@dataclass(frozen=True)
+class _ComputeOnly(Schedule):
+    """A schedule whose program, on the ranks in ``walked``, is its compute actions alone (its
+    ``Program.compute()``: no receive posted ahead, no send held until its free) and empty on the
+    others. The walk (``coefficients``) of it holds, at each compute, a subset of what the whole
+    program's walk holds there (the posts and frees only add holders), so its coefficients are a
+    lower bound of the walk's, read by the same rule; no program is derived, and two ranks walked
+    cost 2 / p of one walk."""
+
+    walked: frozenset[int] = frozenset()
+
+    def program(self, rank: int, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> Program:
+        return Program(rank, self.compute[rank] if rank in self.walked else ())
+
+
+def walked_ranks(sched: Schedule) -> frozenset[int]:
+    """The ranks whose stages the group floor charges activations: every rank (a rank left out
+    holds static bytes only, and the balance would crowd its stages: a floor far too low)."""
+    return frozenset(range(sched.n_ranks))
+
+
+def _floor_modes(
+    profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str]
+) -> Modes:
+    """The group's joint problem (each stage on any of ``modes``) on the rows of the walk of the
+    compute actions of ``walked_ranks`` (coefficients 0 on the other ranks' stages: static bytes)."""
+    part = _ComputeOnly(
+        f"{sched.name}/compute",
+        sched.n_stages,
+        sched.n_ranks,
+        sched.n_microbatches,
+        sched.split_backward,
+        sched.compute,
+        sched.placement,
+        walked_ranks(sched),
+    )  # fmt: skip  (its own name: its own rows cached)
+    return Modes.build(profile, part, net, sizes, [list(modes)] * sched.n_stages)
+
+
+def group_floor(
+    profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str]
+) -> float:
+    """A lower bound on the smallest limit (or factor) at which ``sched`` fits with each stage on
+    any of ``modes``: ``Modes.smallest`` of it, and each mode's alone, are at least this."""
+    return _floor_modes(profile, sched, net, sizes, modes).smallest()
+
+
+def group_fits(
+    profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str]
+) -> bool:
+    """False when not even the group floor's rows fit the limits: no config of the group fits."""
+    return _floor_modes(profile, sched, net, sizes, modes).fits()
