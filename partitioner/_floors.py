@@ -28,13 +28,22 @@ from dataclasses import dataclass
 from partitioner._balance import Modes
 from partitioner._fit import fits, smallest
 from partitioner._inputs import _prefix
+from partitioner._joint import fits_joint
 from partitioner._options import Options, reserve_fix, reserve_text
 from partitioner._planning import grouped, least_memory
 from partitioner.figures import Profile
 from pipeline.schedules.program import Program
 from pipeline.schedules.schedule import Schedule
 
-__all__ = ["group_fits", "group_floor", "refuse_below_static", "static_fits", "static_floor", "walked_ranks"]
+__all__ = [
+    "group_fits",
+    "group_floor",
+    "group_reaches",
+    "refuse_below_static",
+    "static_fits",
+    "static_floor",
+    "walked_ranks",
+]
 
 
 def _static_row(profile: Profile, net: Options, sizes: list[int]) -> list[float]:
@@ -140,6 +149,19 @@ def group_floor(
     """A lower bound on the smallest limit (or factor) at which ``sched`` fits with each stage on
     any of ``modes``: ``Modes.smallest`` of it, and each mode's alone, are at least this."""
     return _floor_modes(profile, sched, net, sizes, modes).smallest()
+
+
+def group_reaches(
+    profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str], least: float
+) -> bool:
+    """Whether the group floor is above ``least`` (a limit, or a factor on the per-rank limits): its
+    rows do not fit there, so no config of the group fits below it. One fit, not the floor itself.
+    A relative 1e-12 below ``least`` keeps the float rows (other sums than the exact rows') from
+    skipping a group that ties it."""
+    floor = _floor_modes(profile, sched, net, sizes, modes)
+    x = least * (1.0 - 1e-12)
+    return not fits_joint(floor.memory, floor.limits(x, None if net.scalar_limit else net.memory_limit),
+                          floor.allowed, floor.k)  # fmt: skip
 
 
 def group_fits(

@@ -29,8 +29,12 @@ Pruning, with bounds that never cut off a config that could be faster than the b
                    likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
                    a group whose bound reaches the best step found is skipped unsimulated
     fit            a group where no balance fits even the static bytes (weights, gradients,
-                   optimizer state) is skipped before its schedule is built; a config no
-                   balance fits (an O(k n) numpy pass) is skipped before solving
+                   optimizer state) is skipped before its schedule is built, one where not even
+                   its floor fits (``partitioner._floors``: the walk of its compute orders alone,
+                   no program derived) before its walk; a config no balance fits (an O(k n) numpy
+                   pass) is skipped before solving
+    nothing fits   the error names the smallest limit of any config: groups in order of their
+                   static floor, and one whose floor reaches the least found is not walked
     balance bound  m * (busiest rank's work under the solved balance), plus for v = 1 the fill
                    and drain in front of and behind each rank (``_balance_bound``): a config at or
                    above the best step found is not simulated
@@ -50,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from partitioner._balance import Modes, balance_of
-from partitioner._floors import group_fits, group_floor, static_fits, static_floor
+from partitioner._floors import group_fits, group_reaches, static_fits, static_floor
 from partitioner._options import Options, reserve_fix, reserve_text
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
 from partitioner.composition import Composition, tensor_parallel
@@ -546,7 +550,7 @@ def _nothing_fits(
             break
         prof, net = scaled[group.m], _net(nets, group, scaled[group.m])
         sched = _schedule(group, p, built)
-        if prune and _reaches(group_floor(prof, sched, net, sizes, RECOMPUTE_MODES), least):
+        if prune and least < math.inf and group_reaches(prof, sched, net, sizes, RECOMPUTE_MODES, least):
             continue
         modes = Modes.build(prof, sched, net, sizes, [list(RECOMPUTE_MODES)] * (p * group.v))
         x = modes.smallest()

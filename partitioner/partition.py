@@ -23,8 +23,11 @@ under ``memory_limit`` has each rank's walked peak (``plan.rank_peaks``, what
 records the limit (``plan.memory_limit``), which a variable-length run's steps are held to as
 well. A stage's input and output buffers are charged at the largest activation any cut can carry.
 
-Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
-when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.
+Before the schedule is built, a limit below what the layers' static bytes alone need (weights,
+gradients, optimizer state, buffers) is refused naming that floor (``partitioner._floors``: no walk,
+milliseconds). Before any search, the limits are checked by one O(k n) numpy pass
+(``partitioner._fit``); when nothing fits, the error states the smallest ``memory_limit`` (or
+factor) that would.
 """
 
 from __future__ import annotations
