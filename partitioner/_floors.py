@@ -119,49 +119,64 @@ class _ComputeOnly(Schedule):
         return Program(rank, self.compute[rank] if rank in self.walked else ())
 
 
-def walked_ranks(sched: Schedule) -> frozenset[int]:
-    """The ranks whose stages the group floor charges activations: every rank (a rank left out
-    holds static bytes only, and the balance would crowd its stages: a floor far too low)."""
-    return frozenset(range(sched.n_ranks))
+def walked_ranks(sched: Schedule, ends: bool = False) -> frozenset[int]:
+    """The ranks whose stages a floor charges activations: every rank, or (``ends``) the first and
+    the last, 2 / p of the walk: a rank left out holds its static bytes only, so the balance crowds
+    its stages and that floor is far lower, but it still prunes the groups far above the best."""
+    return frozenset({0, sched.n_ranks - 1} if ends else range(sched.n_ranks))
 
 
 def _floor_modes(
-    profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str]
+    profile: Profile,
+    sched: Schedule,
+    net: Options,
+    sizes: list[int],
+    modes: Sequence[str],
+    ends: bool = False,
 ) -> Modes:
     """The group's joint problem (each stage on any of ``modes``) on the rows of the walk of the
     compute actions of ``walked_ranks`` (coefficients 0 on the other ranks' stages: static bytes)."""
+    ranks = walked_ranks(sched, ends)
     part = _ComputeOnly(
-        f"{sched.name}/compute",
+        f"{sched.name}/compute of {sorted(ranks) if ends else 'every rank'}",
         sched.n_stages,
         sched.n_ranks,
         sched.n_microbatches,
         sched.split_backward,
         sched.compute,
         sched.placement,
-        walked_ranks(sched),
+        ranks,
     )  # fmt: skip  (its own name: its own rows cached)
     return Modes.build(profile, part, net, sizes, [list(modes)] * sched.n_stages)
 
 
 def group_floor(
-    profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str]
+    profile: Profile,
+    sched: Schedule,
+    net: Options,
+    sizes: list[int],
+    modes: Sequence[str],
+    ends: bool = False,
 ) -> float:
     """A lower bound on the smallest limit (or factor) at which ``sched`` fits with each stage on
     any of ``modes``: ``Modes.smallest`` of it, and each mode's alone, are at least this."""
-    return _floor_modes(profile, sched, net, sizes, modes).smallest()
+    return _floor_modes(profile, sched, net, sizes, modes, ends).smallest()
 
 
 def group_reaches(
     profile: Profile, sched: Schedule, net: Options, sizes: list[int], modes: Sequence[str], least: float
 ) -> bool:
-    """Whether the group floor is above ``least`` (a limit, or a factor on the per-rank limits): its
-    rows do not fit there, so no config of the group fits below it. One fit, not the floor itself.
-    A relative 1e-12 below ``least`` keeps the float rows (other sums than the exact rows') from
-    skipping a group that ties it."""
-    floor = _floor_modes(profile, sched, net, sizes, modes)
+    """Whether a group floor is above ``least`` (a limit, or a factor on the per-rank limits): its
+    rows do not fit there, so no config of the group fits below it. One fit per floor, not the
+    floor itself: the two ranks' first, then every rank's. A relative 1e-12 below ``least`` keeps
+    the float rows (other sums than the exact rows') from skipping a group that ties it."""
     x = least * (1.0 - 1e-12)
-    return not fits_joint(floor.memory, floor.limits(x, None if net.scalar_limit else net.memory_limit),
-                          floor.allowed, floor.k)  # fmt: skip
+    per_rank = None if net.scalar_limit else net.memory_limit
+    for ends in (True, False):
+        floor = _floor_modes(profile, sched, net, sizes, modes, ends)
+        if not fits_joint(floor.memory, floor.limits(x, per_rank), floor.allowed, floor.k):
+            return True
+    return False
 
 
 def group_fits(

@@ -107,8 +107,9 @@ def test_every_floor_is_at_most_the_exact_smallest_limit(p: int, seed: int, per_
         k = p * v
         every = Modes.build(prof, sched, net, sizes, [list(RECOMPUTE_MODES)] * k).smallest()
         floor = group_floor(prof, sched, net, sizes, RECOMPUTE_MODES)
+        ends = group_floor(prof, sched, net, sizes, RECOMPUTE_MODES, ends=True)
         static = static_floor(prof, net, k, sizes)
-        assert static <= floor <= every, (name, v, m, static, floor, every)
+        assert static <= ends <= floor <= every, (name, v, m, static, ends, floor, every)
         for mode in RECOMPUTE_MODES:  # each mode alone needs at least the group's floor
             alone = Modes.build(prof, sched, net, sizes, [[mode]] * k).smallest()
             assert every <= alone and floor <= alone, (name, v, m, mode)
