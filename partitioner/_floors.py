@@ -42,6 +42,7 @@ __all__ = [
     "refuse_below_static",
     "static_fits",
     "static_floor",
+    "static_reaches",
     "walked_ranks",
 ]
 
@@ -66,6 +67,13 @@ def static_fits(profile: Profile, net: Options, k: int, sizes: list[int]) -> boo
 def _fits_static(row: list[float], net: Options, k: int) -> bool:
     assert net.memory_limit is not None  # called only with a limit
     return fits([row], net.stage_limits(1.0, net.memory_limit, [0.0] * k, k), k)
+
+
+def static_reaches(profile: Profile, net: Options, k: int, sizes: list[int], least: float) -> bool:
+    """Whether the static floor of k stages is above ``least`` (a limit, or a factor on the per-rank
+    limits): one fit there, not the floor itself (a relative 1e-12 below: see ``group_reaches``)."""
+    x = least * (1.0 - 1e-12)
+    return not fits([_static_row(profile, net, sizes)], net.stage_limits(x, _base(net), [0.0] * k, k), k)
 
 
 def static_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:

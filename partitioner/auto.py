@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from partitioner._balance import Modes, balance_of
-from partitioner._floors import group_fits, group_reaches, static_fits, static_floor
+from partitioner._floors import group_fits, group_reaches, static_fits, static_reaches
 from partitioner._options import Options, reserve_fix, reserve_text
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
 from partitioner.composition import Composition, tensor_parallel
@@ -197,6 +197,13 @@ def search(
                     at_m = scale_profile(profile, sample_rows, batch_size // m, second)
                     scaled[m] = tensor_parallel(at_m, nets[v, placement].composition)
                     # the rounding grows at fewer rows: each m's nets see its own (set before use)
+                net = nets[v, placement].measured(scaled[m].device_memory)
+                if memory_limit is not None and not static_fits(scaled[m], net, p * v, sizes):
+                    skipped.append(
+                        f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
+                    )
+                    unfit.append(_Group(name, v, m, math.inf, math.inf))
+                    continue  # before its time bound: a solve of every layer
                 split = entry(name).split_backward
                 key = (m, split, p * v, placement)
                 if key not in bounds:
@@ -204,13 +211,6 @@ def search(
                         _least_work(scaled[m], nets[v, placement], p * v, m, split, sizes)
                         + _least_runtime(nets[v, placement], p * v, split)
                     )
-                net = nets[v, placement].measured(scaled[m].device_memory)
-                if memory_limit is not None and not static_fits(scaled[m], net, p * v, sizes):
-                    skipped.append(
-                        f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
-                    )
-                    unfit.append(_Group(name, v, m, math.inf, math.inf))
-                    continue
                 guess = bounds[key] * (1.0 + (p - 1) / (m * v))  # ~ (m v + p - 1) / (m v): the bubble
                 groups.append(_Group(name, v, m, bounds[key], guess))
     if not groups and not unfit:
@@ -535,20 +535,18 @@ def _nothing_fits(
     prune: bool = True,
 ) -> str:
     """The error when no config fits: the smallest limit (or factor) that would, and for which config
-    (the first of the least, groups in order of their static floor).
+    (the first of the least, groups by v, then in the search's order).
 
     Each group's floors (``partitioner._floors``) are below its exact smallest limit: the static
-    bytes' (no schedule built), then its walked ranks' compute order (no program derived). A group
-    whose floor reaches the least limit found cannot beat it and is not walked (``prune=False``:
+    bytes' (no schedule built), then its ranks' compute orders walked (no program derived). A group
+    whose floor does not fit the least limit found cannot beat it and is not walked (``prune=False``:
     every group is, the floors unread)."""
     least, where = math.inf, ""
-    floors = [(static_floor(scaled[g.m], _net(nets, g, scaled[g.m]), p * g.v, sizes), i)
-              for i, g in enumerate(groups)]  # fmt: skip
-    for floor, i in sorted(floors):
+    for i in sorted(range(len(groups)), key=lambda i: (groups[i].v, i)):  # the fewest stages first
         group = groups[i]
-        if prune and _reaches(floor, least):
-            break
         prof, net = scaled[group.m], _net(nets, group, scaled[group.m])
+        if prune and least < math.inf and static_reaches(prof, net, p * group.v, sizes, least):
+            continue
         sched = _schedule(group, p, built)
         if prune and least < math.inf and group_reaches(prof, sched, net, sizes, RECOMPUTE_MODES, least):
             continue
@@ -568,12 +566,6 @@ def _nothing_fits(
         f"micro-batch counts, recomputation per stage, balances); {need}{reserve_text(net.device)}; raise "
         f"memory_limit {reserve_fix(net.device)}or use more ranks"
     )
-
-
-def _reaches(floor: float, least: float) -> bool:
-    """Whether a group of this floor cannot name a smaller limit than ``least``. The floor is a float
-    computation of other rows: a relative 1e-12 below it keeps rounding from skipping a tie."""
-    return floor * (1.0 - 1e-12) >= least
 
 
 def _schedule(group: _Group, p: int, built: dict[tuple[str, int, int], Schedule]) -> Schedule:
