@@ -2,22 +2,27 @@
 
     # p: ranks, v: stages per rank, k = p * v stages, m: micro-batches, s: stage, l: layer, o: option
 
-Two floors, each read off the data of the rule it bounds, never a formula of its own:
+Floors, each read off the data of the rule it bounds, never a formula of its own:
 
     static floor   the layers' static bytes (weights, gradients, optimizer state, buffers:
-                   ``layer_bounds``' "least", ``partitioner.memory``), with no activation and no
-                   buffer: every row of every schedule and mode holds at least these, so a limit
-                   they do not fit fits nothing. No schedule is built: a refusal in milliseconds.
-    rows floor     a group's (schedule, v, m) memory rows (the walk's coefficients times the
-                   layers' bounds, ``memory_rows``) with each stage on the least of its modes'
-                   rows and offsets: the per-stage choice (``Modes.smallest``, the joint DP) and
-                   every uniform mode need at least this. One ``_fit.smallest`` instead of the
-                   joint one, and the same coefficients.
+                   ``layer_bounds``' "least", ``partitioner.memory``), no activation, no buffer:
+                   every row of every schedule and mode holds at least these, so a limit they
+                   do not fit fits nothing. No schedule is built: a refusal in milliseconds.
+    group floor    a group's (schedule, v, m) joint problem (each stage on any mode, ``Modes``)
+                   on the memory rows of the walk (``peaks.coefficients``, unchanged) of its
+                   ranks' compute orders alone (``_ComputeOnly``): at every compute that walk
+                   holds a subset of what the program's walk holds, so its coefficients, rows
+                   and smallest limit are at most the exact ones. No program is derived. First
+                   the first and last ranks' (2 / p of a walk, the others at their static bytes),
+                   then every rank's.
 
-``static_floor`` <= ``rows_floor`` <= the exact smallest limit of every config of the group. The
-auto search orders groups by the static floor and, when nothing fits, skips a group whose floor
-already reaches the smallest limit found (``partitioner.auto``); ``partition`` refuses below the
-static floor before it builds its schedule.
+    static floor  <=  group floor (two ranks)  <=  group floor (every rank)  <=  the exact smallest
+                                                   limit of the per-stage choice and of each mode
+
+``partition`` refuses below the static floor before it builds its schedule. The auto search, when
+nothing fits, skips a group whose floors do not fit the least limit found (one fit each, at it:
+``static_reaches``, ``group_reaches``), and a group that not even its floor fits at the limit given
+(``group_fits``) before walking it (``partitioner.auto``).
 """
 
 from __future__ import annotations

@@ -134,11 +134,24 @@ def fits_joint(
 ) -> bool:
     """Whether some balance, each stage on one of its allowed options, fits every stage's limit."""
     n = len(memory[0][0]) - 1
-    arrays = [[np.asarray(r, dtype=np.float64) for r in rows] for rows in memory]
+    converted: dict[int, np.ndarray] = {}  # a row shared by many stages is converted once
+    for rows in memory:
+        for r in rows:
+            if id(r) not in converted:
+                converted[id(r)] = np.asarray(r, dtype=np.float64)
+    arrays = [[converted[id(r)] for r in rows] for rows in memory]
     at = np.arange(n + 1)
     ends = at == 0
+    reaches: dict[tuple[int, float], np.ndarray] = {}  # stages of one row and one limit reach alike
+
+    def reach_of(row: np.ndarray, limit: float) -> np.ndarray:
+        key = (id(row), limit)
+        if key not in reaches:
+            reaches[key] = _reach(row, limit)
+        return reaches[key]
+
     for s in range(k):
-        reach = np.max([_reach(arrays[o][_row(arrays[o], s)], limits[o][s]) for o in allowed[s]], axis=0)
+        reach = np.max([reach_of(arrays[o][_row(arrays[o], s)], limits[o][s]) for o in allowed[s]], axis=0)
         starts = at[ends & (reach > at)]
         cover = np.bincount(starts + 1, minlength=n + 2) - np.bincount(reach[starts] + 1, minlength=n + 2)
         ends = np.cumsum(cover)[: n + 1] > 0
