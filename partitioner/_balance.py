@@ -109,7 +109,11 @@ class Modes:
             )
             out.prefix.append(_prefix(grouped(costs, sizes)))
             rows, offset = memory_rows(profile, sched, mode, net.composition)
-            out.memory.append([_prefix(grouped(row, sizes)) for row in rows])
+            sums: dict[int, list[float]] = {}  # stages of equal coefficients share a row: one sum each
+            for row in rows:
+                if id(row) not in sums:
+                    sums[id(row)] = _prefix(grouped(row, sizes))
+            out.memory.append([sums[id(row)] for row in rows])
             out.offset.append(offset)
         cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)
         out.cut = None if cuts is None else [grouped_cut(row, sizes) for row in cuts]

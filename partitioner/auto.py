@@ -29,8 +29,12 @@ Pruning, with bounds that never cut off a config that could be faster than the b
                    likely-fastest first (the bound times the usual bubble, (m v + p - 1) / (m v));
                    a group whose bound reaches the best step found is skipped unsimulated
     fit            a group where no balance fits even the static bytes (weights, gradients,
-                   optimizer state) is skipped before its schedule is built; a config no
-                   balance fits (an O(k n) numpy pass) is skipped before solving
+                   optimizer state) is skipped before its schedule is built, one where not even
+                   its floor fits (``partitioner._floors``: the walk of its compute orders alone,
+                   no program derived) before its walk; a config no balance fits (an O(k n) numpy
+                   pass) is skipped before solving
+    nothing fits   the error names the smallest limit of any config: groups in order of their
+                   static floor, and one whose floor reaches the least found is not walked
     balance bound  m * (busiest rank's work under the solved balance), plus for v = 1 the fill
                    and drain in front of and behind each rank (``_balance_bound``): a config at or
                    above the best step found is not simulated
@@ -50,8 +54,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from partitioner._balance import Modes, balance_of
-from partitioner._fit import fits, smallest
-from partitioner._inputs import _prefix
+from partitioner._floors import group_fits, group_reaches, static_fits, static_reaches
 from partitioner._options import Options, reserve_fix, reserve_text
 from partitioner._planning import grouped, grouped_cut, least_memory, predicted
 from partitioner.composition import Composition, tensor_parallel
@@ -194,6 +197,13 @@ def search(
                     at_m = scale_profile(profile, sample_rows, batch_size // m, second)
                     scaled[m] = tensor_parallel(at_m, nets[v, placement].composition)
                     # the rounding grows at fewer rows: each m's nets see its own (set before use)
+                net = nets[v, placement].measured(scaled[m].device_memory)
+                if memory_limit is not None and not static_fits(scaled[m], net, p * v, sizes):
+                    skipped.append(
+                        f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
+                    )
+                    unfit.append(_Group(name, v, m, math.inf, math.inf))
+                    continue  # before its time bound: a solve of every layer
                 split = entry(name).split_backward
                 key = (m, split, p * v, placement)
                 if key not in bounds:
@@ -201,13 +211,6 @@ def search(
                         _least_work(scaled[m], nets[v, placement], p * v, m, split, sizes)
                         + _least_runtime(nets[v, placement], p * v, split)
                     )
-                net = nets[v, placement].measured(scaled[m].device_memory)
-                if memory_limit is not None and not _may_fit(scaled[m], net, p * v, sizes):
-                    skipped.append(
-                        f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
-                    )
-                    unfit.append(_Group(name, v, m, math.inf, math.inf))
-                    continue
                 guess = bounds[key] * (1.0 + (p - 1) / (m * v))  # ~ (m v + p - 1) / (m v): the bubble
                 groups.append(_Group(name, v, m, bounds[key], guess))
     if not groups and not unfit:
@@ -219,6 +222,7 @@ def search(
     stats = _Stats()
     found: list[Plan] = []
     best = [math.inf]  # the best step found so far (a box: _evaluate updates it)
+    built: dict[tuple[str, int, int], Schedule] = {}
     slack = 1.0 + within if prune else math.inf
     for group in unfit:
         stats.grid += 4 if group.m >= 2 else 3
@@ -229,10 +233,15 @@ def search(
         if group.bound >= best[0] * slack:
             stats.pruned_group += n_configs
             continue
-        prof = scaled[group.m]
-        found += _evaluate(group, prof, _net(nets, group, prof), p, dp, sizes, best, slack, stats)
+        prof, net = scaled[group.m], _net(nets, group, scaled[group.m])
+        sched = _schedule(group, p, built)
+        if memory_limit is not None and prune and not group_fits(prof, sched, net, sizes, RECOMPUTE_MODES):
+            stats.pruned_fit += n_configs  # not even the group's floor fits: its walk is never run
+            unfit.append(group)
+            continue
+        found += _evaluate(group, prof, net, sched, dp, sizes, best, slack, stats)
     if not found:
-        raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, dp, sizes, memory_limit))
+        raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, sizes, memory_limit, built, prune))
     found.sort(key=lambda plan: plan.step_time)
     winner = found[0]
     winner.build_schedule()  # validated (the search ran the generators' schedules unchecked)
@@ -249,7 +258,7 @@ def _evaluate(
     group: _Group,
     profile: Profile,
     net: Options,
-    p: int,
+    sched: Schedule,
     dp: int,
     sizes: list[int],
     best: list[float],
@@ -258,10 +267,9 @@ def _evaluate(
 ) -> list[Plan]:
     """The plans of the group's configs that fit and may be within ``slack`` times the best step
     (``best[0]``, updated here)."""
-    rule = net.composition
+    rule, p = net.composition, sched.n_ranks
     shape = Plan(balance=[1] * (p * group.v), schedule=group.schedule, n_microbatches=group.m,
                  n_virtual=group.v, dp=dp, shard=rule.shard, tp=rule.tp, zero=rule.zero)  # fmt: skip
-    sched = unchecked(group.schedule, p, group.m, group.v)
     k = shape.n_stages
     per_stage = Modes.build(profile, sched, net, sizes, [list(RECOMPUTE_MODES)] * k)
     uniform = [mode for mode in RECOMPUTE_MODES if group.m >= 2 or mode != "except_last"]
@@ -490,22 +498,6 @@ def _refuse_below_static(
     )
 
 
-def _may_fit(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
-    """False when no balance fits even the layers' static bytes (weights, gradients, optimizer
-    state, buffers): then no schedule, m or mode can fit, and no schedule is built."""
-    assert net.memory_limit is not None  # the search calls it only with a limit
-    row = _prefix(grouped(least_memory(profile, net.composition), sizes))
-    return fits([row], net.stage_limits(1.0, net.memory_limit, [0.0] * k, k), k)
-
-
-def _least_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
-    """A lower bound on the smallest limit (or factor) that fits k stages: ``_may_fit``'s rows."""
-    row = _prefix(grouped(least_memory(profile, net.composition), sizes))
-    p = net.n_ranks
-    base = [1.0] * p if net.scalar_limit or net.memory_limit is None else net.memory_limit
-    return smallest([row], k, *net.affine(base, [0.0] * k, k))
-
-
 def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, sizes: list[int]) -> float:
     """Per micro-batch, the least work of the busiest rank over every balance into k stages, with no
     recomputation and no memory limit: at least the least bottleneck of a stage, and the whole
@@ -537,24 +529,28 @@ def _nothing_fits(
     scaled: dict[int, Profile],
     nets: dict[tuple[int, str], Options],
     p: int,
-    dp: int,
     sizes: list[int],
     memory_limit: float | Sequence[float] | None,
+    built: dict[tuple[str, int, int], Schedule],
+    prune: bool = True,
 ) -> str:
-    """The error when no config fits: the smallest limit (or factor) that would, and for which config.
+    """The error when no config fits: the smallest limit (or factor) that would, and for which config
+    (the first of the least, groups by v, then in the search's order).
 
-    Groups go in order of a schedule-free lower bound (the static bytes alone), and one whose
-    bound reaches the least limit found is not built."""
+    Each group's floors (``partitioner._floors``) are below its exact smallest limit: the static
+    bytes' (no schedule built), then its ranks' compute orders walked (no program derived). A group
+    whose floor does not fit the least limit found cannot beat it and is not walked (``prune=False``:
+    every group is, the floors unread)."""
     least, where = math.inf, ""
-    floors = [(_least_floor(scaled[g.m], _net(nets, g, scaled[g.m]), p * g.v, sizes), i)
-              for i, g in enumerate(groups)]  # fmt: skip
-    for floor, i in sorted(floors):
+    for i in sorted(range(len(groups)), key=lambda i: (groups[i].v, i)):  # the fewest stages first
         group = groups[i]
-        if floor >= least:
-            break
-        sched = unchecked(group.schedule, p, group.m, group.v)
-        prof, every = scaled[group.m], [list(RECOMPUTE_MODES)] * (p * group.v)
-        modes = Modes.build(prof, sched, _net(nets, group, prof), sizes, every)
+        prof, net = scaled[group.m], _net(nets, group, scaled[group.m])
+        if prune and least < math.inf and static_reaches(prof, net, p * group.v, sizes, least):
+            continue
+        sched = _schedule(group, p, built)
+        if prune and least < math.inf and group_reaches(prof, sched, net, sizes, RECOMPUTE_MODES, least):
+            continue
+        modes = Modes.build(prof, sched, net, sizes, [list(RECOMPUTE_MODES)] * (p * group.v))
         x = modes.smallest()
         if x < least:
             least, where = x, f"schedule={group.schedule!r}, n_microbatches={group.m}, n_virtual={group.v}"
@@ -570,6 +566,15 @@ def _nothing_fits(
         f"micro-batch counts, recomputation per stage, balances); {need}{reserve_text(net.device)}; raise "
         f"memory_limit {reserve_fix(net.device)}or use more ranks"
     )
+
+
+def _schedule(group: _Group, p: int, built: dict[tuple[str, int, int], Schedule]) -> Schedule:
+    """The group's schedule, straight from its generator (validated once it wins), built once per
+    search (``built``): its programs, once derived, are kept with it."""
+    key = (group.schedule, group.v, group.m)
+    if key not in built:
+        built[key] = unchecked(group.schedule, p, group.m, group.v)
+    return built[key]
 
 
 def check_search(

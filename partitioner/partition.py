@@ -23,8 +23,11 @@ under ``memory_limit`` has each rank's walked peak (``plan.rank_peaks``, what
 records the limit (``plan.memory_limit``), which a variable-length run's steps are held to as
 well. A stage's input and output buffers are charged at the largest activation any cut can carry.
 
-Before any search, the limits are checked by one O(k n) numpy pass (``partitioner._fit``);
-when nothing fits, the error states the smallest ``memory_limit`` (or factor) that would.
+Before the schedule is built, a limit below what the layers' static bytes alone need (weights,
+gradients, optimizer state, buffers) is refused naming that floor (``partitioner._floors``: no walk,
+milliseconds). Before any search, the limits are checked by one O(k n) numpy pass
+(``partitioner._fit``); when nothing fits, the error states the smallest ``memory_limit`` (or
+factor) that would.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from partitioner._balance import balance_of
+from partitioner._floors import refuse_below_static
 from partitioner._options import Options
 from partitioner._planning import predicted
 from partitioner._trees import tree_map
@@ -238,13 +242,14 @@ def partition(
     check_tensor_parallel(model, profile, tp)
     profile = tensor_parallel(profile, net.composition)  # one tp rank's compute: the costs and times
     net.measured(profile.device_memory)
-    sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     sizes, reasons = cut_groups(profile.layers, profile.cut_reasons)
     if k > len(sizes):
         raise ValueError(
             f"n_ranks ({n_ranks}) x n_virtual ({v}) is {k} stages but the model can be cut in only "
             f"{len(sizes) - 1} places ({'; '.join(reasons)}); use at most {len(sizes) // v} ranks"
         )
+    refuse_below_static(profile, net, k, sizes)  # before the schedule and its walk: milliseconds
+    sched = unchecked(schedule, n_ranks, m, v)  # validated below, once a plan fits: a refusal is quick
     plan = predicted(profile, balance_of(profile, shape, sched, net, sizes), sched, net)
     _check_walk(plan, net)
     plan.build_schedule()  # the generator's order, validated (cached per shape for the run)

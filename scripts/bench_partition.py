@@ -19,6 +19,13 @@ Part 4: profiling time and its own peak memory for 8 .. 128 equal layers (peak f
 Part 5 (``--graphs``, alone): models that are not an nn.Sequential, split on their traced layer
 graph, against equal counts, torchgpipe and evenly placed SplitPoints (bottleneck, bytes sent),
 and the partition time for a traced graph of several thousand nodes (see ``_graph_bench``).
+Part 6 (``--planning``, alone): planning speed, cold. Each figure is the CPU time
+(``time.process_time``) of one ``partition`` call in a FRESH process (this script again, its
+imports done before the clock starts), the median over ``--repeats`` processes, on Part 3's
+profile (n = 1000, p = 64): 1F1B at m = 64 refused at 1 MiB (below the weights, gradients and
+optimizer state alone), and at the static floor that refusal names (the walk runs: the exact
+smallest limit); then ``schedule="auto"`` (m = 64, batch_size = 64) at ``--auto-limit``, between
+the static bytes and the smallest fit, where the search names the smallest fit.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import contextlib
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -108,8 +117,9 @@ def timing(n: int, k: int, cut: bool, rng: random.Random, runs: int, **kw: objec
     return statistics.median(times)
 
 
-def partition_headline(rng: random.Random) -> None:
-    n, p = 1000, 64
+def headline_profile(rng: random.Random) -> tuple[Profile, nn.Sequential]:
+    """Part 3's profile: n = 1000 random layers (given: nothing is measured), and its model."""
+    n = 1000
     layers = [
         LayerProfile(
             index=i,
@@ -127,7 +137,12 @@ def partition_headline(rng: random.Random) -> None:
         for i in range(n)
     ]
     prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=1 << 20)
-    model = nn.Sequential(*[nn.Identity() for _ in range(n)])
+    return prof, nn.Sequential(*[nn.Identity() for _ in range(n)])
+
+
+def partition_headline(rng: random.Random) -> None:
+    n, p = 1000, 64
+    prof, model = headline_profile(rng)
     opts = {"profile": prof, "bandwidth": 5e10, "latency": 1e-5}
     start = time.perf_counter()  # the process's first partition: every rank's program derived here
     with contextlib.suppress(ValueError):
@@ -151,6 +166,60 @@ def partition_headline(rng: random.Random) -> None:
     raises = timed(peak / 8) * 1e3
     print(f"  {'a limit that does not (peak / 8): raises':<44}{raises:>8.1f} ms  (target < 100 ms)")
     print(f"  {'the same, cold (1 MiB, the first call)':<44}{cold * 1e3:>8.1f} ms  (target < 200 ms)")
+
+
+CASES = ("refuse-1mib", "refuse-at-floor", "auto-p64")
+
+
+def planning_child(case: str, auto_limit: float) -> None:
+    """One case of Part 6 in this (fresh) process: prints CPU and wall seconds, then the answer."""
+    prof, model = headline_profile(random.Random(0))
+    opts: dict[str, Any] = {"profile": prof, "bandwidth": 5e10, "latency": 1e-5}
+    kw: dict[str, Any] = {"memory_limit": float(1 << 20)}
+    if case == "refuse-at-floor":
+        kw = {"memory_limit": _static_floor_of(model, opts)}
+    elif case == "auto-p64":
+        kw = {"schedule": "auto", "n_microbatches": 64, "batch_size": 64, "memory_limit": auto_limit}
+    cpu, wall = time.process_time(), time.perf_counter()
+    try:
+        plan = partition(model, 64, None, **opts, **kw)
+        answer = f"a plan: {plan.schedule}, m = {plan.n_microbatches}, v = {plan.n_virtual}"
+    except ValueError as err:
+        answer = str(err)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    print(f"{cpu:.6f} {wall:.6f} {answer}")
+
+
+def _static_floor_of(model: nn.Sequential, opts: dict[str, Any]) -> float:
+    """The static floor the 1 MiB refusal names, found in a process of its own (so that the timed
+    call is this process's first walk); a tree without that refusal: 1 MiB."""
+    cmd = [sys.executable, __file__, "--planning-child", "refuse-1mib"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    if "a limit of at least " not in text:
+        return float(1 << 20)
+    return float(text.split("a limit of at least ")[1].split(" ")[0])
+
+
+def planning_table(repeats: int, auto_limit: float, auto_repeats: int, timeout: float) -> None:
+    """Part 6: each case in fresh processes, the median of their CPU seconds."""
+    print("planning speed, cold: CPU seconds of one partition() call in a fresh process (n = 1000, p = 64)")
+    print(f"{'case':<18}{'runs':>5}{'CPU median':>12}{'CPU min':>10}{'CPU max':>10}{'wall median':>13}")
+    for case in CASES:
+        cpu, wall, answer = [], [], ""
+        for _ in range(auto_repeats if case == "auto-p64" else repeats):
+            cmd = [sys.executable, __file__, "--planning-child", case, "--auto-limit", repr(auto_limit)]
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True).stdout
+            except subprocess.TimeoutExpired:
+                print(f"{case:<18} killed after the {timeout:g} s timeout")
+                break
+            c, w, answer = out.strip().split(" ", 2)
+            cpu.append(float(c))
+            wall.append(float(w))
+        if cpu:
+            print(f"{case:<18}{len(cpu):>5}{statistics.median(cpu):>11.3f}s{min(cpu):>9.3f}s{max(cpu):>9.3f}s"
+                  f"{statistics.median(wall):>12.3f}s")  # fmt: skip
+            print(f"{'':<18}-> {answer[:220]}")
 
 
 def profiling_table() -> None:
@@ -180,8 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiling-only", action="store_true", help="only part 4: profiling cost")
     parser.add_argument("--graphs", action="store_true", help="only part 5: non-Sequential models")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--planning", action="store_true", help="only part 6: cold planning, fresh processes")
+    parser.add_argument("--repeats", type=int, default=7, help="part 6: fresh processes per refusal case")
+    parser.add_argument("--auto-repeats", type=int, default=3, help="part 6: fresh processes, auto case")
+    parser.add_argument(
+        "--auto-limit", type=float, default=5.5e8, help="part 6: the auto case's memory_limit"
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="part 6: seconds before a run is killed")
+    parser.add_argument("--planning-child", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
+    if args.planning_child:
+        planning_child(args.planning_child, args.auto_limit)
+        return 0
+    if args.planning:
+        planning_table(args.repeats, args.auto_limit, args.auto_repeats, args.timeout)
+        return 0
     if args.profiling_only:
         profiling_table()
         return 0

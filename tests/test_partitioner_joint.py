@@ -83,3 +83,36 @@ def test_the_smallest_joint_limit_is_exact_whatever_the_dp_guessed(
     exact = _joint.smallest_joint(memory, allowed, k, limits_at, 1e6)
     monkeypatch.setattr(_joint, "_min_max_joint", lambda *args: exact * off_by)
     assert _joint.smallest_joint(memory, allowed, k, limits_at, 1e6) == exact
+
+
+@pytest.mark.parametrize("v", [3, 7, 15])
+def test_the_dp_lands_on_the_boundary_when_offsets_dwarf_the_slope(
+    monkeypatch: pytest.MonkeyPatch, v: int
+) -> None:
+    # Each stage's limit is x / v less ~1e7 bytes of buffers (a rank's share over v stages, as the
+    # auto search's groups have it): a slope read as limits_at(1) - limits_at(0) keeps ~8 digits,
+    # the DP's x then lands ~1e-8 off and the float steps fell back to bisection (~120 fits a call).
+    rng = random.Random(v)
+    k, n = 4, 40
+    prefix = [0.0]
+    for _ in range(n):
+        prefix.append(prefix[-1] + float(rng.randint(1 << 20, 1 << 24)))
+    memory = [[prefix], [[x * 0.6 for x in prefix]]]
+    offset = [[1.2e7 + 1e5 * s for s in range(k)], [3.1e7 + 1e5 * s for s in range(k)]]
+
+    def limits_at(x: float) -> list[list[float]]:
+        return [[x / v - offset[o][s] for s in range(k)] for o in range(2)]
+
+    calls = [0]
+    fits = _joint.fits_joint
+
+    def counted(*args: object) -> bool:
+        calls[0] += 1
+        return fits(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_joint, "fits_joint", counted)
+    allowed = [[0, 1]] * k
+    least = _joint.smallest_joint(memory, allowed, k, limits_at, 1e13)
+    assert calls[0] <= 6, calls[0]  # high, 0, then the DP's x and the float below it: no bisection
+    assert fits(memory, limits_at(least), allowed, k)
+    assert not fits(memory, limits_at(math.nextafter(least, 0.0)), allowed, k)

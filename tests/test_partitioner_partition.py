@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -192,8 +194,23 @@ def test_recompute_memory_limit_is_kept(small_gpt) -> None:  # type: ignore[no-u
     plan = partition(model, 2, sample, profile=prof, memory_limit=limit, **opts)
     assert max(st.memory_bytes for st in plan.stages) <= limit
     assert max(plan.rank_peaks) <= limit
-    with pytest.raises(ValueError, match=r"recompute='always', where a stage keeps up to .* bytes of inputs"):
-        partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
+    info = _refused_at_the_floor(lambda x: partition(model, 2, sample, profile=prof, memory_limit=x, **opts))
+    assert re.search(r"recompute='always', where a stage keeps up to .* bytes of inputs", str(info.value))
+
+
+def _refused_at_the_floor(call: Callable[[float], object]) -> pytest.ExceptionInfo[ValueError]:
+    """The refusal that names the exact smallest limit: a limit below the static bytes alone is
+    refused first, naming their floor (no schedule built: partitioner._floors); asked at that floor,
+    partition names the smallest limit that fits, activations included."""
+    with pytest.raises(
+        ValueError, match="fits even the weights, gradients, optimizer state and buff"
+    ) as info:
+        call(1.0)
+    floor = float(str(info.value).split("a limit of at least ")[1].split(" ")[0])
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as exact:
+        call(floor)
+    assert _least_of(exact) > floor  # activations on top of the static bytes
+    return exact
 
 
 def _least_of(
@@ -214,8 +231,7 @@ def test_a_limit_keeps_the_devices_reserve(small_gpt) -> None:  # type: ignore[n
         device="cuda:0", workspace_bytes=64 * 2**20, block_bytes=512, rounding=0.01, headroom=0.1
     )
     gpu = dataclasses.replace(prof, device_memory=device)
-    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
-        partition(model, 2, sample, profile=prof, memory_limit=1.0, **opts)
+    info = _refused_at_the_floor(lambda x: partition(model, 2, sample, profile=prof, memory_limit=x, **opts))
     least = _least_of(info)  # the weights, gradients, optimizer state and activations: the CPU's
     cpu = partition(model, 2, sample, profile=prof, memory_limit=least * 1.01, **opts)
     assert cpu.device_memory == DeviceMemory() and cpu.rank_needs == cpu.rank_peaks
@@ -226,10 +242,16 @@ def test_a_limit_keeps_the_devices_reserve(small_gpt) -> None:  # type: ignore[n
             r"\(torch.backends.cuda.cublas_workspace_size, CUBLAS_WORKSPACE_CONFIG\), 1.00% of the "
             r"counted bytes for the allocator's rounding to 512 B, and 10% of itself free "
             r"\(memory_headroom=\)")  # fmt: skip
+    # below the static bytes beside the 64 MiB kept, the floor comes first, naming what is kept
+    with pytest.raises(
+        ValueError, match=rf"a limit of at least [0-9.e+]+ bytes per rank \({kept}\)"
+    ) as first:
+        partition(model, 2, sample, profile=gpu, memory_limit=least * 1.01, **opts)
+    floor = float(str(first.value).split("a limit of at least ")[1].split(" ")[0])
     with pytest.raises(ValueError, match=rf"is too small: no split into 2 stages fits it; the smallest limit "
                        rf"that fits is [0-9.e+]+ \({kept}\); raise memory_limit or lower memory_headroom or "
                        r"the workspaces, or use more ranks") as info:  # fmt: skip
-        partition(model, 2, sample, profile=gpu, memory_limit=least * 1.01, **opts)
+        partition(model, 2, sample, profile=gpu, memory_limit=floor, **opts)
     reserved = _least_of(info)
     assert reserved == pytest.approx(device.limit_for(least), rel=1e-12)
     plan = partition(model, 2, sample, profile=gpu, memory_limit=reserved, **opts)
@@ -249,11 +271,9 @@ def test_a_limit_keeps_the_devices_reserve(small_gpt) -> None:  # type: ignore[n
         partition(model, 2, sample, profile=gpu, memory_limit=reserved, memory_headroom=1.0, **opts)
     # two stages per rank: the reserve is the rank's, kept once whatever its stages
     inter = {"schedule": "interleaved-1f1b", "n_microbatches": 4}
-    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
-        partition(model, 2, sample, profile=prof, memory_limit=1.0, **inter)
+    info = _refused_at_the_floor(lambda x: partition(model, 2, sample, profile=prof, memory_limit=x, **inter))
     least = _least_of(info)
-    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
-        partition(model, 2, sample, profile=gpu, memory_limit=least, **inter)
+    info = _refused_at_the_floor(lambda x: partition(model, 2, sample, profile=gpu, memory_limit=x, **inter))
     assert _least_of(info) == pytest.approx(device.limit_for(least), rel=1e-12)
 
 
@@ -520,8 +540,7 @@ def test_plans_at_the_smallest_limit_fit_the_walk(schedule_name: str) -> None:
     prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=8192)
     model = nn.Sequential(*[nn.Identity() for _ in range(12)])
     opts = {"profile": prof, "schedule": schedule_name, "n_microbatches": 6}
-    with pytest.raises(ValueError, match="the smallest limit that fits is") as info:
-        partition(model, 3, None, memory_limit=1.0, **opts)  # type: ignore[arg-type]
+    info = _refused_at_the_floor(lambda x: partition(model, 3, None, memory_limit=x, **opts))  # type: ignore[arg-type]
     smallest = float(str(info.value).split("the smallest limit that fits is ")[1].split(";")[0])
     plan = partition(model, 3, None, memory_limit=smallest, **opts)  # type: ignore[arg-type]
     assert max(plan.rank_peaks) <= smallest
