@@ -106,7 +106,7 @@ def refuse_below_static(profile: Profile, net: Options, k: int, sizes: list[int]
     )
     if net.scalar_limit:
         raise ValueError(
-            f"memory_limit ({given[0]:g} bytes per rank) is too small: {alone}: they need a limit of at "
+            f"memory_limit ({given[0]:g}) is too small: {alone}: they need a limit of at "
             f"least {floor!r} bytes per rank{reserve_text(net.device)}; raise memory_limit past that (a "
             f"limit there is answered with the smallest that fits, activations included) "
             f"{reserve_fix(net.device)}or use more ranks"
