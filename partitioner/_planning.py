@@ -230,6 +230,8 @@ def memory_rows(
         edge * ((c["input"] if s > 0 else 0.0) + (c["output"] if s < k - 1 else 0.0))
         for s, c in enumerate(coefs)
     ]
+    if profile.loss is not None:  # the last stage's loss of each micro-batch, kept to the step's end
+        offsets[-1] += sched.n_microbatches * float(profile.loss.activation_bytes)  # (StageBytes.kept)
     return rows, offsets
 
 

@@ -330,7 +330,8 @@ def _shared_profile(n: int, seed: int) -> Profile:
                 input_grad_aliases=rng.random() < 0.3,
             )
         )
-    loss = LayerProfile(n, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, 4, 512, (1,), "float32",
+    # a loss larger than a scalar, so that each micro-batch's, kept to the step's end, weighs
+    loss = LayerProfile(n, "loss", "MSELoss", 1e-4, 1e-4, 1, 0, rng.randint(1, 8) * 256, 512, (1,), "float32",
                         saved_input_bytes=256, saved_target_bytes=256,
                         **{f: rng.randint(0, 8) * 256 for f in _TRANSIENTS})  # fmt: skip
     return Profile(layers, "cpu", layer_graph(layers), input_bytes=256, loss=loss)
