@@ -94,7 +94,9 @@ def test_measure_runs_the_plan_and_saves_json(tmp_path: Path, capsys: pytest.Cap
         ),
         (
             ["--model", "mlp", "--stages", "2", "--memory-limit", "1", *FAST],
-            "memory_limit (1) is too small: no split into 2 stages fits it; the smallest limit that fits is",
+            # below the static bytes: refused before any schedule is built, naming their floor
+            "memory_limit (1) is too small: no split into 2 stages fits even the weights, gradients, "
+            "optimizer state and buffers alone, before any activation: they need a limit of at least",
         ),
     ],
 )
