@@ -25,7 +25,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from partitioner import profile
+from partitioner import Profile, profile
 from partitioner.auto import search
 from partitioner.partition import plan_for
 from partitioner.scaling import scale_profile, second_rows
@@ -45,20 +45,43 @@ def build(rows: int, width: int) -> tuple[nn.Sequential, torch.Tensor, torch.Ten
     return model, torch.randn(rows, 32), torch.randn(rows, 32)
 
 
-def measure(rows: int, width: int, plans: dict[Any, Plan]) -> dict[Any, int]:
-    """On each rank: the true peak of each plan's second step, AdamW's state alive."""
-    model, x, y = build(rows, width)
-    out = {}
-    for key, plan in plans.items():
-        pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss)
-        opt = torch.optim.AdamW(pipe.parameters())
-        pipe.step(x, y)
-        opt.step()
-        opt.zero_grad()
-        pipe.step(x, y, measure_memory=True)
-        out[key] = int(pipe.memory_stats(optimizer=opt)["peak"])
-        pipe.close()
+def profiles(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> tuple[Profile, tuple[Profile, int]]:
+    """The profile at the whole batch and the second one the auto search takes (``second_rows``)."""
+    rows, loss = len(x), nn.functional.mse_loss
+    prof = profile(model, x, loss_fn=loss, target=y, warmup=0, repeat=1)
+    other = second_rows(rows, rows, [m for m in range(1, rows + 1) if rows % m == 0])
+    return prof, (profile(model, x[:other], loss_fn=loss, target=y[:other], warmup=0, repeat=1), other)
+
+
+def auto(prof: Profile, second: tuple[Profile, int], rows: int, limit: float) -> Plan:
+    """``partition(schedule="auto")``'s search on these profiles: 1F1B, every m, 2 ranks."""
+    return search(prof, 2, batch_size=rows, sample_rows=rows, memory_limit=limit, second=second,
+                  schedules=["1f1b"])  # fmt: skip
+
+
+def named_limit(err: ValueError) -> float | None:
+    """The smallest memory limit a refusal of the search names (None: it names none)."""
+    found = re.search(r"smallest memory_limit that fits is ([0-9.e+]+) bytes", str(err))
+    return float(found.group(1)) if found else None
+
+
+def peak(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, plan: Plan) -> int:
+    """This rank's true peak of a plan's second step (the steady state's), AdamW's state alive."""
+    pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.AdamW(pipe.parameters())
+    pipe.step(x, y)
+    opt.step()
+    opt.zero_grad()
+    pipe.step(x, y, measure_memory=True)
+    out = int(pipe.memory_stats(optimizer=opt)["peak"])
+    pipe.close()
     return out
+
+
+def measure(rows: int, width: int, plans: dict[Any, Plan]) -> dict[Any, int]:
+    """On each rank: ``peak`` of each plan."""
+    model, x, y = build(rows, width)
+    return {key: peak(model, x, y, plan) for key, plan in plans.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = args.rows
     model, x, y = build(rows, args.width)
-    loss = nn.functional.mse_loss
-    prof = profile(model, x, loss_fn=loss, target=y, warmup=0, repeat=1)
-    other = second_rows(rows, rows, [m for m in range(1, rows + 1) if rows % m == 0])
-    second = (profile(model, x[:other], loss_fn=loss, target=y[:other], warmup=0, repeat=1), other)
+    prof, second = profiles(model, x, y)
     plans: dict[Any, Plan] = {}
     predicted: dict[Any, list[float]] = {}
     for m in MS:
@@ -82,19 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_for(scaled, BALANCE, schedule="1f1b", n_microbatches=m, recompute=mode)
             plans[(m, mode)], predicted[(m, mode)] = plan, plan.rank_peaks
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    def auto(limit: float) -> Plan:
-        return search(prof, 2, batch_size=rows, sample_rows=rows, memory_limit=limit, second=second,
-                      schedules=["1f1b"])  # fmt: skip
-
     try:
-        auto(2.05 * weights)  # the static bytes of one rank, about: nothing fits
+        auto(prof, second, rows, 2.05 * weights)  # the static bytes of one rank, about: nothing fits
         named = None
     except ValueError as err:
-        found = re.search(r"smallest memory_limit that fits is ([0-9.e+]+) bytes", str(err))
-        named = float(found.group(1)) if found else None
+        named = named_limit(err)
     if named is not None:
-        plans["smallest"] = auto(named)
+        plans["smallest"] = auto(prof, second, rows, named)
         predicted["smallest"] = plans["smallest"].rank_peaks
     with tempfile.TemporaryDirectory() as folder:
         measured = launch(measure, 2, rows, args.width, plans, store_dir=Path(folder), timeout=900.0)

@@ -15,85 +15,51 @@ transient bytes was carried to every size unscaled (+68 % at m = 16, the smalles
 from __future__ import annotations
 
 import functools
-import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
-from partitioner import profile
-from partitioner.auto import search
 from partitioner.figures import Profile
 from partitioner.partition import plan_for
-from partitioner.scaling import scale_profile, second_rows
+from partitioner.scaling import scale_profile
 from pipeline.plan import Plan
-from pipeline.runtime.pipe import Pipeline
 from tests.dist import job
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_memory_scaling as bench  # the model, its profiles, the search and the measured peak
+from bench_memory_scaling import BALANCE, MODES, MS
+
 ROWS, WIDTH = 256, 128
-MS = (2, 4, 8, 16, 32, 64)
-MODES = ("never", "always")
-BALANCE = [4, 3]
 TOO_SMALL = 3.4e5  # above the weights, gradients and AdamW state per rank, below any activation
-
-
-def _model() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
-                          nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 32))  # fmt: skip
-    return model, torch.randn(ROWS, 32), torch.randn(ROWS, 32)
 
 
 @functools.cache
 def _profiles() -> tuple[Profile, tuple[Profile, int]]:
     """The profile at the whole batch and the second one the auto search takes (bytes only matter)."""
-    model, x, y = _model()
-    loss = nn.functional.mse_loss
-    prof = profile(model, x, loss_fn=loss, target=y, warmup=0, repeat=1)
-    other = second_rows(ROWS, ROWS, [m for m in range(1, ROWS + 1) if ROWS % m == 0])
-    return prof, (profile(model, x[:other], loss_fn=loss, target=y[:other], warmup=0, repeat=1), other)
-
-
-def _search(limit: float) -> Plan:
-    prof, second = _profiles()
-    return search(prof, 2, batch_size=ROWS, sample_rows=ROWS, memory_limit=limit, second=second,
-                  schedules=["1f1b"], optimizer_state_factor=2.0)  # fmt: skip
+    return bench.profiles(*bench.build(ROWS, WIDTH))
 
 
 @functools.cache
 def _smallest() -> tuple[float, Plan]:
     """The smallest limit the search names when nothing fits, and its plan at that limit."""
+    prof, second = _profiles()
     with pytest.raises(ValueError, match="smallest memory_limit that fits is") as err:
-        _search(TOO_SMALL)
-    found = re.search(r"smallest memory_limit that fits is ([0-9.e+]+) bytes", str(err.value))
-    assert found is not None
-    limit = float(found.group(1))
-    return limit, _search(limit)
-
-
-def _peak(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, plan: Plan) -> int:
-    """This rank's true peak of a training step with AdamW's state alive (the steady state's step)."""
-    pipe = Pipeline(model, plan, loss_fn=nn.functional.mse_loss)
-    opt = torch.optim.AdamW(pipe.parameters())
-    pipe.step(x, y)
-    opt.step()
-    opt.zero_grad()
-    pipe.step(x, y, measure_memory=True)
-    peak = int(pipe.memory_stats(optimizer=opt)["peak"])
-    pipe.close()
-    return peak
+        bench.auto(prof, second, ROWS, TOO_SMALL)
+    limit = bench.named_limit(err.value)
+    assert limit is not None
+    return limit, bench.auto(prof, second, ROWS, limit)
 
 
 def _measure(smallest: Plan) -> dict[Any, int]:
-    model, x, y = _model()
-    out: dict[Any, int] = {}
-    for m in MS:
-        for mode in MODES:
-            plan = Plan(balance=BALANCE, schedule="1f1b", n_microbatches=m, recompute=mode)
-            out[(m, mode)] = _peak(model, x, y, plan)
-    out["smallest"] = _peak(model, x, y, smallest)
-    return out
+    plans: dict[Any, Plan] = {
+        (m, mode): Plan(balance=BALANCE, schedule="1f1b", n_microbatches=m, recompute=mode)
+        for m in MS
+        for mode in MODES
+    }
+    return bench.measure(ROWS, WIDTH, {**plans, "smallest": smallest})
 
 
 _MEASURED = job(2, _measure, make_args=lambda _: (_smallest()[1],), timeout=240.0)
