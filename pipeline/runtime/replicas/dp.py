@@ -236,11 +236,6 @@ class GradReducer:
     action and ``launch`` after it; ``wait``.
     """
 
-    def held(self) -> list[torch.Tensor]:
-        """The flat buffers kept from step to step (the gradients live in them): alive at a step's
-        start even when every ``.grad`` was set to None (``zero_grad``)."""
-        return [b.flat for buckets in self.buckets.values() for b in buckets if b.flat is not None]
-
     def __init__(
         self,
         params: Mapping[int, Sequence[nn.Parameter]],
@@ -277,6 +272,11 @@ class GradReducer:
             for k, p in enumerate(b.params)
         ]
         self._finalizer = weakref.finalize(self, _remove, self._hooks)
+
+    def held(self) -> list[torch.Tensor]:
+        """The flat buffers kept from step to step (the gradients live in them): alive at a step's
+        start even when every ``.grad`` was set to None (``zero_grad``)."""
+        return [b.flat for buckets in self.buckets.values() for b in buckets if b.flat is not None]
 
     # ---- the step
 
