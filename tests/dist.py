@@ -33,6 +33,8 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import random
+import socket
 import threading
 import time
 import traceback
@@ -49,11 +51,40 @@ from pipeline.launch import launch
 from pipeline.runtime.comm.emulation import ENV as EMULATE_NCCL_ENV
 from pipeline.runtime.comm.watchdog import CHECK_STORE_S
 
-__all__ = ["Job", "job", "job_times", "run_ranks", "select_jobs", "worker_groups"]
+__all__ = ["Job", "free_port", "job", "job_times", "run_ranks", "select_jobs", "worker_groups"]
 
 _STILL_S = 2 * CHECK_STORE_S  # no thread stopped for this long: the rest never will
 _SETTLE_S = 0.5  # how long a rank waits for a finished job's watchdog threads to stop (a Pipeline never
 # closed keeps its watchdog thread, idle, until exit: waiting longer for those buys nothing)
+
+
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PORT = 10000
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on, for a store or rendezvous a test's processes bind later.
+
+    A port the OS picks (bind to 0) and the test then releases is an ephemeral one, which the kernel
+    hands to the next process that binds to 0 or connects out (every gloo pair does both), so the
+    job's own bind can find it taken, or a rank can reach a stranger's listener. This picks at random
+    below the ephemeral range, where the kernel gives out nothing: only another explicit pick could
+    take it, one in thousands.
+    """
+    try:
+        with open(_EPHEMERAL) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100):
+        port = random.SystemRandom().randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + 1000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError(f"no free loopback port below {low} after 100 tries")
 
 
 def run_ranks(

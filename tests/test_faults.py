@@ -12,7 +12,6 @@ import contextlib
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from torch import nn
 
 from pipeline.launch import RankError
 from pipeline.runtime.pipe import Pipeline
-from tests.dist import run_ranks
+from tests.dist import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,12 +54,6 @@ print(f"DONE rank {info.rank} attempt {attempt}", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
     env.pop("STAGEWISE_EMULATE_NCCL", None)
@@ -77,7 +70,7 @@ def _ranks_by_hand(tmp_path: Path, world_size: int, kill: str) -> list[tuple[int
     """(return code, output) of each rank started from MASTER_ADDR / MASTER_PORT, in its own session."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
@@ -248,7 +241,7 @@ def test_a_torchrun_restart_after_sigkill_comes_back_quickly(tmp_path: Path) -> 
     script.write_text(_WORKER)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--monitor-interval", "0.1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.1",
         str(script),
     ]  # fmt: skip
     proc = subprocess.Popen(

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pipeline import startup
 from pipeline.launch import EMULATE_NCCL_ENV, RankError, default_backend, init_distributed, launch
 from pipeline.runtime.comm.arrival import CREATION_EXIT
-from tests.dist import run_ranks
+from tests.dist import free_port, run_ranks
 
 
 def _group_timeout() -> float:
@@ -158,13 +158,8 @@ def _torchrun_like(tmp_path: Path) -> list[tuple[int, int, str, float]]:
 
 
 def test_init_distributed_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
-    with socket.socket() as sock:  # the OS picks a free port; nothing fixed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert _torchrun_like(tmp_path) == [(0, 2, "cpu", 41.0), (1, 2, "cpu", 41.0)]  # the timeout given
 
 
@@ -267,17 +262,9 @@ def test_init_distributed_sets_the_emulation_variable(monkeypatch: pytest.Monkey
     assert os.environ[EMULATE_NCCL_ENV] == "1"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_restart_does_not_see_the_keys_of_the_attempt_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's agent keeps one store over restarts: attempt 1 must not count attempt 0's ranks."""
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent serves the store
@@ -294,7 +281,7 @@ def test_a_restart_does_not_see_the_keys_of_the_attempt_before(monkeypatch: pyte
 
 def test_an_unreachable_store_is_a_bounded_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # nobody serves it
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody serves it
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     start = time.monotonic()

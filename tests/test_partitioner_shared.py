@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import partition, profile
-from tests.dist import run_ranks
+from tests.dist import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,18 +70,12 @@ open({out!r} + str(info.rank), "w").write(plan.to_json())
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_byte_identical_plans_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "plan.py"
     out = str(tmp_path / "plan.json.")
     script.write_text(textwrap.dedent(_SCRIPT.format(root=str(ROOT), out=out)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(script)]  # fmt: skip
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -7,7 +7,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.dist import free_port
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # the ranks find `train` through the sys.path they inherit
@@ -352,16 +353,10 @@ def test_replicas_train_like_one_pipeline_on_the_whole_batch(tmp_path: Path) -> 
     assert zero[0]["losses"] == two[0]["losses"]  # the same updates, the state sharded
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_torchrun_nodes_on_this_host_give_the_single_node_losses(tmp_path: Path) -> None:
     flags = [*TINY, *QUIET, *_DP_FLAGS]
     single = _replicas_run()[0][0]["losses"]  # the same flags on one node (and a loss log)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent), "GLOO_SOCKET_IFNAME": "lo"}
     nodes = []
     try:
