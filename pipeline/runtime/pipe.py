@@ -629,7 +629,10 @@ class Pipeline:
             if self.device.type == "cuda":  # memory_stats(): this step's peak
                 torch.cuda.reset_peak_memory_stats(self.device)
             self.executor.meter.enabled = measure_memory  # counting what is held costs host time
-            with memory.measured(self, measure_memory and self.device.type != "cuda"), self._stepping():
+            on = measure_memory and self.device.type != "cuda"
+            # the replicas' gradient buckets persist from step to step, .grad set to None or not
+            kept = self._replicas.reducer.held() if on and self._replicas is not None else []
+            with memory.measured(self, on, kept), self._stepping():
                 return self.runner.train(inputs, targets, prefetch, record, scaler)
 
     def evaluate(

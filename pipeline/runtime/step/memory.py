@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -175,18 +175,16 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer, params: set[int]) -> It
 
 
 @contextlib.contextmanager
-def measured(pipe: Any, on: bool) -> Iterator[None]:
+def measured(pipe: Any, on: bool, kept: Sequence[torch.Tensor] = ()) -> Iterator[None]:
     """With ``on``: count every storage allocated inside (``LiveBytes``); the step's true peak is then
-    what was alive before it (parameters, buffers, gradients) plus the most allocated at once inside.
-    Kept as ``pipe.measured_peak`` (None after a step that did not measure)."""
+    what was alive before it (parameters, buffers, gradients, and ``kept``: what else persists from
+    step to step, the replicas' gradient buckets) plus the most allocated at once inside. Kept as
+    ``pipe.measured_peak`` (None after a step that did not measure)."""
     pipe.measured_peak = None
     if not on:
         yield
         return
     params = list(pipe.parameters())
-    # the replicas' gradient buckets persist from step to step, .grad set to None or not
-    reducer = getattr(getattr(pipe, "_replicas", None), "reducer", None)
-    kept = reducer.held() if reducer is not None else []
     before = storage_bytes([*params, *pipe.buffers(), *(p.grad for p in params), *kept])
     with LiveBytes() as live:
         yield
