@@ -271,12 +271,11 @@ def _weights_into_gaps(orders: Orders, p: int, ticks: tuple[int, int, int] = (1,
     free: list[list[int]] = [[] for _ in range(p)]  # per rank, a heap: positions of W's whose B has ended
     held = [0] * p  # forwards whose W has not started
     busy = [0] * p  # the time each rank is free from
-    running: list[tuple[int, int, int]] = []  # a heap: (end, rank, position)
+    ends: dict[int, list[tuple[int, int]]] = {}  # time -> (rank, position) of the actions ending then
     out: list[list[Action]] = [[] for _ in range(p)]
     now, left = 0, sum(len(row) for row in rows)
     while left:
-        while running and running[0][0] <= now:
-            _, r, t = heapq.heappop(running)
+        for r, t in ends.pop(now, ()):
             ended[r][t] = True
             w = weight_of.get((r, t))
             if w is not None:
@@ -300,13 +299,12 @@ def _weights_into_gaps(orders: Orders, p: int, ticks: tuple[int, int, int] = (1,
             started[r][t] = True
             held[r] += _HOLDS[a.kind]
             busy[r] = now + cost[a.kind]
-            heapq.heappush(running, (busy[r], r, t))
+            ends.setdefault(busy[r], []).append((r, t))
             out[r].append(a)
             left -= 1
-        if left and not running:
+        if left and not ends:
             raise RuntimeError(f"zb-v's order cannot run at p={p}")
-        if running:
-            now = running[0][0]
+        now += 1  # ticks are whole units
     return tuple(tuple(row) for row in out)
 
 
