@@ -6,6 +6,7 @@
     python scripts/bench_schedules.py --quick          # tiny cases, 2 steps (the smoke test)
     python scripts/bench_schedules.py --tradeoff       # memory against step time (bench/tradeoff.py)
     python scripts/bench_schedules.py --v-sim          # the V orders, ours and torch's, simulated
+    python scripts/bench_schedules.py --v-greedy       # zb-v against the greedy order it replaced
 
 Cases: coarse, fine, fine-p8 (GPipe and 1F1B), interleaved, zb (timed layers); mlp, gpt (real).
 
@@ -37,7 +38,9 @@ our dualpipe-v beside torch's ``ScheduleDualPipeV`` and our zb-v beside its
 our v-half and v-min (no torch counterpart) are measured against torch's ZBV.
 ``--cases v-uneven`` sets our zb-v beside torch's ZBV with F, B, W = 4, 6, 2 ms per stage.
 ``--v-sim`` runs no process: it puts torch's orders for the same p and m (its
-``pipeline_order``, ``torch_v_order``) through our simulator beside ours, bubble and peak.
+``pipeline_order``, ``torch_v_order``) through our simulator beside ours, bubble and peak;
+``--v-greedy`` sets our zb-v beside the greedy order it replaced (``greedy_v_schedule``), simulated
+at F = B = W, F = 2B = 2W and F = B = 2W.
 Its pieces are here, registered at import, so that every spawned rank (which
 imports this file again) has them too.
 
@@ -69,18 +72,20 @@ from bench.runners import run_cases
 from bench.traces import write_traces
 
 from pipeline.schedules.actions import Action, Kind
-from pipeline.schedules.generators import in_message_order
-from pipeline.schedules.schedule import Schedule, schedule
+from pipeline.schedules.generators import _zb_v_listed, in_message_order
+from pipeline.schedules.schedule import Schedule, schedule, unchecked
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.validate import validate
 
 __all__ = [
     "V_TORCH",
     "VCase",
+    "greedy_v_schedule",
     "main",
     "torch_v_order",
     "torch_v_schedule",
     "v_case",
+    "v_greedy",
     "v_sim",
     "zb_v_uneven_case",
 ]
@@ -204,6 +209,44 @@ def v_sim(ps: tuple[int, ...] = (2, 4, 6, 8)) -> list[dict[str, Any]]:
     return rows
 
 
+def greedy_v_schedule(p: int, m: int) -> Schedule:
+    """The greedy order zb-v ran before (commit 3498704): its list schedule with a cap of 2p + 1
+    forwards at every m (from m = p on a rank held up to 3p - 1 stage activations). Not validated:
+    only simulated, which refuses an order that cannot finish."""
+    return Schedule("greedy zb-v", 2 * p, p, m, True, _zb_v_listed(p, m, cap=2 * p + 1), "v")
+
+
+# (F, B, W) per stage: equal, a forward as long as the whole backward, the weights' half the rest
+GREEDY_COSTS = ((1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (2.0, 2.0, 1.0))
+
+
+def v_greedy(ps: tuple[int, ...] = tuple(range(2, 17))) -> list[dict[str, Any]]:
+    """Per p and m (1 to 4p + 3), our zb-v beside the greedy order it replaced, per ``GREEDY_COSTS``:
+    the bubble (the step less a rank's work) of each, and the most stage activations a rank holds
+    (1F1B's rank 0: 2 min(p, m) of them)."""
+    rows = []
+    for p in ps:
+        for m in range(1, 4 * p + 4):
+            ours, greedy = unchecked("zb-v", p, m, 2), greedy_v_schedule(p, m)
+            row: dict[str, Any] = {"p": p, "m": m}
+            for f, b, w in GREEDY_COSTS:
+                for who, sched in (("ours", ours), ("greedy", greedy)):
+                    bubble = simulate(sched, f, b, w).makespan - 2 * m * (f + b + w)
+                    row[f"{who} {f:g}/{b:g}/{w:g}"] = round(bubble, 3)
+            for who, sched in (("ours", ours), ("greedy", greedy)):
+                row[f"{who} peak"] = max(simulate(sched, 1, 1, 1).peak_activations)
+            row["1f1b peak"] = 2 * min(p, m)
+            rows.append(row)
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    cells = [list(rows[0])] + [[str(v) for v in row.values()] for row in rows]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(cells[0]))]
+    for r in cells:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
 def _print(cases: list[Case], results: dict[int, list[RankResult]], report: Report, steps: int, warmup: int
            ) -> None:  # fmt: skip
     print(f"# torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, "
@@ -247,15 +290,13 @@ def main(argv: list[str] | None = None) -> Report:
                         help="only memory against step time (1f1b, zb-h1 and the V schedules)")  # fmt: skip
     parser.add_argument("--v-sim", action="store_true",
                         help="only the V orders, ours and torch's, simulated (no processes)")  # fmt: skip
+    parser.add_argument("--v-greedy", action="store_true",
+                        help="only zb-v beside the greedy order it replaced, simulated")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.v_sim:
-        rows = v_sim()
+    if args.v_sim or args.v_greedy:
         print("# bubble: the step less a rank's work, in F units, per (F, B, W) per stage; peak: stage "
-              "activations per rank (1F1B's rank 0 holds 2p)")  # fmt: skip
-        cells = [list(rows[0])] + [[str(v) for v in row.values()] for row in rows]
-        widths = [max(len(r[c]) for r in cells) for c in range(len(cells[0]))]
-        for r in cells:
-            print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+              "activations per rank (1F1B's rank 0 holds 2 min(p, m))")  # fmt: skip
+        _print_rows(v_sim() if args.v_sim else v_greedy())
         return Report()
     if args.tradeoff:
         from bench.tradeoff import tradeoff

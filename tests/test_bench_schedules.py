@@ -144,3 +144,25 @@ def test_table_aligns_columns_and_shows_missing_values_as_a_dash() -> None:
     starts = [lines[0].index(h) for h, _, _ in TIMED_COLUMNS[1:3]]
     assert [lines[2].index(v) for v in ("1/2/0", "ours 1f1b")] == starts
     assert {a for _, a, _ in REAL_COLUMNS} <= REAL_KEYS and {a for _, a, _ in TIMED_COLUMNS} <= TIMED_KEYS
+
+
+def test_v_greedy_sets_ours_beside_the_greedy_order() -> None:
+    """``--v-greedy``'s rows: every m from 1 to 4p + 3, each bubble the step less 2m (F + B + W); p = 3,
+    m = 4 by hand: the greedy order 2, 6, 10 units at F = B = W, F = 2B = 2W, F = B = 2W, ours 2, 4, 6."""
+    from bench_schedules import GREEDY_COSTS, v_greedy
+
+    rows = v_greedy((2, 3))
+    assert [(r["p"], r["m"]) for r in rows] == [(p, m) for p in (2, 3) for m in range(1, 4 * p + 4)]
+    for r in rows:
+        for f, b, w in GREEDY_COSTS:
+            assert r[f"ours {f:g}/{b:g}/{w:g}"] <= r[f"greedy {f:g}/{b:g}/{w:g}"], r
+        assert r["ours peak"] <= r["1f1b peak"] == 2 * min(r["p"], r["m"]), r
+    row = next(r for r in rows if (r["p"], r["m"]) == (3, 4))
+    assert [row[f"{who} {c}"] for who in ("greedy", "ours") for c in ("1/1/1", "2/1/1", "2/2/1")] == [
+        2,
+        6,
+        10,
+        2,
+        4,
+        6,
+    ]

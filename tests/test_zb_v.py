@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 
 from pipeline.schedules.peaks import StageBytes, rank_peaks
-from pipeline.schedules.schedule import schedule
+from pipeline.schedules.schedule import schedule, unchecked
 from pipeline.schedules.simulate import simulate
 from pipeline.schedules.timeline import Timeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from bench_schedules import torch_v_schedule
+from bench_schedules import GREEDY_COSTS, greedy_v_schedule, torch_v_schedule
 
 # The bubble (the step less 6m) at F = B = W = 1 of the greedy order zb-v ran before (commit 3498704:
-# ``_greedy_v(p, m, cap=2p + 1)``, which held up to 3p - 1), for m = 1 .. 4p + 3.
+# ``_greedy_v(p, m, cap=2p + 1)``, which held up to 3p - 1), for m = 1 .. 4p + 3, as it printed then
+# (``greedy_v_schedule`` rebuilds that order: test_the_greedy_reference_is_the_order_zb_v_ran_before).
 GREEDY_BUBBLE = {
     1: (0, 0, 0, 0, 0, 0, 0),
     2: (3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1),
@@ -60,13 +61,17 @@ def test_holds_1f1b_peak_with_the_greedy_orders_bubble_or_less(p: int) -> None:
             assert _bubble(t, m) == p - 1, m
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_unequal_costs_leave_the_bubble_as_m_grows(p: int) -> None:
-    """From m = 2p - 1 on (the paper's steady state) the bubble at unequal F, B, W does not grow with m:
-    an order tuned to equal costs only (the greedy one) drifts, a few units more per micro-batch."""
-    for f, b, w in ((1, 1.5, 0.5), (1, 0.5, 1.5), (2, 1, 1)):
-        bubbles = {m: _bubble(simulate(schedule("zb-v", p, m), f, b, w), m, f, b, w) for m in (2 * p, 4 * p)}
-        assert bubbles[2 * p] == bubbles[4 * p], ((f, b, w), bubbles)
+    """From m = p on the bubble at unequal F, B, W does not grow with m (it drops by up to 1 where the
+    paper's order takes over, at m = 2p - 1): an order tuned to equal costs only (the greedy one, and
+    the list schedule zb-v ran for p <= m < 2p - 1 before) drifts, a few units more per micro-batch."""
+    for f, b, w in ((1, 1.5, 0.5), (1, 0.5, 1.5), (2, 1, 1), (2, 2, 1)):
+        bubbles = [
+            _bubble(simulate(unchecked("zb-v", p, m, 2), f, b, w), m, f, b, w) for m in range(p, 4 * p + 1)
+        ]
+        assert bubbles == sorted(bubbles, reverse=True), ((f, b, w), bubbles)
+        assert bubbles[0] - bubbles[-1] <= 1, ((f, b, w), bubbles)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
@@ -78,3 +83,36 @@ def test_against_torchs_zbv_in_our_simulator(p: int) -> None:
         ours = simulate(schedule("zb-v", p, m), 1, 1, 1)
         assert max(theirs.peak_activations) == max(ours.peak_activations) == 2 * p
         assert _bubble(ours, m) == p - 1 and _bubble(theirs, m) == max(p - 1, 2 * p - 3), m
+
+
+@pytest.mark.parametrize("p", sorted(GREEDY_BUBBLE))
+def test_the_greedy_reference_is_the_order_zb_v_ran_before(p: int) -> None:
+    """``greedy_v_schedule``, what the test below compares with, has the greedy order's bubble as it was
+    printed at commit 3498704, and its peak: 3p - 1 stage activations (its cap 2p + 1 at p = 1; 2m,
+    1F1B's, below m = p)."""
+    held = max(3 * p - 1, 2 * p + 1)
+    for m in range(1, 4 * p + 4):
+        t = simulate(greedy_v_schedule(p, m), 1, 1, 1)
+        assert _bubble(t, m) == GREEDY_BUBBLE[p][m - 1], m
+        assert max(t.peak_activations) <= (held if m >= p else 2 * m), m
+    assert max(simulate(greedy_v_schedule(p, 4 * p), 1, 1, 1).peak_activations) == held
+
+
+@pytest.mark.parametrize(
+    "p", [*range(2, 9), *(pytest.param(p, marks=pytest.mark.slow) for p in range(9, 17))]
+)
+def test_bubble_no_longer_than_the_greedy_orders_at_unequal_costs(p: int) -> None:
+    """Every m from 1 to 2p + 1 (the three orders ``_zb_v`` picks from and where it changes) and 4p, at
+    F = B = W, F = 2B = 2W and F = B = 2W: the bubble is the greedy order's or less, computed here, and
+    every rank holds at most 1F1B's peak. From m = p on it is the bound at F = B = W (p - 1) and at
+    F = 2B = 2W (2(p - 1): rank p - 1 waits p - 1 forwards); the list schedule zb-v ran for
+    p <= m < 2p - 1 before took up to 113 units at p = 16, m = 30 (the greedy order 48, ours now 30)."""
+    for m in [*range(1, 2 * p + 2), 4 * p]:
+        ours, greedy = schedule("zb-v", p, m), greedy_v_schedule(p, m)  # ours validated
+        assert max(simulate(ours, 1, 1, 1).peak_activations) <= 2 * min(p, m), m
+        bubbles = {}
+        for f, b, w in GREEDY_COSTS:
+            bubbles[f, b, w] = _bubble(simulate(ours, f, b, w), m, f, b, w)
+            assert bubbles[f, b, w] <= _bubble(simulate(greedy, f, b, w), m, f, b, w), (m, (f, b, w))
+        if m >= p:
+            assert (bubbles[1, 1, 1], bubbles[2, 1, 1]) == (p - 1, 2 * (p - 1)), m

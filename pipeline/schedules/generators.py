@@ -133,34 +133,49 @@ def zb_v(p: int, v: int, m: int) -> Orders:
     micro-batches of a whole stage, 2p of these half-size ones; min(m, p) of them for m < p).
 
     From m = 2p - 1 on, the paper's order (torch's ``ScheduleZBVZeroBubble``), put in our channels'
-    message order, W's moved into the gaps that leaves; fewer micro-batches, a list schedule at unit
-    costs that holds the cap (``_zb_v``). p = 4, m = 8 (F/B/W: rank r's stage r, f/b/w: its stage
-    2p - 1 - r; '.': idle) at F = B = W = 1: 51 units, the bound 6m + p - 1 (rank p - 1 waits p - 1
-    units for its first input; ideal 48, interleaved-1f1b 57, zb-h1 54 at equal work), 2p = 8 held:
+    message order, W's moved into the gaps that leaves; from m = p, its F's and B's with the W's
+    placed anew; fewer micro-batches, a list schedule (``_zb_v``). p = 4, m = 8 (F/B/W: rank r's
+    stage r, f/b/w: its stage 2p - 1 - r; '.': idle) at F = B = W = 1: 51 units, the bound
+    6m + p - 1 (rank p - 1 waits p - 1 units for its first input; ideal 48, interleaved-1f1b 57,
+    zb-h1 54 at equal work), 2p = 8 held:
 
         r=0  FFFF...fbFwfbFwfbFwfbwFBWfbwBWfbwBWfbwBWfbwBWBWBWBW
         r=1  .FFFF.f.fbFwfbFwfbwFBWfbwFBWfbwBWfbwBWfbwBbBWBWBWwW
         r=2  ..FFFfFf.fbFwfbwFBWfbwFBWfbwFBWfbwBWfbwBbBWbBWBwwWW
         r=3  ...FfFfFfFfbwFBWfbwFBWfbwFBWfbwFBWfbwBbBWbBwbBwwWWW
 
-    The bubble is 6m + p - 1 from m = p on (the bound) and at every p <= 12, m <= 4p + 3 no longer
-    than the greedy order's this replaced, which held 3p - 1 (1.375x 1F1B at p = 4, 1.44x at p = 8;
-    tests/test_zb_v.py). With F, B and W unequal the paper's steady state keeps its bubble whatever
-    m; the list schedule's (p <= m < 2p - 1) grows with m, as the greedy's did (BENCHMARKS.md).
+    From m = p on the bubble (the step less a rank's work) is p - 1 at F = B = W = 1 and 2(p - 1)
+    at F = 2B = 2W, the bound either way (rank p - 1 waits p - 1 forwards for its first input), and
+    it does not grow with m at unequal costs. At every p <= 16, m <= 4p + 3 and those two costs and
+    F = B = 2W it is no longer than the greedy order's this replaced, which held 3p - 1 (1.375x 1F1B
+    at p = 4, 1.44x at p = 8; tests/test_zb_v.py, BENCHMARKS.md).
     """
     if v != 2:
         raise ValueError(f"zb-v places exactly 2 stages per rank, got n_virtual={v}; pass n_virtual=2")
     return _zb_v(p, m)
 
 
+# F, B, W in time units, the costs p <= m < 2p - 1 places its W's at: so placed, the bubble is the
+# bound at F = B = W (p - 1) and at F = 2B = 2W (2(p - 1)); placed at F = B = W, 3(p - 1) at
+# F = 2B = 2W, and the list schedule zb-v ran there before, up to 113 units at p = 16 (BENCHMARKS.md).
+_F_2B_2W = (2, 1, 1)
+
+
+# a rank's forwards whose W has not run: an F holds one more, its W frees it
+_HOLDS = {Kind.F: 1, Kind.B: 0, Kind.W: -1}
+
+
 @functools.cache  # the auto search asks again for each candidate
 def _zb_v(p: int, m: int) -> Orders:
     """m >= 2p - 1: the paper's order (``_zb_v_paper``), each rank pair's messages in the order they
-    are sent (``in_message_order``), W's moved into the gaps that leaves (``_weights_into_gaps``);
-    fewer micro-batches, whose steady state the paper's order never reaches: the list schedule
-    (``_zb_v_listed``)."""
+    are sent (``in_message_order``), W's moved into the gaps that leaves (``_weights_into_gaps``).
+    p <= m < 2p - 1, where the paper's steady state is never reached: its F's and B's in the same
+    message order, every W taken out and brought back only where it fills a gap or frees the cap,
+    played at F = 2B = 2W (``_F_2B_2W``). m < p: a list schedule (``_zb_v_listed``)."""
     if m >= 2 * p - 1:
         return _weights_into_gaps(in_message_order(_zb_v_paper(p, m), p, "zb-v"), p)
+    if m >= p:
+        return _weights_into_gaps(_weights_last(in_message_order(_zb_v_paper(p, m), p, "zb-v")), p, _F_2B_2W)
     return _zb_v_listed(p, m)
 
 
@@ -217,12 +232,30 @@ def _zb_v_paper_rank(r: int, p: int, n: int) -> list[Action]:
     return out + deferred[u] + deferred[d]
 
 
-def _weights_into_gaps(orders: Orders, p: int) -> Orders:
-    """``orders`` played at unit costs, each rank running, where its next action cannot run yet,
-    the first W further on whose B has run instead of idling (the cool-down's deferred W's fill the
-    gaps a message order leaves). Only W's move, and only earlier: no message changes places and
-    no rank holds more."""
-    k = 2 * p
+def _v_cap(p: int) -> int:
+    """The stage activations a zb-v rank may hold: 1F1B's rank 0's p micro-batches of a whole stage,
+    2p of these half-size ones."""
+    return 2 * p
+
+
+def _weights_last(orders: Orders) -> Orders:
+    """Each rank's W's taken out of ``orders`` and put after its last F or B, in its B's order: with
+    ``_weights_into_gaps`` a W then runs only where it fills a gap, or frees the cap for an F."""
+    return tuple(
+        tuple([a for a in row if a.kind is not Kind.W] + [Action(a.stage, Kind.W, a.microbatch)
+                                                          for a in row if a.kind is Kind.B])
+        for row in orders
+    )  # fmt: skip
+
+
+def _weights_into_gaps(orders: Orders, p: int, ticks: tuple[int, int, int] = (1, 1, 1)) -> Orders:
+    """``orders`` played with an F, a B and a W taking ``ticks`` time units, each rank running, where its
+    next action cannot run yet (its inputs have not arrived, or it is an F and the rank holds
+    ``_v_cap(p)``), the first W further on whose B has run instead of idling (the cool-down's deferred
+    W's fill the gaps a message order leaves). Only W's move, and only earlier: no message changes
+    places, no rank holds more than ``orders`` did, nor more than the cap."""
+    k, cap = 2 * p, _v_cap(p)
+    cost = {Kind.F: ticks[0], Kind.B: ticks[1], Kind.W: ticks[2]}
     rows = [list(row) for row in orders]
     place = {a: (r, t) for r, row in enumerate(rows) for t, a in enumerate(row)}
     # actions as (rank, position): what each waits for, and each B's W (a rank's W's are its own)
@@ -232,71 +265,67 @@ def _weights_into_gaps(orders: Orders, p: int) -> Orders:
         for row in rows
     ]  # fmt: skip
     weight_of = {place[a]: place[Action(a.stage, Kind.W, a.microbatch)] for a in place if a.kind is Kind.B}
-    ran = [[False] * len(row) for row in rows]
-    at = [0] * p  # each rank's first action not yet run
-    free: list[list[int]] = [[] for _ in range(p)]  # per rank, a heap: positions of W's whose B has run
+    started = [[False] * len(row) for row in rows]
+    ended = [[False] * len(row) for row in rows]
+    at = [0] * p  # each rank's first action not yet started
+    free: list[list[int]] = [[] for _ in range(p)]  # per rank, a heap: positions of W's whose B has ended
+    held = [0] * p  # forwards whose W has not started
+    busy = [0] * p  # the time each rank is free from
+    ends: dict[int, list[tuple[int, int]]] = {}  # time -> (rank, position) of the actions ending then
     out: list[list[Action]] = [[] for _ in range(p)]
-    left = sum(len(row) for row in rows)
+    now, left = 0, sum(len(row) for row in rows)
     while left:
-        picks: list[tuple[int, int]] = []
-        for r, row in enumerate(rows):
-            while at[r] < len(row) and ran[r][at[r]]:
-                at[r] += 1
-            if at[r] == len(row):
-                continue
-            if all(ran[q][t] for q, t in needs[r][at[r]]):
-                picks.append((r, at[r]))
-                continue
-            heap = free[r]
-            while heap and ran[r][heap[0]]:  # run in its own turn since
-                heapq.heappop(heap)
-            if heap:
-                picks.append((r, heapq.heappop(heap)))
-        if not picks:
-            raise RuntimeError(f"zb-v's order cannot run at p={p}")
-        for r, t in picks:
-            out[r].append(rows[r][t])
-            ran[r][t] = True
+        for r, t in ends.pop(now, ()):
+            ended[r][t] = True
             w = weight_of.get((r, t))
             if w is not None:
                 heapq.heappush(free[r], w[1])
-        left -= len(picks)
+        for r, row in enumerate(rows):
+            if busy[r] > now:
+                continue
+            while at[r] < len(row) and started[r][at[r]]:
+                at[r] += 1
+            if at[r] == len(row):
+                continue
+            t = at[r]
+            if not all(ended[q][u] for q, u in needs[r][t]) or (row[t].kind is Kind.F and held[r] >= cap):
+                heap = free[r]
+                while heap and started[r][heap[0]]:  # run in its own turn since
+                    heapq.heappop(heap)
+                if not heap:
+                    continue
+                t = heapq.heappop(heap)
+            a = row[t]
+            started[r][t] = True
+            held[r] += _HOLDS[a.kind]
+            busy[r] = now + cost[a.kind]
+            ends.setdefault(busy[r], []).append((r, t))
+            out[r].append(a)
+            left -= 1
+        if left and not ends:
+            raise RuntimeError(f"zb-v's order cannot run at p={p}")
+        now += 1  # ticks are whole units
     return tuple(tuple(row) for row in out)
 
 
-def _zb_v_listed(p: int, m: int) -> Orders:
-    """zb-v's order for m < 2p - 1: each time unit, every rank runs its oldest ready B (the later
-    stage first of equals), else its next ready F (the later stage first) while it holds fewer than
-    2p forwards whose W has not run, else its oldest pending W, else idles; the cap is never passed.
+def _zb_v_listed(p: int, m: int, cap: int | None = None) -> Orders:
+    """zb-v's order for m < p, a list schedule at unit costs: each time unit, every rank runs its
+    oldest ready B, else its oldest ready F while it holds fewer than ``cap`` forwards whose W has not
+    run, else its oldest pending W, else (at the cap) an F whose input waits on a rank pair, which
+    frees the messages queued behind it, else idles; the later stage first of equals. A rank takes a
+    message only when it is the oldest unconsumed one on its rank pair (sends and receives are posted
+    in the same order; in a V one pair carries forwards and backwards both ways).
 
-    A rank takes a message only when it is the oldest unconsumed one on its rank pair (sends and
-    receives are posted in the same order). In a V one pair carries two streams each way, and each
-    begins at an end of the V: on r -> r + 1 the down-stage forwards and the up-stage backwards,
-    which start on rank 0 (stage 0's forward, the last stage's backward), and on r + 1 -> r the
-    up-stage forwards and the down-stage backwards, which start on rank p - 1 (stages p and p - 1,
-    the turn). So every rank takes each stream in the interleaving its starting rank chose, and a
-    receiver at the cap with an input queued before a gradient it needs would stall. The two starting
-    ranks therefore choose it: before the backward of micro-batch j that a stream carries, exactly
-    ``lead(j) = p + max(0, j - (p - 1) // 2)`` of its forwards (all of them once m have run)::
-
-        rank 0       down F's (stage 0)  before up B j (stage 2p - 1):   lead(j)
-        rank p - 1   up F's (stage p)    before down B j (stage p - 1):  lead(j)
-
-    p forwards fill the V as far as the cap allows; the shift (p - 1) // 2 is the middle of those
-    that kept the greedy's bubble at every m <= 4p + 3 (p <= 12: from about p / 3 to p / 2; 0,
-    p - 1 and the ends of that range lose up to p units at some m, and a shift of p deadlocks)."""
-    k, cap = 2 * p, 2 * p
-    shift = (p - 1) // 2
-
-    def lead(j: int) -> int:
-        return min(m, p + max(0, j - shift))
+    zb-v needs no cap for m < p (None): a rank holds at most its two stages' m micro-batches, 2m,
+    1F1B's 2 min(p, m). With cap = 2p + 1 this is the greedy order zb-v ran at every m before (commit
+    3498704; from m = p on the cap binds, and a rank held up to 3p - 1), which tests/test_zb_v.py and
+    scripts/bench_schedules.py compare it with."""
+    k = 2 * p
 
     def rank(s: int) -> int:
         return rank_of("v", p, s)
 
     stages = [sorted((r, k - 1 - r), reverse=True) for r in range(p)]  # the later stage first
-    # each rank's stream starts: (its forward stage, its backward stage) whose counts it interleaves
-    starts = {0: (0, k - 1), p - 1: (p, p - 1)}
     ran_f = [0] * k  # per stage: micro-batches whose F (B) ran, in micro-batch order
     ran_b = [0] * k
     done: set[Action] = set()
@@ -306,14 +335,10 @@ def _zb_v_listed(p: int, m: int) -> Orders:
     orders: list[list[Action]] = [[] for _ in range(p)]
     total = 3 * k * m
 
-    def need(a: Action) -> Action | None:
-        """The input ``a`` takes from another stage (None: none)."""
-        return _input_of(a, k)
-
     def ready(a: Action, r: int) -> bool:
         if a.kind is Kind.B and ran_f[a.stage] <= a.microbatch:
             return False  # its own F has not run
-        d = need(a)
+        d = _input_of(a, k)
         if d is None:
             return True
         if d not in done:
@@ -321,32 +346,27 @@ def _zb_v_listed(p: int, m: int) -> Orders:
         src = rank(d.stage)
         return src == r or channel[(src, r)][0] == d
 
-    def chosen(a: Action, r: int) -> bool:
-        """Whether a starting rank's interleaving lets ``a`` run now (other ranks: always)."""
-        if r not in starts:
-            return True
-        f, b = starts[r]
-        if a.kind is Kind.F and a.stage == f:
-            return a.microbatch < lead(ran_b[b])
-        if a.kind is Kind.B and a.stage == b:
-            return ran_f[f] >= lead(a.microbatch)
-        return True
-
-    def next_of(kind: Kind, r: int) -> list[Action]:
+    def oldest(kind: Kind, r: int, received: bool = False) -> Action | None:
         ran = ran_f if kind is Kind.F else ran_b
-        return [
-            a for s in stages[r] if ran[s] < m and ready(a := Action(s, kind, ran[s]), r) and chosen(a, r)
+        found = [
+            a
+            for s in stages[r]
+            if ran[s] < m
+            and ready(a := Action(s, kind, ran[s]), r)
+            and (not received or ((d := _input_of(a, k)) is not None and rank(d.stage) != r))
         ]
+        return min(found, key=lambda a: a.microbatch, default=None)  # the first of equals: later stage
 
     while len(done) < total:
         picks: list[tuple[int, Action]] = []
         for r in range(p):
-            found = next_of(Kind.B, r)
-            pick = min(found, key=lambda a: a.microbatch) if found else None  # the first of equals: later
-            if pick is None and held[r] < cap:
-                pick = next(iter(next_of(Kind.F, r)), None)
+            pick = oldest(Kind.B, r)
+            if pick is None and (cap is None or held[r] < cap):
+                pick = oldest(Kind.F, r)
             if pick is None and pending_w[r]:
                 pick = pending_w[r].pop(0)
+            if pick is None and cap is not None:
+                pick = oldest(Kind.F, r, received=True)
             if pick is not None:
                 picks.append((r, pick))
                 if pick.kind is Kind.F:
@@ -356,16 +376,13 @@ def _zb_v_listed(p: int, m: int) -> Orders:
         if not picks:
             raise RuntimeError(f"zb-v's list schedule stalls at p={p}, m={m}")
         for r, a in picks:
-            d = need(a)
+            d = _input_of(a, k)
             if d is not None and rank(d.stage) != r:
                 channel[(rank(d.stage), r)].pop(0)
             orders[r].append(a)
-            if a.kind is Kind.F:
-                held[r] += 1
-            elif a.kind is Kind.B:
+            held[r] += _HOLDS[a.kind]
+            if a.kind is Kind.B:
                 pending_w[r].append(Action(a.stage, Kind.W, a.microbatch))
-            else:
-                held[r] -= 1
         for r, a in picks:  # what finished this unit: ready for the next
             done.add(a)
             out = a.stage + 1 if a.kind is Kind.F else a.stage - 1
