@@ -16,10 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from partitioner._fit import fits, smallest
-from partitioner._inputs import _check_memory
+from partitioner._inputs import _prefix_rows
 from partitioner.composition import Composition, collective_link
 from partitioner.costs import COSTS, links
 from partitioner.device_memory import with_headroom
@@ -183,9 +181,7 @@ def check_fit(
     assert net.memory_limit is not None
     per_rank, p = net.memory_limit, net.n_ranks
     found = net.stage_limits(1.0, per_rank, offset, k)
-    sums, _ = _check_memory(rows, 0.0, len(rows[0]), k)
-    assert sums is not None
-    grouped = [np.asarray(row, dtype=np.float64) for row in sums]  # once, not per fit
+    grouped = _prefix_rows(rows, k)  # arrays, once: not per fit
     if fits(grouped, found, k):
         return found
     kept = (

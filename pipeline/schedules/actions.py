@@ -55,11 +55,11 @@ class Action:
     microbatch: int
 
     def __init__(self, stage: int, kind: Kind, microbatch: int) -> None:
-        # one dict update, not a frozen field's setattr each: planning makes tens of thousands; and
-        # hashed once: planning keys dicts by millions of actions
-        self.__dict__.update(
-            stage=stage, kind=kind, microbatch=microbatch, _hash=hash((stage, kind, microbatch))
-        )
+        # the instance dict written directly, not a frozen field's setattr each: planning makes tens
+        # of thousands; and hashed once: planning keys dicts by millions of actions
+        d = self.__dict__
+        d["stage"], d["kind"], d["microbatch"] = stage, kind, microbatch
+        d["_hash"] = hash((stage, kind, microbatch))
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined, no-any-return]

@@ -263,9 +263,7 @@ def walk(
     for x in sched.program(r):
         # by exact type, not isinstance: planning walks tens of thousands of instructions
         if type(x) is Post:
-            for a in x.sends:
-                take((_BUFFER[a.kind], a.stage, a.microbatch))
-            for a in x.recvs:
+            for a in (*x.sends, *x.recvs):
                 take((_BUFFER[a.kind], a.stage, a.microbatch))
         elif type(x) is Wait:
             a = x.recv

@@ -298,26 +298,28 @@ def _rank_program(
     ties: Sequence[tuple[int, ...]],
 ) -> Program:
     items = _items(mine)
-    blocks = [b for b in items if isinstance(b, list)]
-    recvs = [tuple(a for a in b if a.kind.is_recv) for b in blocks]
+    recvs = [item[1] for item in items if not isinstance(item, Action)]  # each block's receives
     final = _final_gradients(sched, mine) if replicated else {}
     # each receive by (stage, kind, micro-batch): a compute finds its own with no Action built
-    received = {(a.stage, a.kind, a.microbatch): a for a in mine if a.kind.is_recv}
+    received = {(a.stage, a.kind, a.microbatch): a for block in recvs for a in block}
     out: list[Instruction] = []
     first = tuple(a for a in recvs[0] if a not in late) if recvs else ()
     if first:
         out.append(Post((), first))  # the first block's receives, at the step's start
-    posted: set[Action] = set()
-    k = 0
+    # the sends posted and not yet freed, in posting order (the lowered order), by identity: a
+    # proof lists the very actions of ``mine`` (``_frees``), and ints hash without a Python call
+    posted: dict[int, Action] = {}
+    k, n_blocks = 0, len(recvs)
     for item in items:
-        if isinstance(item, list):
-            sends = tuple(a for a in item if a.kind.is_send)
+        if not isinstance(item, Action):
+            sends = item[0]
             now = tuple(a for a in recvs[k] if a in late) if late else ()  # not posted ahead: posted now
-            ahead = () if k + 1 >= len(blocks) else (
+            ahead = () if k + 1 >= n_blocks else (
                 tuple(a for a in recvs[k + 1] if a not in late) if late else recvs[k + 1])  # fmt: skip
             if sends or now or ahead:
                 out.append(Post(sends, now + ahead))  # in posting order: each channel's is the lowered one
-            posted.update(sends)
+            for x in sends:
+                posted[id(x)] = x
             k += 1
             continue
         a = item
@@ -326,14 +328,15 @@ def _rank_program(
         if got is not None:
             out.append(Wait(got))
             proven = frees.get(key)
-            done = tuple(x for x in proven if x in posted) if proven else ()
+            done = tuple(x for x in proven if id(x) in posted) if proven else ()
             if done:
                 out.append(Free(done))
-                posted.difference_update(done)
+                for x in done:
+                    del posted[id(x)]
         out.append(a)
         if replicated and final.get(a.stage) == a:
             out.append(Reduce(a.stage))
-    left = tuple(a for a in mine if a in posted)
+    left = tuple(posted.values())
     if left:
         out.append(Free(left))  # no receive proves them delivered: the step's end does
     if replicated:  # in the order the reductions started
@@ -351,16 +354,25 @@ def _rank_program(
 _RECEIVED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.W: Kind.W}
 
 
-def _items(mine: Sequence[Action]) -> list[Action | list[Action]]:
-    """A lowered list as computes and comm blocks (a block: one compute's sends and the next's receives)."""
-    items: list[Action | list[Action]] = []
+def _items(mine: Sequence[Action]) -> list[Action | tuple[tuple[Action, ...], tuple[Action, ...]]]:
+    """A lowered list as computes and comm blocks (a block: one compute's sends and the next's
+    receives, each as a tuple in the lowered order)."""
+    items: list[Action | tuple[tuple[Action, ...], tuple[Action, ...]]] = []
+    sends: list[Action] = []
+    recvs: list[Action] = []
     for a in mine:
-        if a.kind.is_compute:
+        kind = a.kind
+        if kind.is_compute:
+            if sends or recvs:
+                items.append((tuple(sends), tuple(recvs)))
+                sends, recvs = [], []
             items.append(a)
-        elif items and isinstance(items[-1], list):
-            items[-1].append(a)
+        elif kind.is_send:
+            sends.append(a)
         else:
-            items.append([a])
+            recvs.append(a)
+    if sends or recvs:
+        items.append((tuple(sends), tuple(recvs)))
     return items
 
 
@@ -543,21 +555,30 @@ def _frees(
     (planning walks many schedules of thousands of actions)."""
     p = sched.n_ranks
     rank_of = [sched.rank_of(s) for s in range(sched.n_stages)]
-    # actions keyed by plain tuples: tens of thousands of lookups, and a tuple is cheaper to build
-    position = [{(a.stage, a.kind, a.microbatch): k for k, a in enumerate(acts)} for acts in lowered]
+    # computes and receives keyed by plain tuples (what is looked up): tens of thousands of lookups,
+    # and a tuple is cheaper to build; per rank its sends with their destination ranks
+    position: list[dict[tuple[int, Kind, int], int]] = []
     sends_to: list[dict[int, list[int]]] = []
+    sends: list[list[tuple[Action, int]]] = []
     for acts in lowered:
+        where: dict[tuple[int, Kind, int], int] = {}
         table: dict[int, list[int]] = {}
+        mine: list[tuple[Action, int]] = []
         for k, a in enumerate(acts):
-            if a.kind.is_send:
-                table.setdefault(rank_of[a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1], []).append(k)
+            kind = a.kind
+            if kind.is_send:
+                q = rank_of[a.stage + 1 if kind is Kind.SEND_F else a.stage - 1]
+                table.setdefault(q, []).append(k)
+                mine.append((a, q))
+            else:
+                where[(a.stage, kind, a.microbatch)] = k
+        position.append(where)
         sends_to.append(table)
+        sends.append(mine)
     out: list[dict[tuple[int, Kind, int], list[Action]]] = [{} for _ in range(p)]
-    for r, acts in enumerate(lowered):
-        for a in acts:
-            if not a.kind.is_send:
-                continue
-            q = rank_of[a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1]
+    for r in range(p):
+        here, proofs = position[r], out[r]
+        for a, q in sends[r]:
             at = position[q].get(_consumer(a))
             back_to = sends_to[q].get(r)
             if at is None or back_to is None:
@@ -567,8 +588,8 @@ def _frees(
                 continue
             # q's next send to r: its receive on r proves ``a`` delivered
             proof = _receiver(lowered[q][back_to[j]])
-            if proof in position[r]:
-                out[r].setdefault(proof, []).append(a)
+            if proof in here:
+                proofs.setdefault(proof, []).append(a)
     return out
 
 
