@@ -72,7 +72,15 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages rank ``rank`` holds, in increasing order."""
-        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
+        return list(self._stages_by_rank.get(rank, ()))
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> dict[int, tuple[int, ...]]:
+        # once per schedule: the walk asks every rank's, a placement lookup per stage each time
+        by_rank: dict[int, list[int]] = {}
+        for s in range(self.n_stages):
+            by_rank.setdefault(self.rank_of(s), []).append(s)
+        return {r: tuple(stages) for r, stages in by_rank.items()}
 
     def lowered(self) -> tuple[tuple[Action, ...], ...]:
         """Per rank: the compute actions with their sends and receives, in run order."""
