@@ -427,6 +427,11 @@ def _late_receives(
     asks: dict[Key, list[tuple[Key, Action]]] = {}  # X -> (Z, R) to answer at X
     questions: dict[Key, int] = {}  # Z -> how many receives ask about it
     where = {c: (r, t) for r, mine in enumerate(computes) for t, c in enumerate(mine)} if direct else {}
+    near: list[set[int]] = [set() for _ in range(p)]  # the rank graph: neighbouring stages' ranks
+    for s in range(k - 1):
+        if rank_of[s] != rank_of[s + 1]:
+            near[rank_of[s]].add(rank_of[s + 1])
+            near[rank_of[s + 1]].add(rank_of[s])
     apart: dict[int, list[int]] = {}  # Z's rank -> each rank's part of the rank graph less Z's rank
     confirm: list[tuple[tuple[int, int], Action]] = []  # late if the pass reaches X (at (rank, t))
     for r, z, recv in pending:
@@ -440,7 +445,7 @@ def _late_receives(
                         confirm.append((wx, recv))
                     continue
                 if r not in apart:
-                    apart[r] = _parts(rank_of, p, r)
+                    apart[r] = _parts(near, r)
                 if apart[r][wy[0]] != apart[r][wx[0]]:  # no path from Y to X avoids Z's rank
                     continue
         asks.setdefault(x, []).append((z, recv))
@@ -504,23 +509,17 @@ def _late_receives(
     return late
 
 
-def _parts(rank_of: Sequence[int], p: int, gone: int) -> list[int]:
-    """Per rank, a label of its part of the rank graph (ranks joined when neighbouring stages sit
-    on them: messages go both ways) with rank ``gone`` taken out (its own label: -1)."""
-    near: list[set[int]] = [set() for _ in range(p)]
-    for s in range(len(rank_of) - 1):
-        a, b = rank_of[s], rank_of[s + 1]
-        if a != b and gone not in (a, b):
-            near[a].add(b)
-            near[b].add(a)
-    label = [-1] * p
-    for start in range(p):
+def _parts(near: Sequence[set[int]], gone: int) -> list[int]:
+    """Per rank, a label of its part of the rank graph (``near[q]``: the ranks q exchanges messages
+    with) with rank ``gone`` taken out (its own label: -1)."""
+    label = [-1] * len(near)
+    for start in range(len(near)):
         if start == gone or label[start] >= 0:
             continue
         label[start], todo = start, [start]
         while todo:
             for q in near[todo.pop()]:
-                if label[q] < 0:
+                if q != gone and label[q] < 0:
                     label[q] = start
                     todo.append(q)
     return label
