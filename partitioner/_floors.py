@@ -19,8 +19,10 @@ Floors, each read off the data of the rule it bounds, never a formula of its own
     static floor  <=  group floor (two ranks)  <=  group floor (every rank)  <=  the exact smallest
                                                    limit of the per-stage choice and of each mode
 
-``partition`` refuses below the static floor before it builds its schedule. The auto search, when
-nothing fits, skips a group whose floors do not fit the least limit found (one fit each, at it:
+``partition`` refuses below the static floor before it builds its schedule, and the auto search
+below what every k's static check implies (sum and largest group, ``refuse_below_static`` with k
+None) before it picks one: one function, one row, one rule of a rank's usable bytes. When nothing
+fits, the search skips a group whose floors do not fit the least limit found (one fit each, at it:
 ``static_reaches``, ``group_reaches``), and a group that not even its floor fits at the limit given
 (``group_fits``) before walking it (``partitioner.auto``).
 """

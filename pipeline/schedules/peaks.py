@@ -259,6 +259,15 @@ def walk(
         else:
             held[0] -= 1
 
+    def momentary(key: tuple[str, int, int]) -> None:
+        # a transient, held while one compute runs: only this takes its kinds ("tf", "tfr", "tb",
+        # "tbi", "tw"), each dropped at once, so no one else holds it: take and drop with no count
+        slot, n = weigh(key)
+        now[slot] += n
+        if now[slot] > peak[slot]:
+            peak[slot] = now[slot]
+        now[slot] -= n
+
     consumed: list[tuple[str, int, int]] = []
     for x in sched.program(r):
         # by exact type, not isinstance: planning walks tens of thousands of instructions
@@ -281,9 +290,7 @@ def walk(
                     take(("out", s, i))
                     if split:
                         take(("chain", s, i))
-                key = ("tfr" if replays else "tf", s, i)  # held while the compute runs
-                take(key)
-                drop(key)
+                momentary(("tfr" if replays else "tf", s, i))
                 if s == last:  # its loss, recorded until the step's end
                     take(("kept", s, i))
                 if s in local_in:  # taken out of the hand-over at this compute's end
@@ -296,12 +303,8 @@ def walk(
                     take(("new", s, i))
                     if split:
                         take(("chain", s, i))
-                    key = ("tf", s, i)
-                    take(key)
-                    drop(key)
-                key = ("tbi" if split else "tb", s, i)
-                take(key)
-                drop(key)
+                    momentary(("tf", s, i))
+                momentary(("tbi" if split else "tb", s, i))
                 if split:  # held until the W
                     take(("grads", s, i))
                     take(("gout", s, i))
@@ -317,9 +320,7 @@ def walk(
                 if s - 1 in local_gout:  # the input gradient handed to the stage before, until its B
                     take(("gout", s - 1, i))
             else:
-                key = ("tw", s, i)
-                take(key)
-                drop(key)
+                momentary(("tw", s, i))
                 for f in ("set", "out", "new", "in", "chain", "grads", "gout"):
                     drop((f, s, i))
                 if s in gins:
