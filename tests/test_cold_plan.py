@@ -15,19 +15,24 @@ from __future__ import annotations
 import math
 import random
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from torch import nn
 
-from partitioner import LayerProfile, Profile, layer_graph, partition
+from partitioner import Profile, partition
 from partitioner._inputs import _check_memory, _prefix, _prefix_rows
 from partitioner._planning import _COEFS
 from pipeline.schedules import program
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.registry import REGISTRY
 from pipeline.schedules.schedule import Schedule, schedule_options, unchecked
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_partition as bench
 
 fit_module = sys.modules["partitioner._fit"]
 options_module = sys.modules["partitioner._options"]
@@ -138,25 +143,8 @@ def test_prefix_rows_are_prefix_of_each_row_and_bad_rows_are_named() -> None:
 
 def _issue_case() -> tuple[Profile, nn.Sequential, dict[str, Any]]:
     """``scripts/bench_partition.py``'s profile (Part 3 and 6): n = 1000 random layers."""
-    rng = random.Random(0)
-    layers = [
-        LayerProfile(
-            index=i,
-            name=str(i),
-            kind="Block",
-            forward_time=rng.lognormvariate(-7.0, 0.5),
-            backward_time=rng.lognormvariate(-6.3, 0.5),
-            flops=0,
-            param_bytes=rng.randint(1 << 20, 1 << 24),
-            activation_bytes=rng.randint(1 << 18, 1 << 22),
-            saved_bytes=rng.randint(1 << 20, 1 << 23),
-            output_shape=(1,),
-            output_dtype="bfloat16",
-        )
-        for i in range(1000)
-    ]
-    prof = Profile(layers, "cpu", layer_graph(layers), input_bytes=1 << 20)
-    return prof, nn.Sequential(*[nn.Identity() for _ in range(1000)]), {"bandwidth": 5e10, "latency": 1e-5}
+    prof, model = bench.headline_profile(random.Random(0))  # as its planning child builds it
+    return prof, model, {"bandwidth": 5e10, "latency": 1e-5}
 
 
 def _smallest_named(prof: Profile, model: nn.Sequential, opts: dict[str, Any], limit: float) -> str:

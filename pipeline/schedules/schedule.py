@@ -100,22 +100,24 @@ class Schedule:
     ) -> list[Action]:
         out: list[Action] = []
         append = out.append  # one lookup: planning lowers tens of thousands of actions
+        # per compute kind: the receive before it, when the stage its input comes from is remote,
+        # and the send after it, when the stage its output goes to is (W: none)
+        comm = {
+            Kind.F: (Kind.RECV_F, prev_remotes, Kind.SEND_F, next_remotes),
+            Kind.B: (Kind.RECV_B, next_remotes, Kind.SEND_B, prev_remotes),
+        }
         for a in actions:
-            kind, s = a.kind, a.stage
-            if kind is Kind.F:
-                if prev_remotes[s]:
-                    append(Action(s, Kind.RECV_F, a.microbatch))
+            sides = comm.get(a.kind)
+            if sides is None:
                 append(a)
-                if next_remotes[s]:
-                    append(Action(s, Kind.SEND_F, a.microbatch))
-            elif kind is Kind.B:
-                if next_remotes[s]:
-                    append(Action(s, Kind.RECV_B, a.microbatch))
-                append(a)
-                if prev_remotes[s]:
-                    append(Action(s, Kind.SEND_B, a.microbatch))
-            else:
-                append(a)
+                continue
+            recv, source_remote, send, sink_remote = sides
+            s = a.stage
+            if source_remote[s]:
+                append(Action(s, recv, a.microbatch))
+            append(a)
+            if sink_remote[s]:
+                append(Action(s, send, a.microbatch))
         return out
 
     def program(self, rank: int, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> Program:
