@@ -113,7 +113,10 @@ def test_reach_without_its_steps_is_the_definitions() -> None:
         n = rng.randint(1, 12)
         values = [rng.choice([0.0, 0.1, 0.2, 0.3, 1e-17, 1.0, 3.0, rng.random()]) for _ in range(n)]
         row = np.asarray(_prefix(values))
-        for limit in (0.0, 0.1, 0.3, 0.30000000000000004, rng.random() * 2, 1e-17, -1.0):
+        a, b = sorted(rng.randrange(n + 1) for _ in range(2))
+        # a difference of two sums: row[a] + it may round below row[b], which the float steps mend
+        exact = float(row[b] - row[a])
+        for limit in (0.0, 0.1, 0.3, 0.30000000000000004, rng.random() * 2, 1e-17, -1.0, exact):
             assert fit_module._reach(row, limit).tolist() == _reach_by_definition(row, limit).tolist(), (
                 values,
                 limit,

@@ -4,6 +4,7 @@ pruning naming the same smallest fit as the whole grid."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -183,6 +184,8 @@ def test_the_every_configuration_static_check_refuses_only_what_no_split_fits(
 ) -> None:
     # one rule, two strengths: with k None it is what every k's exact check implies
     prof = _profile(5 * p, seed)
+    big = dataclasses.replace(prof.layers[p], param_bytes=sum(lp.param_bytes for lp in prof.layers))
+    prof = dataclasses.replace(prof, layers=[*prof.layers[:p], big, *prof.layers[p + 1 :]])  # one outweighs
     sizes, _ = cut_groups(prof.layers, prof.cut_reasons)
     row = static_row(prof, _net(prof, "1f1b", p, 1, 1.0), sizes)
     total, largest = row[-1], max(b - a for a, b in itertools.pairwise(row))
@@ -211,6 +214,7 @@ def test_the_every_configuration_static_check_refuses_only_what_no_split_fits(
             with pytest.raises(ValueError, match=need):
                 refuse_below_static(prof, every, None, sizes)
     assert refused and passed
+    assert largest > total / p  # the largest group, not only the sum, decides some of them
 
 
 def test_the_auto_search_refuses_below_the_static_bytes_by_the_same_rule() -> None:
