@@ -378,13 +378,8 @@ def least_bytes(profile: Profile, optimizer_state_factor: float | Composition) -
 
 
 def _least(layers: list[LayerProfile], rule: Composition) -> np.ndarray:
-    """Per layer, its static bytes: weights, gradients, optimizer state, buffers, weight copies."""
-    other = _column(layers, "buffer_bytes") + _column(layers, "cache_bytes")
-    tensors = np.asarray([len(lp.params) for lp in layers], np.float64)
-    least: np.ndarray = rule.static(
-        _column(layers, "param_bytes"), _column(layers, "linear_weight_bytes"), other, tensors
-    )
-    return least
+    """Per layer, its static bytes (``Composition.static_of``: what the walk's figures charge it)."""
+    return np.asarray([rule.static_of(lp) for lp in layers], np.float64)
 
 
 def _column(layers: list[LayerProfile], name: str) -> np.ndarray:
