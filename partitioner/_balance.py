@@ -52,15 +52,15 @@ def balance_of(profile: Profile, shape: Plan, sched: Schedule, net: Options, siz
             )
         return shape.replace(balance=found[0])
     recompute = shape.recompute
+    limits, rows = None, None
+    if net.memory_limit is not None:  # first: a limit nothing fits is refused before any cost is made
+        layer_rows, offset = memory_rows(profile, sched, recompute, net.composition)
+        rows = [grouped(row, sizes) for row in layer_rows]
+        limits = check_fit(net, rows, offset, recompute, k, v)
     costs = layer_costs(
         profile, net.cost, recompute=recompute, n_microbatches=m, split_backward=sched.split_backward
     )
     cuts = cut_rows(profile, k, net.n_ranks, net.latency, net.bandwidth, net.placement)
-    limits, rows = None, None
-    if net.memory_limit is not None:
-        layer_rows, offset = memory_rows(profile, sched, recompute, net.composition)
-        rows = [grouped(row, sizes) for row in layer_rows]
-        limits = check_fit(net, rows, offset, recompute, k, v)
     group_balance = solve(
         grouped(costs, sizes),
         k,

@@ -23,6 +23,7 @@ move x onto the exact boundary of ``fits``.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 
@@ -58,6 +59,10 @@ def _reach(row: np.ndarray, limit: float) -> np.ndarray:
     guess = np.searchsorted(row, row + limit, side="right") - 1
     for _ in range(_STEPS):
         over = row[guess] - row > limit  # too far: back before the run of equal sums at guess
+        if not over.any():  # nothing too far: is any start short of a next layer that fits?
+            nxt = np.minimum(guess + 1, n)
+            if not ((guess < n) & (row[nxt] - row <= limit)).any():
+                break  # every guess exact: what the steps below would settle on at once
         back = np.where(over, np.searchsorted(row, row[guess], side="left") - 1, guess)
         nxt = np.minimum(back + 1, n)
         more = (back < n) & (row[nxt] - row <= limit)  # the next fits too: to the end of its run
@@ -69,7 +74,7 @@ def _reach(row: np.ndarray, limit: float) -> np.ndarray:
 
 
 def smallest(
-    rows: list[list[float]],
+    rows: list[list[float]] | list[np.ndarray],
     k: int,
     limits_at: Callable[[float], list[float]],
     scale: list[float],
@@ -171,12 +176,14 @@ def _greedy_split(
     its own row, t bisected (a heuristic: it only has to be real, and near the optimum)."""
     n = len(mats[0]) - 1
 
+    lists = [m.tolist() for m in mats]  # bisect on lists: searchsorted's answer, without its call cost
+
     def fill(t: float) -> list[int] | None:
         ends, a = [], 0
         for s in range(k):
-            m = mats[_row(mats, s)]
+            m = lists[_row(mats, s)]
             room = t * scale[s] - offset[s] if scale[s] > 0 else 0.0
-            b = min(int(np.searchsorted(m, m[a] + room, side="right")) - 1, n - (k - 1 - s))
+            b = min(bisect.bisect_right(m, m[a] + room) - 1, n - (k - 1 - s))
             if b <= a:
                 return None
             ends.append(b)

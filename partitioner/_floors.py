@@ -19,14 +19,17 @@ Floors, each read off the data of the rule it bounds, never a formula of its own
     static floor  <=  group floor (two ranks)  <=  group floor (every rank)  <=  the exact smallest
                                                    limit of the per-stage choice and of each mode
 
-``partition`` refuses below the static floor before it builds its schedule. The auto search, when
-nothing fits, skips a group whose floors do not fit the least limit found (one fit each, at it:
+``partition`` refuses below the static floor before it builds its schedule, and the auto search
+below what every k's static check implies (sum and largest group, ``refuse_below_static`` with k
+None) before it picks one: one function, one row, one rule of a rank's usable bytes. When nothing
+fits, the search skips a group whose floors do not fit the least limit found (one fit each, at it:
 ``static_reaches``, ``group_reaches``), and a group that not even its floor fits at the limit given
 (``group_fits``) before walking it (``partitioner.auto``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,12 +51,14 @@ __all__ = [
     "static_fits",
     "static_floor",
     "static_reaches",
+    "static_row",
     "walked_ranks",
 ]
 
 
-def _static_row(profile: Profile, net: Options, sizes: list[int]) -> list[float]:
-    """Prefix sums over the layer groups of each layer's static bytes (``least_memory``)."""
+def static_row(profile: Profile, net: Options, sizes: list[int]) -> list[float]:
+    """Prefix sums over the layer groups of each layer's static bytes (``least_memory``): what
+    every static check reads (the auto search keeps one per profile it scales)."""
     return _prefix(grouped(least_memory(profile, net.composition), sizes))
 
 
@@ -64,9 +69,12 @@ def _base(net: Options) -> list[float]:
     return net.memory_limit
 
 
-def static_fits(profile: Profile, net: Options, k: int, sizes: list[int]) -> bool:
-    """Whether some balance into k stages holds the layers' static bytes within the limits."""
-    return _fits_static(_static_row(profile, net, sizes), net, k)
+def static_fits(
+    profile: Profile, net: Options, k: int, sizes: list[int], row: list[float] | None = None
+) -> bool:
+    """Whether some balance into k stages holds the layers' static bytes within the limits (``row``:
+    their ``static_row``, when kept)."""
+    return _fits_static(static_row(profile, net, sizes) if row is None else row, net, k)
 
 
 def _fits_static(row: list[float], net: Options, k: int) -> bool:
@@ -74,28 +82,51 @@ def _fits_static(row: list[float], net: Options, k: int) -> bool:
     return fits([row], net.stage_limits(1.0, net.memory_limit, [0.0] * k, k), k)
 
 
-def static_reaches(profile: Profile, net: Options, k: int, sizes: list[int], least: float) -> bool:
+def static_reaches(
+    profile: Profile, net: Options, k: int, sizes: list[int], least: float, row: list[float] | None = None
+) -> bool:
     """Whether the static floor of k stages is above ``least`` (a limit, or a factor on the per-rank
     limits): one fit there, not the floor itself (a relative 1e-12 below: see ``group_reaches``)."""
     x = least * (1.0 - 1e-12)
-    return not fits([_static_row(profile, net, sizes)], net.stage_limits(x, _base(net), [0.0] * k, k), k)
+    held = static_row(profile, net, sizes) if row is None else row
+    return not fits([held], net.stage_limits(x, _base(net), [0.0] * k, k), k)
 
 
 def static_floor(profile: Profile, net: Options, k: int, sizes: list[int]) -> float:
     """The least limit (or factor on the per-rank limits) at which the static bytes of k stages fit."""
-    return _floor_static(_static_row(profile, net, sizes), net, k)
+    return _floor_static(static_row(profile, net, sizes), net, k)
 
 
 def _floor_static(row: list[float], net: Options, k: int) -> float:
     return smallest([row], k, *net.affine(_base(net), [0.0] * k, k))
 
 
-def refuse_below_static(profile: Profile, net: Options, k: int, sizes: list[int]) -> None:
-    """A ValueError when no split into k stages holds even the static bytes: it names their floor
-    (a limit there gets the exact smallest limit, activations included, from ``check_fit``)."""
+def refuse_below_static(
+    profile: Profile, net: Options, k: int | None, sizes: list[int], row: list[float] | None = None
+) -> None:
+    """A ValueError when the layers' static bytes (weights, gradients, optimizer state, buffers:
+    ``static_row``, over the layer groups ``sizes``) cannot fit the limits, before any schedule:
+
+        k stages   no split into k stages holds them within the stage limits (``fits``); the error
+                   names their floor, the exact min-max over those splits (a limit there gets the
+                   exact smallest limit, activations included, from ``check_fit``)
+        k None     no configuration at all (the auto search, before it picks p x v): every split
+                   into any k = p v stages holds all the groups within stage limits that add up to
+                   the ranks' usable bytes, the largest group in one stage of at most one rank's;
+                   so it needs sum(usable) >= the total and max(usable) >= the largest group, which
+                   every k's check implies (it refuses nothing that some k fits). The error names
+                   the least one limit meeting both, or the two figures for limits per rank
+
+    One row, one rule of what a rank may hold (``Options.stage_limits``, its usable bytes of
+    ``DeviceMemory.usable`` over its v stages): the two differ only in how much of the split they
+    know. ``net``: with k None, its n_ranks and limits are read (its v, and placement, are not)."""
     if net.memory_limit is None:
         return
-    row = _static_row(profile, net, sizes)
+    if row is None:
+        row = static_row(profile, net, sizes)
+    if k is None:
+        _refuse_for_every_k(row, net)
+        return
     if _fits_static(row, net, k):
         return
     floor = _floor_static(row, net, k)
@@ -114,6 +145,28 @@ def refuse_below_static(profile: Profile, net: Options, k: int, sizes: list[int]
     raise ValueError(
         f"memory_limit ({given}) is too small: {alone}: the limits must grow by a factor of at least "
         f"{floor!r}{reserve_text(net.device)}; raise memory_limit {reserve_fix(net.device)}or use more ranks"
+    )
+
+
+def _refuse_for_every_k(row: list[float], net: Options) -> None:
+    """``refuse_below_static`` with k None: the sum and the largest group against the usable bytes."""
+    assert net.memory_limit is not None
+    p, device = net.n_ranks, net.device
+    usable = [device.usable(limit) for limit in net.memory_limit]  # a rank's stage limits' sum, any v
+    total, largest = row[-1], max((b - a for a, b in itertools.pairwise(row)), default=0.0)
+    if sum(usable) >= total and max(usable) >= largest:
+        return
+    less = ", less what each keeps," if device.reserves else ""
+    if net.scalar_limit:
+        at_least = f"at least {device.limit_for(max(total / p, largest)):.4g} bytes per rank"
+    else:
+        at_least = f"limits that{less} add up to at least {total:.4g} bytes, one at least {largest:.4g}"
+    given = net.memory_limit[0] if net.scalar_limit else net.memory_limit
+    raise ValueError(
+        f"memory_limit ({given!r}) is too small for every configuration: the weights, gradients "
+        f"and optimizer state alone are {total:.4g} bytes over {p} ranks (the largest layer group's, "
+        f"which no cut splits, {largest:.4g}), before any activation{reserve_text(device)}; it needs "
+        f"{at_least}: raise memory_limit {reserve_fix(device)}or use more ranks"
     )
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from partitioner._fit import fits, smallest
-from partitioner._inputs import _check_memory
+from partitioner._inputs import _prefix_rows
 from partitioner.composition import Composition, collective_link
 from partitioner.costs import COSTS, links
 from partitioner.device_memory import with_headroom
@@ -181,8 +181,7 @@ def check_fit(
     assert net.memory_limit is not None
     per_rank, p = net.memory_limit, net.n_ranks
     found = net.stage_limits(1.0, per_rank, offset, k)
-    grouped, _ = _check_memory(rows, 0.0, len(rows[0]), k)
-    assert grouped is not None
+    grouped = _prefix_rows(rows, k)  # arrays, once: not per fit
     if fits(grouped, found, k):
         return found
     kept = (

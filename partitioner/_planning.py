@@ -38,7 +38,7 @@ from partitioner.costs import (
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import cut_bytes
 from partitioner.lengths import held_bytes, squared_seconds
-from partitioner.memory import coefficients, layer_bounds
+from partitioner.memory import coefficients, layer_bounds, least_bytes
 from partitioner.memory import rank_peaks as walked_peaks
 from partitioner.overhead import stage_extras
 from partitioner.solve import stage_costs, stage_memory
@@ -251,7 +251,7 @@ def _coefficients(sched: Schedule, modes: tuple[str, ...]) -> list[dict[str, flo
 def least_memory(profile: Profile, optimizer_state_factor: float | Composition) -> list[float]:
     """Per layer, the least bytes it adds to its rank's walked peak under any schedule, mode and
     balance: its static bytes (weights, gradients, optimizer state, buffers, weight copies)."""
-    return layer_bounds(profile, optimizer_state_factor)["least"]
+    return least_bytes(profile, optimizer_state_factor)  # layer_bounds' "least", its bounds unmade
 
 
 def ties_of(layers: list[LayerProfile], balance: list[int]) -> dict[str, list[int]]:

@@ -54,9 +54,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from partitioner._balance import Modes, balance_of
-from partitioner._floors import group_fits, group_reaches, static_fits, static_reaches
+from partitioner._floors import (
+    group_fits,
+    group_reaches,
+    refuse_below_static,
+    static_fits,
+    static_reaches,
+    static_row,
+)
 from partitioner._options import Options, reserve_fix, reserve_text
-from partitioner._planning import grouped, grouped_cut, least_memory, predicted
+from partitioner._planning import grouped, grouped_cut, predicted
 from partitioner.composition import Composition, tensor_parallel
 from partitioner.costs import (
     backward_time,
@@ -67,12 +74,11 @@ from partitioner.costs import (
     recomputed_share,
     with_loss,
 )
-from partitioner.device_memory import with_headroom
 from partitioner.figures import Profile
 from partitioner.overhead import DEFAULT_RUNTIME, RuntimeCosts, stage_extras
 from partitioner.scaling import scale_profile
 from partitioner.solve import solve, stage_costs
-from pipeline.plan import Candidate, DeviceMemory, Plan, SearchStats, check_headroom
+from pipeline.plan import Candidate, Plan, SearchStats, check_headroom
 from pipeline.runtime.step.recompute import RECOMPUTE_MODES, Recompute
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.registry import REGISTRY, entry
@@ -150,16 +156,19 @@ def search(
     sizes, _ = cut_groups(profile.layers, profile.cut_reasons)
     if memory_headroom is not None:
         check_headroom(memory_headroom)
-    # the least any m reserves (scaling to fewer rows only grows the rounding): refuses no config that fits
-    device = with_headroom(profile.device_memory, memory_headroom)
-    if memory_limit is not None:
-        static = Composition(shard, tp, zero, optimizer_state_factor)  # the static bytes need no link
-        _refuse_below_static(profile, p, memory_limit, static, device)
+    if memory_limit is not None:  # every configuration's static check at once: milliseconds
+        every = Options.make("time", p, 1, None, None, None, memory_limit, optimizer_state_factor,
+                             memory_headroom=memory_headroom)  # fmt: skip
+        # the profile's device: the least any m reserves (scaling to fewer rows only grows the
+        # rounding), so it refuses no config that fits
+        every.composed(shard, tp, zero, None, None).measured(profile.device_memory)
+        refuse_below_static(profile, every, None, sizes)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
     nets: dict[tuple[int, str], Options] = {}  # per (v, placement)
     groups: list[_Group] = []
     bounds: dict[tuple[int, bool, int, str], float] = {}
+    rows: dict[tuple[int, Composition], list[float]] = {}  # per scaled profile: its static row
     skipped: list[str] = []
     unfit: list[_Group] = []  # groups that no balance fits, whatever the schedule's order
     for name in names:
@@ -198,7 +207,9 @@ def search(
                     scaled[m] = tensor_parallel(at_m, nets[v, placement].composition)
                     # the rounding grows at fewer rows: each m's nets see its own (set before use)
                 net = nets[v, placement].measured(scaled[m].device_memory)
-                if memory_limit is not None and not static_fits(scaled[m], net, p * v, sizes):
+                if memory_limit is not None and not static_fits(
+                    scaled[m], net, p * v, sizes, _row(rows, scaled[m], net, sizes)
+                ):
                     skipped.append(
                         f"{name} v={v} m={m}: even the weights, gradients and optimizer state do not fit"
                     )
@@ -241,7 +252,9 @@ def search(
             continue
         found += _evaluate(group, prof, net, sched, dp, sizes, best, slack, stats)
     if not found:
-        raise ValueError(_nothing_fits(groups + unfit, scaled, nets, p, sizes, memory_limit, built, prune))
+        raise ValueError(
+            _nothing_fits(groups + unfit, scaled, nets, p, sizes, memory_limit, built, prune, rows)
+        )
     found.sort(key=lambda plan: plan.step_time)
     winner = found[0]
     winner.build_schedule()  # validated (the search ran the generators' schedules unchecked)
@@ -468,34 +481,15 @@ def on_rank(net: Options, per_stage: list[float], r: int) -> list[float]:
     return [x for s, x in enumerate(per_stage) if net.rank_of(s) == r]
 
 
-def _refuse_below_static(
-    profile: Profile,
-    p: int,
-    memory_limit: float | Sequence[float],
-    optimizer_state_factor: float | Composition,
-    device: DeviceMemory,
-) -> None:
-    """At once, before any schedule is built: a limit that cannot hold the weights, gradients and
-    optimizer state alone, whatever the split (the ranks together hold every layer's, and one rank
-    the largest layer's), beside what ``device`` holds beyond them, fits no configuration. Limits
-    close to what fits are found by the search."""
-    static = least_memory(profile, optimizer_state_factor)
-    limits = [float(memory_limit)] * p if isinstance(memory_limit, int | float) else list(memory_limit)
-    usable = [device.usable(limit) for limit in limits]
-    total, largest = sum(static), max(static, default=0.0)
-    if sum(usable) >= total and max(usable) >= largest:
-        return
-    need = device.limit_for(max(total / p, largest)) if isinstance(memory_limit, int | float) else None
-    less = ", less what each keeps," if device.reserves else ""
-    at_least = f"at least {need:.4g} bytes per rank" if need is not None else (
-        f"limits that{less} add up to at least {total:.4g} bytes, one of them at least "
-        f"{largest:.4g}")  # fmt: skip
-    raise ValueError(
-        f"memory_limit ({memory_limit!r}) is too small for every configuration: the weights, gradients "
-        f"and optimizer state alone are {total:.4g} bytes over {p} ranks (the largest layer's "
-        f"{largest:.4g}), before any activation{reserve_text(device)}; it needs {at_least}: raise "
-        f"memory_limit {reserve_fix(device)}or use more ranks"
-    )
+def _row(
+    rows: dict[tuple[int, Composition], list[float]], prof: Profile, net: Options, sizes: list[int]
+) -> list[float]:
+    """``static_row`` of a scaled profile, once per search (every group of its m reads it; the
+    profiles live in ``scaled`` for the whole search, so their ids stay theirs)."""
+    key = (id(prof), net.composition)
+    if key not in rows:
+        rows[key] = static_row(prof, net, sizes)
+    return rows[key]
 
 
 def _least_work(profile: Profile, net: Options, k: int, m: int, split: bool, sizes: list[int]) -> float:
@@ -533,6 +527,7 @@ def _nothing_fits(
     memory_limit: float | Sequence[float] | None,
     built: dict[tuple[str, int, int], Schedule],
     prune: bool = True,
+    rows: dict[tuple[int, Composition], list[float]] | None = None,
 ) -> str:
     """The error when no config fits: the smallest limit (or factor) that would, and for which config
     (the first of the least, groups by v, then in the search's order).
@@ -540,12 +535,17 @@ def _nothing_fits(
     Each group's floors (``partitioner._floors``) are below its exact smallest limit: the static
     bytes' (no schedule built), then its ranks' compute orders walked (no program derived). A group
     whose floor does not fit the least limit found cannot beat it and is not walked (``prune=False``:
-    every group is, the floors unread)."""
+    every group is, the floors unread). ``rows``: the search's static rows, kept (``_row``)."""
+    rows = {} if rows is None else rows
     least, where = math.inf, ""
     for i in sorted(range(len(groups)), key=lambda i: (groups[i].v, i)):  # the fewest stages first
         group = groups[i]
         prof, net = scaled[group.m], _net(nets, group, scaled[group.m])
-        if prune and least < math.inf and static_reaches(prof, net, p * group.v, sizes, least):
+        if (
+            prune
+            and least < math.inf
+            and static_reaches(prof, net, p * group.v, sizes, least, _row(rows, prof, net, sizes))
+        ):
             continue
         sched = _schedule(group, p, built)
         if prune and least < math.inf and group_reaches(prof, sched, net, sizes, RECOMPUTE_MODES, least):

@@ -80,6 +80,7 @@ __all__ = [
     "in_flight",
     "layer_bounds",
     "layer_memory",
+    "least_bytes",
     "rank_peaks",
     "saved_io",
     "stage_bytes",
@@ -326,14 +327,12 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) 
     ins, outs = io[:n, 0], io[:n, 1]
 
     def column(name: str) -> np.ndarray:
-        return np.asarray([getattr(lp, name) for lp in layers], np.float64)
+        return _column(layers, name)
 
     act = column("activation_bytes")
     shared = np.minimum(np.concatenate([[np.inf], outs[:-1]]), ins)  # with layer l - 1; all of layer 0's
     own = column("saved_bytes") - shared
-    other = column("buffer_bytes") + column("cache_bytes")
-    tensors = np.asarray([len(lp.params) for lp in layers], np.float64)
-    least = rule.static(column("param_bytes"), column("linear_weight_bytes"), other, tensors)
+    least = _least(layers, rule)
     static = least.copy()
     if loss is not None:  # the loss's figures on the last layer: its input once, its target never
         own[-1] += loss.saved_bytes - min(outs[-1], io[-1, 0]) - io[-1, 1]
@@ -370,6 +369,21 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) 
         "grads": (act + root).tolist(),
         "least": least.tolist(),
     }
+
+
+def least_bytes(profile: Profile, optimizer_state_factor: float | Composition) -> list[float]:
+    """``layer_bounds``' "least" alone (what every static check reads), without its other bounds."""
+    least: list[float] = _least(list(profile.layers), composition_of(optimizer_state_factor)).tolist()
+    return least
+
+
+def _least(layers: list[LayerProfile], rule: Composition) -> np.ndarray:
+    """Per layer, its static bytes (``Composition.static_of``: what the walk's figures charge it)."""
+    return np.asarray([rule.static_of(lp) for lp in layers], np.float64)
+
+
+def _column(layers: list[LayerProfile], name: str) -> np.ndarray:
+    return np.asarray([getattr(lp, name) for lp in layers], np.float64)
 
 
 def _recorded_io(profile: Profile) -> list[tuple[int, int]]:

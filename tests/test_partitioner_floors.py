@@ -4,9 +4,12 @@ pruning naming the same smallest fit as the whole grid."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 import random
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +19,14 @@ from torch import nn
 
 from partitioner import LayerProfile, Profile, layer_graph, partition
 from partitioner._balance import Modes
-from partitioner._floors import _ComputeOnly, group_floor, static_floor
+from partitioner._floors import (
+    _ComputeOnly,
+    group_floor,
+    refuse_below_static,
+    static_fits,
+    static_floor,
+    static_row,
+)
 from partitioner._options import Options
 from partitioner.auto import search
 from partitioner.costs import cut_groups
@@ -166,3 +176,53 @@ def test_the_pruned_search_names_the_smallest_fit_of_the_whole_grid(
         whole = _refused(functools.partial(search, prof, p, memory_limit=limit, prune=False, **kw))
         assert "the smallest memory_limit that fits is" in whole
         assert pruned == whole
+
+
+@pytest.mark.parametrize(("p", "seed", "per_rank"), [(2, 0, False), (3, 1, False), (4, 2, True)])
+def test_the_every_configuration_static_check_refuses_only_what_no_split_fits(
+    p: int, seed: int, per_rank: bool
+) -> None:
+    # one rule, two strengths: with k None it is what every k's exact check implies
+    prof = _profile(5 * p, seed)
+    big = dataclasses.replace(prof.layers[p], param_bytes=sum(lp.param_bytes for lp in prof.layers))
+    prof = dataclasses.replace(prof, layers=[*prof.layers[:p], big, *prof.layers[p + 1 :]])  # one outweighs
+    sizes, _ = cut_groups(prof.layers, prof.cut_reasons)
+    row = static_row(prof, _net(prof, "1f1b", p, 1, 1.0), sizes)
+    total, largest = row[-1], max(b - a for a, b in itertools.pairwise(row))
+    refused = passed = 0
+    fractions = [largest * f for f in (0.5, 0.9, 0.99, 1.0, 1.01, 1.2, 2.0)]
+    for x in fractions + [total / p * f for f in (0.99, 1.0, 1.5)]:
+        limit: float | list[float] = [x * (1 + r / p) for r in range(p)] if per_rank else x
+        every = _net(prof, "1f1b", p, 1, limit)
+        some_k = any(
+            static_fits(prof, _net(prof, name, p, v, limit), p * v, sizes)
+            for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2))
+        )
+        try:
+            refuse_below_static(prof, every, None, sizes)
+        except ValueError as err:
+            assert not some_k, (x, str(err))
+            text = str(err)
+            assert text.startswith(f"memory_limit ({every.memory_limit if per_rank else x!r})"), text
+            assert "too small for every configuration" in text and "raise memory_limit" in text
+            assert ("bytes per rank" in text) != per_rank and f"{total:.4g} bytes over {p} ranks" in text
+            refused += 1
+        else:
+            passed += 1
+        if not per_rank and x < max(total / p, largest):  # what it names is what it needs
+            need = re.escape(f"at least {max(total / p, largest):.4g} bytes per rank")
+            with pytest.raises(ValueError, match=need):
+                refuse_below_static(prof, every, None, sizes)
+    assert refused and passed
+    assert largest > total / p  # the largest group, not only the sum, decides some of them
+
+
+def test_the_auto_search_refuses_below_the_static_bytes_by_the_same_rule() -> None:
+    p, prof = 3, _profile(12, 4)
+    sizes, _ = cut_groups(prof.layers, prof.cut_reasons)
+    every = _net(prof, "1f1b", p, 1, 1000.0)
+    with pytest.raises(ValueError) as rule:
+        refuse_below_static(prof, every, None, sizes)
+    with pytest.raises(ValueError) as auto:
+        search(prof, p, batch_size=4, sample_rows=4, memory_limit=1000.0)
+    assert str(auto.value) == str(rule.value)

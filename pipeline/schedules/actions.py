@@ -48,14 +48,18 @@ class Kind(enum.Enum):
         self.is_recv: bool = value in ("RECV_F", "RECV_B")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, init=False)
 class Action:
     stage: int
     kind: Kind
     microbatch: int
 
-    def __post_init__(self) -> None:  # hashed once: planning keys dicts by millions of actions
-        object.__setattr__(self, "_hash", hash((self.stage, self.kind, self.microbatch)))
+    def __init__(self, stage: int, kind: Kind, microbatch: int) -> None:
+        # the instance dict written directly, not a frozen field's setattr each: planning makes tens
+        # of thousands; and hashed once: planning keys dicts by millions of actions
+        d = self.__dict__
+        d["stage"], d["kind"], d["microbatch"] = stage, kind, microbatch
+        d["_hash"] = hash((stage, kind, microbatch))
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined, no-any-return]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.modes import check_mode, recomputes
@@ -199,7 +200,7 @@ def walk(
     (``StageBytes.output_is_input``). Slots are plain numbers, not arrays: planning walks thousands
     of programs of thousands of instructions."""
     gins = {s for s, kept in enumerate(gin_kept) if kept}
-    refs: dict[tuple[str, int, int], int] = {}
+    refs: dict[tuple[str, int, int], list[Any]] = {}
     now, peak = [0.0] * width, [0.0] * width
     m = sched.n_microbatches
 
@@ -229,52 +230,66 @@ def walk(
 
     handover = bool(local_in or local_gout or viewed)
     last = sched.n_stages - 1
+    split = sched.split_backward
 
-    def take(*keys: tuple[str, int, int]) -> None:
+    # refs: a held tensor -> [holders, its slot, its bytes] (weighed once, when first taken)
+    def take(key: tuple[str, int, int]) -> None:
         # only increments: each slot's maximum is reached at the end of a take
-        for key in map(same, keys) if handover else keys:
-            held = refs.get(key, 0)
-            refs[key] = held + 1
-            if held == 0:
-                slot, n = weigh(key)
-                now[slot] += n
-                if now[slot] > peak[slot]:
-                    peak[slot] = now[slot]
+        if handover:
+            key = same(key)
+        held = refs.get(key)
+        if held is None:
+            slot, n = weigh(key)
+            refs[key] = [1, slot, n]
+            now[slot] += n
+            if now[slot] > peak[slot]:
+                peak[slot] = now[slot]
+        else:
+            held[0] += 1
 
-    def drop(*keys: tuple[str, int, int]) -> None:
-        for key in map(same, keys) if handover else keys:
-            held = refs.get(key)
-            if held is None:
-                continue
-            if held == 1:
-                del refs[key]
-                slot, n = weigh(key)
-                now[slot] -= n
-            else:
-                refs[key] = held - 1
+    def drop(key: tuple[str, int, int]) -> None:
+        if handover:
+            key = same(key)
+        held = refs.get(key)
+        if held is None:
+            return
+        if held[0] == 1:
+            del refs[key]
+            now[held[1]] -= held[2]
+        else:
+            held[0] -= 1
 
-    def momentary(key: tuple[str, int, int]) -> None:  # held while one compute runs
-        take(key)
-        drop(key)
-
-    def buffer(a: Action) -> tuple[str, int, int]:
-        return (_BUFFER[a.kind], a.stage, a.microbatch)
+    def momentary(key: tuple[str, int, int]) -> None:
+        # a transient, held while one compute runs: only this takes its kinds ("tf", "tfr", "tb",
+        # "tbi", "tw"), each dropped at once, so no one else holds it: take and drop with no count
+        slot, n = weigh(key)
+        now[slot] += n
+        if now[slot] > peak[slot]:
+            peak[slot] = now[slot]
+        now[slot] -= n
 
     consumed: list[tuple[str, int, int]] = []
     for x in sched.program(r):
-        if isinstance(x, Post):
-            take(*(buffer(a) for a in (*x.sends, *x.recvs)))
-        elif isinstance(x, Wait):
-            consumed.append(buffer(x.recv))
-        elif isinstance(x, Free):
-            drop(*(buffer(a) for a in x.sends))
+        # by exact type, not isinstance: planning walks tens of thousands of instructions
+        if type(x) is Post:
+            for a in (*x.sends, *x.recvs):
+                take((_BUFFER[a.kind], a.stage, a.microbatch))
+        elif type(x) is Wait:
+            a = x.recv
+            consumed.append((_BUFFER[a.kind], a.stage, a.microbatch))
+        elif type(x) is Free:
+            for a in x.sends:
+                drop((_BUFFER[a.kind], a.stage, a.microbatch))
         elif isinstance(x, Action):
-            a, s, i = x, x.stage, x.microbatch
+            kind, s, i = x.kind, x.stage, x.microbatch
             replays = recomputes(modes[s], i, m)
-            until_w = [("grads", s, i), ("gout", s, i), *([("gin", s, i)] if s in gins else [])]
-            if a.kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
-                kept = [] if replays else [("set", s, i), ("out", s, i)]
-                take(("in", s, i), *kept, *([("chain", s, i)] if kept and sched.split_backward else []))
+            if kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
+                take(("in", s, i))
+                if not replays:
+                    take(("set", s, i))
+                    take(("out", s, i))
+                    if split:
+                        take(("chain", s, i))
                 momentary(("tfr" if replays else "tf", s, i))
                 if s == last:  # its loss, recorded until the step's end
                     take(("kept", s, i))
@@ -282,23 +297,36 @@ def walk(
                     consumed.append(("in", s, i))
                 if s + 1 in local_in:  # handed to the next stage here: held until its F takes it
                     take(("in", s + 1, i))
-            elif a.kind is Kind.B:
+            elif kind is Kind.B:
                 if replays:
-                    take(("set", s, i), ("new", s, i), *([("chain", s, i)] if sched.split_backward else []))
+                    take(("set", s, i))
+                    take(("new", s, i))
+                    if split:
+                        take(("chain", s, i))
                     momentary(("tf", s, i))
-                momentary(("tbi" if sched.split_backward else "tb", s, i))
-                if sched.split_backward:
-                    take(*until_w)
+                momentary(("tbi" if split else "tb", s, i))
+                if split:  # held until the W
+                    take(("grads", s, i))
+                    take(("gout", s, i))
+                    if s in gins:
+                        take(("gin", s, i))
                 else:
-                    drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i))
+                    drop(("set", s, i))
+                    drop(("out", s, i))
+                    drop(("new", s, i))
+                    drop(("in", s, i))
                 if s in local_gout:  # taken out of the hand-over at this compute's end
                     consumed.append(("gout", s, i))
                 if s - 1 in local_gout:  # the input gradient handed to the stage before, until its B
                     take(("gout", s - 1, i))
             else:
                 momentary(("tw", s, i))
-                drop(("set", s, i), ("out", s, i), ("new", s, i), ("in", s, i), ("chain", s, i))
-                drop(*until_w)
-            drop(*consumed)
-            consumed = []
+                for f in ("set", "out", "new", "in", "chain", "grads", "gout"):
+                    drop((f, s, i))
+                if s in gins:
+                    drop(("gin", s, i))
+            if consumed:
+                for key in consumed:
+                    drop(key)
+                consumed = []
     return peak

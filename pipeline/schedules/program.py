@@ -62,6 +62,7 @@ calls of their own after the step, one all-reduce each over every rank, not part
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 from collections import deque
@@ -291,44 +292,51 @@ def _rank_program(
     sched: Lowered,
     r: int,
     mine: Sequence[Action],
-    frees: dict[Action, list[Action]],
+    frees: dict[tuple[int, Kind, int], list[Action]],
     late: set[Action],
     replicated: bool,
     ties: Sequence[tuple[int, ...]],
 ) -> Program:
     items = _items(mine)
-    blocks = [b for b in items if isinstance(b, list)]
-    recvs = [tuple(a for a in b if a.kind.is_recv) for b in blocks]
-    final = _final_gradients(sched, mine)
+    recvs = [item[1] for item in items if not isinstance(item, Action)]  # each block's receives
+    final = _final_gradients(sched, mine) if replicated else {}
+    # each receive by (stage, kind, micro-batch): a compute finds its own with no Action built
+    received = {(a.stage, a.kind, a.microbatch): a for block in recvs for a in block}
     out: list[Instruction] = []
     first = tuple(a for a in recvs[0] if a not in late) if recvs else ()
     if first:
         out.append(Post((), first))  # the first block's receives, at the step's start
-    posted: set[Action] = set()
-    received = set(mine)
-    k = 0
+    # the sends posted and not yet freed, in posting order (the lowered order), by identity: a
+    # proof lists the very actions of ``mine`` (``_frees``), and ints hash without a Python call
+    posted: dict[int, Action] = {}
+    k, n_blocks = 0, len(recvs)
     for item in items:
-        if isinstance(item, list):
-            sends = tuple(a for a in item if a.kind.is_send)
-            now = tuple(a for a in recvs[k] if a in late)  # not posted ahead: posted now
-            ahead = tuple(a for a in recvs[k + 1] if a not in late) if k + 1 < len(blocks) else ()
+        if not isinstance(item, Action):
+            sends = item[0]
+            now = tuple(a for a in recvs[k] if a in late) if late else ()  # not posted ahead: posted now
+            ahead = () if k + 1 >= n_blocks else (
+                tuple(a for a in recvs[k + 1] if a not in late) if late else recvs[k + 1])  # fmt: skip
             if sends or now or ahead:
                 out.append(Post(sends, now + ahead))  # in posting order: each channel's is the lowered one
-            posted.update(sends)
+            for x in sends:
+                posted[id(x)] = x
             k += 1
             continue
         a = item
-        got = None if a.kind is Kind.W else Action(a.stage, _RECEIVED_BY[a.kind], a.microbatch)
-        if got is not None and got in received:
+        key = (a.stage, _RECEIVED_BY[a.kind], a.microbatch)
+        got = received.get(key)
+        if got is not None:
             out.append(Wait(got))
-            done = tuple(x for x in frees.get(got, ()) if x in posted)
+            proven = frees.get(key)
+            done = tuple(x for x in proven if id(x) in posted) if proven else ()
             if done:
                 out.append(Free(done))
-                posted.difference_update(done)
+                for x in done:
+                    del posted[id(x)]
         out.append(a)
         if replicated and final.get(a.stage) == a:
             out.append(Reduce(a.stage))
-    left = tuple(a for a in mine if a in posted)
+    left = tuple(posted.values())
     if left:
         out.append(Free(left))  # no receive proves them delivered: the step's end does
     if replicated:  # in the order the reductions started
@@ -342,68 +350,125 @@ def _rank_program(
     return Program(r, tuple(out))
 
 
-_RECEIVED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}  # the receive a compute's input comes by
+# the receive a compute's input comes by (a W's: itself, no receive's kind, so none is found)
+_RECEIVED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.W: Kind.W}
 
 
-def _items(mine: Sequence[Action]) -> list[Action | list[Action]]:
-    """A lowered list as computes and comm blocks (a block: one compute's sends and the next's receives)."""
-    items: list[Action | list[Action]] = []
+def _items(mine: Sequence[Action]) -> list[Action | tuple[tuple[Action, ...], tuple[Action, ...]]]:
+    """A lowered list as computes and comm blocks (a block: one compute's sends and the next's
+    receives, each as a tuple in the lowered order)."""
+    items: list[Action | tuple[tuple[Action, ...], tuple[Action, ...]]] = []
+    sends: list[Action] = []
+    recvs: list[Action] = []
     for a in mine:
-        if a.kind.is_compute:
+        kind = a.kind
+        if kind.is_compute:
+            if sends or recvs:
+                items.append((tuple(sends), tuple(recvs)))
+                sends, recvs = [], []
             items.append(a)
-        elif items and isinstance(items[-1], list):
-            items[-1].append(a)
+        elif kind.is_send:
+            sends.append(a)
         else:
-            items.append([a])
+            recvs.append(a)
+    if sends or recvs:
+        items.append((tuple(sends), tuple(recvs)))
     return items
 
 
-def _late_receives(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> set[Action]:
+def _late_receives(
+    sched: Lowered, lowered: Sequence[Sequence[Action]], *, direct: bool = True
+) -> set[Action]:
     """The receives that may not be posted one block ahead (the module docstring's rule): R, in the
     block that follows compute Z on its rank, whose producer X has Z among its ancestors.
 
-    One topological pass over the computes (each rank's in order, each once its remote input's
-    producer is done: the order a play at no cost runs them in) carries each compute's ancestry as
-    an int, one bit per Z met so far: a compute's is its rank-predecessor's, or its remote
-    producer's, and its own bit. X answers its questions as it is reached; a Z not reached by then
-    is no ancestor. A Z's bit is dropped (shifted out) once every question about it is answered, so
-    the ints stay about p bits wide: planning derives many programs of thousands of computes. A
-    schedule that deadlocks leaves the rest unasked (``validate`` refuses it)."""
+    The ancestry is over the computes' dependencies: each rank's order, and each remote input. Z's
+    successors are the next compute on its rank, C (R's consumer, which X precedes: no path to X
+    goes through it), and Y, the peer compute that takes what Z sends (Z asks only when a send of
+    its own follows it). So Z is an ancestor of X exactly when Y is an ancestor of X or X itself,
+    by a path that never meets Z's rank (a compute there is before Z or at C and after: either
+    closes a cycle). ``direct`` answers from that, with no pass: Y on X's rank is an ancestor when
+    it comes first there, and Y on a rank that the rank graph (ranks that exchange messages), less
+    Z's rank, leaves apart from X's is none (1F1B's every receive, p = 64: 8,000 in milliseconds).
+    The argument holds where X is reached (all its ancestors are, in a topological order), so a
+    receive found late so is late only once the pass below reaches its X (a deadlock's is not).
+
+    The rest (and every ask, ``direct=False``, the definition the tests check ``direct`` against)
+    take one topological pass over the computes (each rank's in order, each once its remote input's
+    producer is done: the order a play at no cost runs them in), which carries each compute's
+    ancestry as an int, one bit per Z met so far: a compute's is its rank-predecessor's, or its
+    remote producer's, and its own bit. X answers its questions as it is reached; a Z not reached by
+    then is no ancestor. A Z's bit is dropped (shifted out) once every question about it is
+    answered, so the ints stay about p bits wide: planning derives many programs of thousands of
+    computes. A schedule that deadlocks leaves the rest unasked (``validate`` refuses it)."""
     p, k = sched.n_ranks, sched.n_stages
     rank_of = [sched.rank_of(s) for s in range(k)]
     in_remote = [s > 0 and rank_of[s - 1] != rank_of[s] for s in range(k)]  # F(s)'s input comes by message
     gin_remote = [s + 1 < k and rank_of[s + 1] != rank_of[s] for s in range(k)]  # B(s)'s likewise
     Key = tuple[int, Kind, int]
-    asks: dict[Key, list[tuple[Key, Action]]] = {}  # X -> (Z, R) to answer at X
-    questions: dict[Key, int] = {}  # Z -> how many receives ask about it
-    # per rank, per compute: (itself, its remote input's producer or None, whether it sends out)
-    rows: list[list[tuple[Key, Key | None, bool]]] = []
-    for acts in lowered:
-        row: list[tuple[Key, Key | None, bool]] = []
+    # per rank, per compute: itself; per ask: (Z's rank, Z, R), Z the compute whose send R follows
+    computes: list[list[Key]] = []
+    pending: list[tuple[int, Key, Action]] = []
+    for r, acts in enumerate(lowered):
+        mine: list[Key] = []
         z: Key | None = None  # the last compute, once a send follows it
         for a in acts:
-            kind, s, i = a.kind, a.stage, a.microbatch
+            kind = a.kind
             if kind.is_send:
-                z = row[-1][0] if row else None
+                z = mine[-1] if mine else None
             elif kind.is_recv:
                 if z is not None:  # posted ahead from Z's block: asked at its producer
-                    asks.setdefault(_producer(a), []).append((z, a))
-                    questions[z] = questions.get(z, 0) + 1
+                    pending.append((r, z, a))
             else:
-                src = (s - 1, Kind.F, i) if kind is Kind.F and in_remote[s] else (
-                    (s + 1, Kind.B, i) if kind is Kind.B and gin_remote[s] else None)  # fmt: skip
-                out = (kind is Kind.F and s + 1 < k and in_remote[s + 1]) or (
-                    kind is Kind.B and s > 0 and gin_remote[s - 1])  # fmt: skip
-                row.append(((s, kind, i), src, out))
+                mine.append((a.stage, kind, a.microbatch))
                 z = None
-        rows.append(row)
+        computes.append(mine)
     late: set[Action] = set()
-    if not asks:
+    asks: dict[Key, list[tuple[Key, Action]]] = {}  # X -> (Z, R) to answer at X
+    questions: dict[Key, int] = {}  # Z -> how many receives ask about it
+    where = {c: (r, t) for r, mine in enumerate(computes) for t, c in enumerate(mine)} if direct else {}
+    near: list[set[int]] = [set() for _ in range(p)]  # the rank graph: neighbouring stages' ranks
+    for s in range(k - 1):
+        if rank_of[s] != rank_of[s + 1]:
+            near[rank_of[s]].add(rank_of[s + 1])
+            near[rank_of[s + 1]].add(rank_of[s])
+    apart: dict[int, list[int]] = {}  # Z's rank -> each rank's part of the rank graph less Z's rank
+    confirm: list[tuple[tuple[int, int], Action]] = []  # late if the pass reaches X (at (rank, t))
+    for r, z, recv in pending:
+        x = _producer(recv)
+        if direct:
+            s, kind, i = z
+            wy, wx = where.get((s + 1, kind, i) if kind is Kind.F else (s - 1, kind, i)), where.get(x)
+            if wy is not None and wx is not None:
+                if wy[0] == wx[0]:  # on one rank: Y is X's ancestor (or X) when it comes first
+                    if wy[1] <= wx[1]:
+                        confirm.append((wx, recv))
+                    continue
+                if r not in apart:
+                    apart[r] = _parts(near, r)
+                if apart[r][wy[0]] != apart[r][wx[0]]:  # no path from Y to X avoids Z's rank
+                    continue
+        asks.setdefault(x, []).append((z, recv))
+        questions[z] = questions.get(z, 0) + 1
+    if not asks and not confirm:
         return late
+    # per rank, per compute: (itself, its remote input's producer or None, whether it sends out)
+    rows: list[list[tuple[Key, Key | None, bool]]] = []
+    for mine in computes:
+        row: list[tuple[Key, Key | None, bool]] = []
+        for c in mine:
+            s, kind, i = c
+            src = (s - 1, Kind.F, i) if kind is Kind.F and in_remote[s] else (
+                (s + 1, Kind.B, i) if kind is Kind.B and gin_remote[s] else None)  # fmt: skip
+            out = (kind is Kind.F and s + 1 < k and in_remote[s + 1]) or (
+                kind is Kind.B and s > 0 and gin_remote[s - 1])  # fmt: skip
+            row.append((c, src, out))
+        rows.append(row)
     pos, chain = [0] * p, [0] * p  # per rank: its next compute, the ancestry of its last one done
     made: dict[Key, int] = {}  # a remote input's producer -> its ancestry, until taken
     bit: dict[Key, int] = {}  # Z -> its bit (counted from the first ever), while questions remain
     base = n_bits = 0  # the bit that bit 0 of the ints stands for; bits handed out
+    checked = 0  # n_bits when the bits were last shifted out (or found still asked about)
     progressed = True
     while progressed:
         progressed = False
@@ -434,12 +499,30 @@ def _late_receives(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> set[A
                 t += 1
             if t != pos[r]:
                 pos[r], chain[r], progressed = t, anc, True
-            if n_bits - base > 2 * len(bit) + 256:  # shift out the bits no question needs
+            if n_bits - checked > 256:  # shift out the bits no question needs (256 bits on at most)
+                checked = n_bits
                 lo = min(bit.values(), default=n_bits)
                 shift, base = lo - base, lo
                 chain = [c >> shift for c in chain]
                 made = {key: c >> shift for key, c in made.items()}
+    late.update(recv for (q, t), recv in confirm if t < pos[q])
     return late
+
+
+def _parts(near: Sequence[set[int]], gone: int) -> list[int]:
+    """Per rank, a label of its part of the rank graph (``near[q]``: the ranks q exchanges messages
+    with) with rank ``gone`` taken out (its own label: -1)."""
+    label = [-1] * len(near)
+    for start in range(len(near)):
+        if start == gone or label[start] >= 0:
+            continue
+        label[start], todo = start, [start]
+        while todo:
+            for q in near[todo.pop()]:
+                if q != gone and label[q] < 0:
+                    label[q] = start
+                    todo.append(q)
+    return label
 
 
 def _producer(recv: Action) -> tuple[int, Kind, int]:
@@ -460,48 +543,52 @@ def _final_gradients(sched: Lowered, mine: Sequence[Action]) -> dict[int, Action
     return last
 
 
-def _frees(sched: Lowered, lowered: Sequence[Sequence[Action]]) -> list[dict[Action, list[Action]]]:
-    """Per rank r, per receive there: the sends of r it proves delivered (the module docstring's rule).
+def _frees(
+    sched: Lowered, lowered: Sequence[Sequence[Action]]
+) -> list[dict[tuple[int, Kind, int], list[Action]]]:
+    """Per rank r, per receive there (by its (stage, kind, micro-batch)): the sends of r it proves
+    delivered (the module docstring's rule).
 
-    For each rank q, ``ahead[q][t][k]`` is the position of q's first send to rank t at or after
-    position k, so that each send's proof is found in constant time (planning walks many schedules
-    of thousands of actions)."""
+    For each rank q, ``sends_to[q][t]`` lists the positions of q's sends to rank t, in order, so that
+    each send's proof (q's first send to r after the compute that consumes it) is one bisection
+    (planning walks many schedules of thousands of actions)."""
     p = sched.n_ranks
     rank_of = [sched.rank_of(s) for s in range(sched.n_stages)]
-    # actions keyed by plain tuples: tens of thousands of lookups, and a tuple is cheaper to build
-    position = [{(a.stage, a.kind, a.microbatch): k for k, a in enumerate(acts)} for acts in lowered]
-    ahead: list[dict[int, list[int]]] = []
+    # computes and receives keyed by plain tuples (what is looked up): tens of thousands of lookups,
+    # and a tuple is cheaper to build; per rank its sends with their destination ranks
+    position: list[dict[tuple[int, Kind, int], int]] = []
+    sends_to: list[dict[int, list[int]]] = []
+    sends: list[list[tuple[Action, int]]] = []
     for acts in lowered:
-        dest = [  # each send's destination rank, -1 for any other action
-            -1 if not a.kind.is_send else rank_of[a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1]
-            for a in acts
-        ]
+        where: dict[tuple[int, Kind, int], int] = {}
         table: dict[int, list[int]] = {}
-        for t in set(dest) - {-1}:
-            nxt, col = len(acts), [0] * (len(acts) + 1)
-            col[len(acts)] = nxt
-            for k in range(len(acts) - 1, -1, -1):
-                if dest[k] == t:
-                    nxt = k
-                col[k] = nxt
-            table[t] = col
-        ahead.append(table)
-    out: list[dict[Action, list[Action]]] = [{} for _ in range(p)]
-    for r, acts in enumerate(lowered):
-        for a in acts:
-            if not a.kind.is_send:
-                continue
-            q = rank_of[a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1]
+        mine: list[tuple[Action, int]] = []
+        for k, a in enumerate(acts):
+            kind = a.kind
+            if kind.is_send:
+                q = rank_of[a.stage + 1 if kind is Kind.SEND_F else a.stage - 1]
+                table.setdefault(q, []).append(k)
+                mine.append((a, q))
+            else:
+                where[(a.stage, kind, a.microbatch)] = k
+        position.append(where)
+        sends_to.append(table)
+        sends.append(mine)
+    out: list[dict[tuple[int, Kind, int], list[Action]]] = [{} for _ in range(p)]
+    for r in range(p):
+        here, proofs = position[r], out[r]
+        for a, q in sends[r]:
             at = position[q].get(_consumer(a))
-            if at is None or r not in ahead[q]:
+            back_to = sends_to[q].get(r)
+            if at is None or back_to is None:
                 continue
-            j = ahead[q][r][at + 1]
-            if j == len(lowered[q]):
+            j = bisect.bisect_right(back_to, at)
+            if j == len(back_to):
                 continue
             # q's next send to r: its receive on r proves ``a`` delivered
-            back = position[r].get(_receiver(lowered[q][j]))
-            if back is not None:
-                out[r].setdefault(acts[back], []).append(a)
+            proof = _receiver(lowered[q][back_to[j]])
+            if proof in here:
+                proofs.setdefault(proof, []).append(a)
     return out
 
 

@@ -72,7 +72,15 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages rank ``rank`` holds, in increasing order."""
-        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
+        return list(self._stages_by_rank.get(rank, ()))
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> dict[int, tuple[int, ...]]:
+        # once per schedule: the walk asks every rank's, a placement lookup per stage each time
+        by_rank: dict[int, list[int]] = {}
+        for s in range(self.n_stages):
+            by_rank.setdefault(self.rank_of(s), []).append(s)
+        return {r: tuple(stages) for r, stages in by_rank.items()}
 
     def lowered(self) -> tuple[tuple[Action, ...], ...]:
         """Per rank: the compute actions with their sends and receives, in run order."""
@@ -91,18 +99,25 @@ class Schedule:
         actions: tuple[Action, ...], prev_remotes: list[bool], next_remotes: list[bool]
     ) -> list[Action]:
         out: list[Action] = []
+        append = out.append  # one lookup: planning lowers tens of thousands of actions
+        # per compute kind: the receive before it, when the stage its input comes from is remote,
+        # and the send after it, when the stage its output goes to is (W: none)
+        comm = {
+            Kind.F: (Kind.RECV_F, prev_remotes, Kind.SEND_F, next_remotes),
+            Kind.B: (Kind.RECV_B, next_remotes, Kind.SEND_B, prev_remotes),
+        }
         for a in actions:
-            s, i = a.stage, a.microbatch
-            prev_remote, next_remote = prev_remotes[s], next_remotes[s]
-            if a.kind is Kind.F and prev_remote:
-                out.append(Action(s, Kind.RECV_F, i))
-            if a.kind is Kind.B and next_remote:
-                out.append(Action(s, Kind.RECV_B, i))
-            out.append(a)
-            if a.kind is Kind.F and next_remote:
-                out.append(Action(s, Kind.SEND_F, i))
-            if a.kind is Kind.B and prev_remote:
-                out.append(Action(s, Kind.SEND_B, i))
+            sides = comm.get(a.kind)
+            if sides is None:
+                append(a)
+                continue
+            recv, source_remote, send, sink_remote = sides
+            s = a.stage
+            if source_remote[s]:
+                append(Action(s, recv, a.microbatch))
+            append(a)
+            if sink_remote[s]:
+                append(Action(s, send, a.microbatch))
         return out
 
     def program(self, rank: int, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> Program:

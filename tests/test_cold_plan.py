@@ -1,0 +1,180 @@
+"""Issue 46, cold planning: the fast paths a cold refusal takes give what the slow ones give.
+
+- ``_late_receives`` answers most receives directly (one rank's order, or ranks that only Z's own
+  rank joins) where the topological pass answered all: the same set, for every registered schedule
+  over many (p, v, m) and for random compute orders, deadlocking ones included.
+- ``_fit._reach`` skips its float steps when its first guess is exact: its answer is the definition's.
+- ``_inputs._prefix_rows`` (``check_fit``'s sums, at numpy speed) is ``_prefix`` of each row, and
+  names a bad row as ``_check_memory`` does.
+- The exact smallest limit of a refusal at the static floor (n = 1000, p = 64, 1f1b, m = 64: the
+  issue's case) is the number the slow paths give, bit for bit, and the number before this work.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torch import nn
+
+from partitioner import Profile, partition
+from partitioner._inputs import _check_memory, _prefix, _prefix_rows
+from partitioner._planning import _COEFS
+from pipeline.schedules import program
+from pipeline.schedules.actions import Action, Kind
+from pipeline.schedules.registry import REGISTRY
+from pipeline.schedules.schedule import Schedule, schedule_options, unchecked
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_partition as bench
+
+fit_module = sys.modules["partitioner._fit"]
+options_module = sys.modules["partitioner._options"]
+
+
+def _cases() -> list[Schedule]:
+    out = []
+    for name, e in REGISTRY.items():
+        for p in (1, 2, 3, 4, 5, 8):
+            for v in [1] if e.max_virtual == 1 else [2, 3] if e.max_virtual is None else [2]:
+                for m in (1, 2, 3, 4, 5, 7, 8, 12, 16):
+                    try:
+                        schedule_options(name, p, m, v)
+                    except ValueError:
+                        continue
+                    out.append(unchecked(name, p, m, v))
+    return out
+
+
+def test_late_receives_answered_directly_are_the_passs() -> None:
+    late = 0
+    cases = _cases()
+    for sched in cases:
+        lowered = sched.lowered()
+        fast = program._late_receives(sched, lowered)
+        assert fast == program._late_receives(sched, lowered, direct=False), sched.name
+        late += len(fast)
+    assert len(cases) > 400 and late > 1000  # not vacuous: many receives are late
+
+
+def _random_orders(rng: random.Random, p: int, v: int, m: int, placement: str) -> Schedule:
+    """Each rank's F and B of its stages in a random order that keeps F before B: many deadlock."""
+    k = p * v
+    base = unchecked("1f1b" if v == 1 else "interleaved-1f1b" if placement == "loop" else "zb-v", p, m, v)
+    compute = []
+    for r in range(p):
+        fs = [Action(s, Kind.F, i) for s in base.stages_of(r) for i in range(m)]
+        rng.shuffle(fs)
+        order: list[Action] = []
+        pending: list[Action] = []
+        for a in fs:
+            order.append(a)
+            pending.append(Action(a.stage, Kind.B, a.microbatch))
+            while pending and rng.random() < 0.5:
+                order.append(pending.pop(rng.randrange(len(pending))))
+        rng.shuffle(pending)
+        compute.append(tuple(order + pending))
+    return Schedule("random", k, p, m, False, tuple(compute), placement)
+
+
+def test_late_receives_of_random_orders_deadlocks_included_are_the_passs() -> None:
+    rng = random.Random(0)
+    late = stuck = 0
+    for trial in range(300):
+        v, placement = rng.choice([(1, "loop"), (2, "loop"), (2, "v")])
+        p = rng.randint(2, 4)
+        sched = _random_orders(rng, p, v, rng.randint(1, 4), placement)
+        lowered = sched.lowered()
+        fast = program._late_receives(sched, lowered)
+        assert fast == program._late_receives(sched, lowered, direct=False), (trial, sched.to_text())
+        late += len(fast)
+        played = program.play(sched.programs())
+        stuck += bool(played.stuck(sched.programs()))
+    assert late > 50 and stuck > 50  # late receives and deadlocks both met
+
+
+def _reach_by_definition(row: np.ndarray, limit: float) -> np.ndarray:
+    """R[a]: the last b >= a with row[b] - row[a] <= limit (a - 1 when none): every pair compared."""
+    at = np.arange(len(row))
+    ok = (row[None, :] - row[:, None] <= limit) & (at[None, :] >= at[:, None])
+    out: np.ndarray = np.maximum(np.where(ok, at[None, :], -1).max(axis=1), at - 1)
+    return out
+
+
+def test_reach_without_its_steps_is_the_definitions() -> None:
+    rng = random.Random(1)
+    for _ in range(400):
+        n = rng.randint(1, 12)
+        values = [rng.choice([0.0, 0.1, 0.2, 0.3, 1e-17, 1.0, 3.0, rng.random()]) for _ in range(n)]
+        row = np.asarray(_prefix(values))
+        a, b = sorted(rng.randrange(n + 1) for _ in range(2))
+        # a difference of two sums: row[a] + it may round below row[b], which the float steps mend
+        exact = float(row[b] - row[a])
+        for limit in (0.0, 0.1, 0.3, 0.30000000000000004, rng.random() * 2, 1e-17, -1.0, exact):
+            assert fit_module._reach(row, limit).tolist() == _reach_by_definition(row, limit).tolist(), (
+                values,
+                limit,
+            )
+
+
+def _draw(rng: random.Random, kind: str) -> float:
+    if kind == "bytes":
+        return float(rng.randint(0, 10**9))
+    return float(rng.randint(0, 2**52)) if kind == "near 2**53" else rng.random() * 1e6
+
+
+def test_prefix_rows_are_prefix_of_each_row_and_bad_rows_are_named() -> None:
+    rng = random.Random(2)
+    for _ in range(200):
+        k, n = rng.randint(1, 5), rng.randint(1, 40)
+        kind = rng.choice(["bytes", "near 2**53", "fractions"])
+        rows = [[_draw(rng, kind) for _ in range(n)] for _ in range(k)]
+        assert [row.tolist() for row in _prefix_rows(rows, k)] == [_prefix(row) for row in rows], kind
+    for bad in ([[1.0, -1.0]], [[1.0, math.nan]], [[1.0, math.inf]], [[1e308, 1e308]], [[1.0], [1.0, 2.0]]):
+        with pytest.raises(ValueError) as info:
+            _prefix_rows(bad, len(bad))
+        with pytest.raises(ValueError) as slow:
+            _check_memory(bad, 0.0, len(bad[0]), len(bad))
+        assert str(info.value) == str(slow.value)
+
+
+def _issue_case() -> tuple[Profile, nn.Sequential, dict[str, Any]]:
+    """``scripts/bench_partition.py``'s profile (Part 3 and 6): n = 1000 random layers."""
+    prof, model = bench.headline_profile(random.Random(0))  # as its planning child builds it
+    return prof, model, {"bandwidth": 5e10, "latency": 1e-5}
+
+
+def _smallest_named(prof: Profile, model: nn.Sequential, opts: dict[str, Any], limit: float) -> str:
+    _COEFS.clear()  # every call walks its own programs
+    with pytest.raises(ValueError) as info:
+        partition(model, 64, None, memory_limit=limit, profile=prof, **opts)
+    text = str(info.value)
+    assert "the smallest limit that fits is " in text, text
+    return text.split("the smallest limit that fits is ")[1].split(";")[0]
+
+
+def test_the_cold_refusals_smallest_limit_is_the_slow_paths_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prof, model, opts = _issue_case()
+    at_floor = 570963280.0  # the static floor the refusal below it names (``bench_partition --planning``)
+    fast = _smallest_named(prof, model, opts, at_floor)
+    assert fast == "2460507933.0"  # what it named before this work (issue 46's BENCHMARKS line)
+    late = program._late_receives
+    monkeypatch.setattr(program, "_late_receives", lambda sched, lowered: late(sched, lowered, direct=False))
+
+    monkeypatch.setattr(fit_module, "_reach", _reach_by_definition)  # every pair compared, no shortcut
+
+    def slow_sums(rows: list[list[float]], k: int) -> list[np.ndarray]:
+        sums, _ = _check_memory(rows, 0.0, len(rows[0]), k)
+        assert sums is not None
+        return [np.asarray(row) for row in sums]
+
+    monkeypatch.setattr(options_module, "_prefix_rows", slow_sums)
+    assert _smallest_named(prof, model, opts, at_floor) == fast
