@@ -61,3 +61,27 @@ def test_reset_peak_and_track() -> None:
     assert live.now["cpu"] == 40
     del outside
     assert live.now["cpu"] == 0
+
+
+def test_storages_resized_in_place_are_counted() -> None:
+    """FSDP2 frees a gathered parameter by resizing its storage to 0 and gathers it again into the same
+    storage: no op allocates, yet the bytes are alive (the storage's resize_ is seen, not dispatched)."""
+    kept = torch.empty(1024)  # 4 KB made before: not counted
+    storage = kept.untyped_storage()
+    storage.resize_(0)
+    with LiveBytes() as live:
+        storage.resize_(4096)  # grown from nothing: counted as if made here
+        assert live.now["cpu"] == 4096
+        storage.resize_(8192)  # a counted storage grows
+        extra = torch.ones(256)  # 1 KB on top
+        assert live.peak["cpu"] == 8192 + 1024
+        storage.resize_(0)
+        assert live.now["cpu"] == 1024
+        del extra
+        assert live.now["cpu"] == 0
+    before = torch.empty(16).untyped_storage()
+    with LiveBytes() as live:
+        before.resize_(32)  # from 64 bytes: alive before, not counted (the caller's baseline)
+        assert live.peak["cpu"] == 0
+    storage.resize_(4096)  # outside any mode: nothing to count, nothing breaks
+    assert kept.untyped_storage().nbytes() == 4096
