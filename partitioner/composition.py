@@ -26,9 +26,10 @@ Memory (``Composition.static``), per layer on one rank::
 
 The reduce-scattered gradients (L / S) never add to that: FSDP's post-backward frees the gathered
 copy (L) before the reduce-scatter allocates its input (L, the gradients copied in) and output, so
-that phase holds at most what the backward did. Measured (tests/test_composition.py, a 4-layer MLP
-of 0.53 MB per stage, 2 shards, AdamW): the true peak of a step is 1.842 MB, this rule's static
-bytes 1.841 MB.
+that phase holds at most what the backward did. Measured (tests/test_composition.py: a 4-layer MLP
+of width 64, 2 stages of 2 shards, 1F1B, m = 4, AdamW; the gathered parameters counted, whose
+storages FSDP resizes in place, live.py): rank 0's true peak 137240 B, the plan's 137232 B, the 8 B
+between them the replicas' row count, which no plan figure holds yet.
 
 ZeRO-3 frees the gathered parameters after each forward and backward (except under a split
 backward, where it is ZeRO-2); its memory is bounded here by ZeRO-2's (the gathered copy counted
