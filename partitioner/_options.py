@@ -60,11 +60,13 @@ class Options:
         zero: int,
         bandwidth: float | Sequence[float] | None,
         latency: float | Sequence[float] | None,
+        dp: int = 1,
     ) -> Options:
         """These options for ``shard`` FSDP parts and ``tp`` tensor-parallel ranks per stage under
-        ZeRO-``zero``, their collectives over the slowest of the links given (already checked)."""
+        ZeRO-``zero``, their collectives over the slowest of the links given (already checked), in
+        ``dp`` replicas of the pipeline."""
         link = collective_link(bandwidth, latency)
-        self.composition = Composition(shard, tp, zero, self.optimizer_state_factor, *link)
+        self.composition = Composition(shard, tp, zero, self.optimizer_state_factor, *link, dp=dp)
         return self
 
     def stage_limits(self, x: float, base: Sequence[float], offset: Sequence[float], k: int) -> list[float]:

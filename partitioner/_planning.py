@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from partitioner._options import Options
-from partitioner.composition import Composition
+from partitioner.composition import Composition, composition_of
 from partitioner.costs import (
     backward_time,
     cut_problems,
@@ -175,6 +175,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
     if profile.traced is not None:  # what Pipeline checks the model against, and where it cuts
         graph = TracedGraph(**profile.traced, layers=[lp.name for lp in profile.layers])
         begins = [st.names[0] for st in stages[1:]]
+    beside = net.composition.replica_bytes  # each rank's, beside its stages (Composition)
     # per rank: the schedule walked action by action, each storage once (what memory_stats measures);
     # (the decision); the stages' memory_bytes above are the solver's rows, a bound of it per stage
     return shape.replace(
@@ -184,7 +185,7 @@ def predicted(profile: Profile, shape: Plan, sched: Schedule, net: Options) -> P
         bubble=bubble,
         cost=net.cost,
         prediction="simulator",
-        rank_peaks=walked_peaks(sched, held, shape.recompute),
+        rank_peaks=[peak + beside for peak in walked_peaks(sched, held, shape.recompute)],
         ties=ties_of(profile.layers, balance),
         cuts=begins,
         problems=cut_problems(profile.layers, balance, profile.cut_reasons),
@@ -232,7 +233,8 @@ def memory_rows(
     ]
     if profile.loss is not None:  # the last stage's loss of each micro-batch, kept to the step's end
         offsets[-1] += sched.n_microbatches * float(profile.loss.activation_bytes)  # (StageBytes.kept)
-    return rows, offsets
+    beside = composition_of(optimizer_state_factor).replica_bytes / (k // sched.n_ranks)
+    return rows, [offset + beside for offset in offsets]  # each rank's v stages share its replicas' bytes
 
 
 _COEFS: dict[tuple[str, int, int, int, tuple[str, ...]], list[dict[str, float]]] = {}

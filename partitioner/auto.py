@@ -161,7 +161,7 @@ def search(
                              memory_headroom=memory_headroom)  # fmt: skip
         # the profile's device: the least any m reserves (scaling to fewer rows only grows the
         # rounding), so it refuses no config that fits
-        every.composed(shard, tp, zero, None, None).measured(profile.device_memory)
+        every.composed(shard, tp, zero, None, None, dp).measured(profile.device_memory)
         refuse_below_static(profile, every, None, sizes)
     ms = _microbatch_counts(batch_size, n_microbatches)
     scaled: dict[int, Profile] = {}
@@ -191,7 +191,7 @@ def search(
                         runtime,
                         placement,
                         memory_headroom,
-                    ).composed(shard, tp, zero, bandwidth, latency)  # the raw links: one figure for every v
+                    ).composed(shard, tp, zero, bandwidth, latency, dp)  # the raw links: one figure for any v
                 except ValueError as err:  # e.g. p - 1 links given: no interleaving
                     skipped.append(f"{name} v={v}: {err}")
                     continue

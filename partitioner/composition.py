@@ -28,8 +28,8 @@ The reduce-scattered gradients (L / S) never add to that: FSDP's post-backward f
 copy (L) before the reduce-scatter allocates its input (L, the gradients copied in) and output, so
 that phase holds at most what the backward did. Measured (tests/test_composition.py: a 4-layer MLP
 of width 64, 2 stages of 2 shards, 1F1B, m = 4, AdamW; the gathered parameters counted, whose
-storages FSDP resizes in place, live.py): rank 0's true peak 137240 B, the plan's 137232 B, the 8 B
-between them the replicas' row count, which no plan figure holds yet.
+storages FSDP resizes in place, live.py): rank 0's true peak 137240 B, the plan's 137248 B. Every
+rank of dp x shard > 1 also holds the replicas' row count and share (``replica_bytes``, 16 B).
 
 ZeRO-3 frees the gathered parameters after each forward and backward (except under a split
 backward, where it is ZeRO-2); its memory is bounded here by ZeRO-2's (the gathered copy counted
@@ -69,6 +69,7 @@ from typing import Any
 from torch import nn
 
 from partitioner.figures import LayerProfile, Profile
+from pipeline.plan import REPLICA_BYTES
 
 __all__ = [
     "STEP_BYTES",
@@ -98,8 +99,15 @@ class Composition:
     optimizer_state_factor: float = 2.0
     bandwidth: float | None = None  # bytes/s of a collective's link; None: collectives are free
     latency: float = 0.0  # seconds per collective
+    dp: int = 1  # pipeline replicas
 
     # ---- memory
+
+    @property
+    def replica_bytes(self) -> float:
+        """What each rank holds beside its stages' layers when another rank holds a copy or a shard
+        of them (dp x shard > 1): the replicas' scalars (``pipeline.plan.REPLICA_BYTES``)."""
+        return float(REPLICA_BYTES) if self.dp * self.shard > 1 else 0.0
 
     def local(self, param_bytes: Any, linear_bytes: Any) -> Any:
         """A layer's parameter bytes on one tp rank: its Linear weights split, the rest whole

@@ -235,7 +235,7 @@ def partition(
         runtime,
         entry(schedule).placement,
         memory_headroom,
-    ).composed(shard, tp, zero, bandwidth, latency)
+    ).composed(shard, tp, zero, bandwidth, latency, dp)
     check_model(model)
     check_tensor_parallel(model, profile, tp)
     profile = _profiled(model, n_ranks, v, sample, profile, autocast, loss_fn, target, device, init_fn)
@@ -317,7 +317,7 @@ def plan_for(
         runtime,
         entry(shape.schedule).placement,
         memory_headroom,
-    ).composed(shard, tp, zero, bandwidth, latency)
+    ).composed(shard, tp, zero, bandwidth, latency, dp)
     check_balance_layers(shape.balance, len(profile))
     check_tensor_parallel(nn.Sequential(), profile, tp)  # a profile is of a model's layers: not traced
     profile = tensor_parallel(profile, net.composition)

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import torch
 from torch import nn
 
 from pipeline.runtime.step.recompute import Recompute, check_recompute, mode_of
@@ -39,6 +40,12 @@ from pipeline.schedules.peaks import StageBytes
 from pipeline.schedules.program import Program
 from pipeline.schedules.registry import entry
 from pipeline.schedules.schedule import Schedule, default_n_virtual, rank_of, schedule, schedule_options
+
+# what every rank of a replicated or sharded pipeline (dp x shard > 1) holds through a step beside its
+# stages: the replicas' row count and this replica's share of the batch (runtime/replicas/dp.py),
+# one tensor of REPLICA_DTYPE each; the partitioner counts them (Composition.replica_bytes)
+REPLICA_DTYPE = torch.float64
+REPLICA_BYTES = 2 * REPLICA_DTYPE.itemsize
 
 __all__ = ["Candidate", "DeviceMemory", "Plan", "SearchStats", "StagePlan", "TracedGraph"]
 

@@ -15,7 +15,7 @@ from partitioner.composition import Composition
 from partitioner.figures import LayerProfile, Profile
 from partitioner.graph import layer_graph
 from partitioner.memory import stage_bytes
-from pipeline.plan import Plan
+from pipeline.plan import REPLICA_BYTES, Plan
 
 ROWS = 4
 P, W = 40_000, 30_000  # a block's parameter bytes, of which its Linear weights
@@ -71,9 +71,9 @@ def test_rank_peaks_fall_by_the_shard_factor() -> None:
     prof = synthetic(embedding=False)
     peaks = {s: plan_for(prof, [3, 3], shard=s).rank_peaks for s in (1, 2, 4, 8)}
     for s in (2, 4, 8):
-        for r in range(2):
+        for r in range(2):  # a sharded rank also holds the replicas' scalars (REPLICA_BYTES)
             gone = peaks[1][r] - peaks[s][r]
-            assert gone == pytest.approx(3 * (_static(P, W, 1, 1) - _static(P, W, s, 1)))
+            assert gone == pytest.approx(3 * (_static(P, W, 1, 1) - _static(P, W, s, 1)) - REPLICA_BYTES)
     # the optimizer state alone: per parameter byte, f / S more bytes per unit of f
     for s in (1, 4):
         sgd, adam = (plan_for(prof, [3, 3], shard=s, optimizer_state_factor=f).rank_peaks[0]
@@ -83,7 +83,7 @@ def test_rank_peaks_fall_by_the_shard_factor() -> None:
     # (L): 2 L + L / S with f = 0 (the reduce-scattered shard comes after the gathered copy is freed)
     zero_f = plan_for(prof, [3, 3], shard=4, optimizer_state_factor=0.0).rank_peaks[0]
     none = plan_for(prof, [3, 3], shard=1, optimizer_state_factor=0.0).rank_peaks[0]
-    assert none - zero_f == pytest.approx(3 * (2 * P - (2 * P + P / 4)))
+    assert none - zero_f == pytest.approx(3 * (2 * P - (2 * P + P / 4)) - REPLICA_BYTES)
 
 
 def test_tp_divides_only_the_linear_weights() -> None:
@@ -247,3 +247,39 @@ def test_auto_refuses_clearly_when_nothing_fits() -> None:
     for d, s in ((4, 1), (2, 2), (1, 4)):
         assert f"dp={d}, shard={s}, tp=1: memory_limit" in text
     assert math.isfinite(limit)
+
+
+def test_each_rank_of_replicas_or_shards_holds_their_scalars_in_its_peak_and_its_rows() -> None:
+    """A rank of dp x shard > 1 holds the replicas' row count and share (REPLICA_BYTES) beside its
+    stages: in the walked peak, and in the solver's rows (split over its v stages), so a plan at its
+    limit still fits what the run holds."""
+    from partitioner._planning import memory_rows
+    from pipeline.schedules.schedule import schedule
+
+    prof = synthetic(8, embedding=False)
+    sched = schedule("interleaved-1f1b", 2, 4, n_virtual=2)
+    _, alone = memory_rows(prof, sched, "never", Composition())
+    for dp, shard in ((2, 1), (1, 2), (2, 2)):
+        beside = plan_for(
+            prof, [2, 2, 2, 2], schedule="interleaved-1f1b", n_microbatches=4, dp=dp, shard=shard
+        )
+        shard_only = plan_for(prof, [2, 2, 2, 2], schedule="interleaved-1f1b", n_microbatches=4, shard=shard)
+        if shard == 1:
+            plain = plan_for(prof, [2, 2, 2, 2], schedule="interleaved-1f1b", n_microbatches=4)
+            assert [b - a for a, b in zip(plain.rank_peaks, beside.rank_peaks, strict=True)] == [
+                REPLICA_BYTES
+            ] * 2
+        else:  # the scalars once, however many of dp and shard
+            assert beside.rank_peaks == shard_only.rank_peaks
+        _, offsets = memory_rows(prof, sched, "never", Composition(shard=shard, dp=dp))
+        for r in range(2):
+            more = sum(offsets[s] - alone[s] for s in sched.stages_of(r))
+            assert more == pytest.approx(REPLICA_BYTES)
+    # at the smallest limit the search names, the plan's walk (its scalars too) fits: the rows,
+    # offsets included, bound what the run holds (else the partitioner raises its own bug)
+    options = dict(profile=prof, schedule="interleaved-1f1b", n_microbatches=4, dp=2)
+    with pytest.raises(ValueError, match="the smallest limit that fits is") as refused:
+        partition(_model(8), 2, None, memory_limit=640_000.0, **options)  # the static floor
+    smallest = float(str(refused.value).split("the smallest limit that fits is ")[1].split(";")[0])
+    plan = partition(_model(8), 2, None, memory_limit=smallest, **options)
+    assert max(plan.rank_peaks) <= smallest

@@ -29,7 +29,7 @@ from partitioner import (
     solve,
 )
 from partitioner.memory import coefficients
-from pipeline.plan import DeviceMemory
+from pipeline.plan import REPLICA_BYTES, DeviceMemory
 from pipeline.reference.models import gpt, gpt_loss, mlp
 from pipeline.schedules.schedule import schedule
 from pipeline.schedules.simulate import simulate
@@ -128,7 +128,12 @@ def test_dp_is_recorded_and_the_split_is_one_pipeline_s(small_gpt) -> None:  # t
     one = partition(model, 2, sample, profile=prof)
     two = partition(model, 2, sample, profile=prof, dp=2)
     assert two.dp == 2 and two.world_size == 4
-    assert two == one.replace(dp=2)  # the same balance and predictions: each replica is one pipeline
+    # the same balance and predictions (each replica is one pipeline), and each rank also holds the
+    # replicas' scalars (pipeline.plan.REPLICA_BYTES: their row count and its share of the batch), in
+    # its walked peak and in its stages' rows (one stage per rank here)
+    peaks = [peak + REPLICA_BYTES for peak in one.rank_peaks]
+    stages = [dataclasses.replace(st, memory_bytes=st.memory_bytes + REPLICA_BYTES) for st in one.stages]
+    assert two == one.replace(dp=2, rank_peaks=peaks, stages=stages)
     assert plan_for(prof, one.balance, dp=2) == two
     bad_sample = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2)), 2, torch.randn(2, 4)  # fails profiling
     with pytest.raises(ValueError, match=r"dp \(0\) must be an integer >= 1"):

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.plan import REPLICA_DTYPE
 from pipeline.runtime.comm.stream import from_host
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.program import Reduce
@@ -304,7 +305,7 @@ class GradReducer:
         if self._rows_work is not None:
             raise RuntimeError(f"rank {self.rank}: the batch rows were all-reduced twice in one step")
         self._own_rows, self._share = rows, None
-        self._rows = torch.full((1,), float(rows), dtype=torch.float64, device=self.comm.device)
+        self._rows = torch.full((1,), float(rows), dtype=REPLICA_DTYPE, device=self.comm.device)
         self._rows_work = self.comm.start_all_reduce(
             self._rows, dist.ReduceOp.SUM, f"the batch rows' all-reduce over {self._group}"
         )
