@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -293,7 +294,9 @@ def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(
     (k0, m0, t0), (k1, m1, _) = results["raise"]
     assert (k1, m1) == ("RuntimeError", "boom in a stage")
     assert k0 == "PeerFailure" and t0 < 5.0
-    assert m0.startswith("rank 1 failed while rank 0 waited for 0RECV_B") and "from rank 1" in m0
+    # where rank 0 hears of it depends on how far it got: blocked in the receive of a gradient, or
+    # posting its next forward's send on the connections the failure closed
+    assert re.match(r"rank 1 failed while rank 0 waited for 0(RECV_B\d from|SEND_F\d to) rank 1\b", m0), m0
     assert m0.endswith("RuntimeError: boom in a stage")
     (k0, m0, t0), (k1, m1, _) = results["timeout"]
     assert k0 == "PipelineTimeout" and t0 < 3.0
