@@ -69,7 +69,7 @@ from typing import Any
 from torch import nn
 
 from partitioner.figures import LayerProfile, Profile
-from pipeline.plan import REPLICA_BYTES
+from pipeline.plan import replica_bytes
 
 __all__ = [
     "STEP_BYTES",
@@ -105,9 +105,8 @@ class Composition:
 
     @property
     def replica_bytes(self) -> float:
-        """What each rank holds beside its stages' layers when another rank holds a copy or a shard
-        of them (dp x shard > 1): the replicas' scalars (``pipeline.plan.REPLICA_BYTES``)."""
-        return float(REPLICA_BYTES) if self.dp * self.shard > 1 else 0.0
+        """``pipeline.plan.replica_bytes`` of this composition: what each rank holds beside its stages."""
+        return replica_bytes(self.dp, self.shard)
 
     def local(self, param_bytes: Any, linear_bytes: Any) -> Any:
         """A layer's parameter bytes on one tp rank: its Linear weights split, the rest whole

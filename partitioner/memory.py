@@ -327,7 +327,7 @@ def layer_bounds(profile: Profile, optimizer_state_factor: float | Composition) 
     ins, outs = io[:n, 0], io[:n, 1]
 
     def column(name: str) -> np.ndarray:
-        return _column(layers, name)
+        return np.asarray([getattr(lp, name) for lp in layers], np.float64)
 
     act = column("activation_bytes")
     shared = np.minimum(np.concatenate([[np.inf], outs[:-1]]), ins)  # with layer l - 1; all of layer 0's
@@ -380,10 +380,6 @@ def least_bytes(profile: Profile, optimizer_state_factor: float | Composition) -
 def _least(layers: list[LayerProfile], rule: Composition) -> np.ndarray:
     """Per layer, its static bytes (``Composition.static_of``: what the walk's figures charge it)."""
     return np.asarray([rule.static_of(lp) for lp in layers], np.float64)
-
-
-def _column(layers: list[LayerProfile], name: str) -> np.ndarray:
-    return np.asarray([getattr(lp, name) for lp in layers], np.float64)
 
 
 def _recorded_io(profile: Profile) -> list[tuple[int, int]]:

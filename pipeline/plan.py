@@ -47,6 +47,13 @@ from pipeline.schedules.schedule import Schedule, default_n_virtual, rank_of, sc
 REPLICA_DTYPE = torch.float64
 REPLICA_BYTES = 2 * REPLICA_DTYPE.itemsize
 
+
+def replica_bytes(dp: int, shard: int) -> float:
+    """What each rank holds beside its stages' layers when another rank holds a copy or a shard of
+    them (dp x shard > 1): the replicas' scalars (``REPLICA_BYTES``); 0 otherwise."""
+    return float(REPLICA_BYTES) if dp * shard > 1 else 0.0
+
+
 __all__ = ["Candidate", "DeviceMemory", "Plan", "SearchStats", "StagePlan", "TracedGraph"]
 
 _UNITS = {

@@ -24,7 +24,7 @@ from torch import nn
 from partitioner import plan_for, profile
 from partitioner.figures import Profile
 from partitioner.lengths import share
-from pipeline.plan import DeviceMemory
+from pipeline.plan import REPLICA_BYTES, DeviceMemory, replica_bytes
 from pipeline.reference.models import gpt, gpt_loss, with_documents
 from pipeline.runtime.inputs.varlen import (
     StepCosts,
@@ -272,6 +272,22 @@ def test_the_fastest_order_that_fits_the_memory_limit_is_chosen() -> None:
         order(groups, [512, 32, 64, 64], sched, limited(2500.0), documents=True)
 
 
+def test_each_rank_s_replica_bytes_count_against_the_limit() -> None:
+    # a rank of replicas or shards also holds their scalars (pipeline.plan.replica_bytes), as the
+    # plan's rank_peaks count them: an order whose walk meets the limit exactly no longer fits
+    sched = schedule("gpipe", 1, 1)
+    stages = [StageBytes(saved=1000.0, input=0.0, output=0.0)]
+    beside = replica_bytes(2, 1)
+    assert beside == REPLICA_BYTES and replica_bytes(1, 1) == 0.0 and replica_bytes(1, 2) == beside
+
+    def limited(extra: float) -> StepCosts:
+        return _costs(1, 0.0, StepMemory(stages, ["never"], [1000.0], "a test's limit", extra))
+
+    assert order([(0, 1, 2, 3)], [64], sched, limited(0.0))[2] == [1000.0]
+    with pytest.raises(ValueError, match="no run order of this step's micro-batches fits the memory limit"):
+        order([(0, 1, 2, 3)], [64], sched, limited(beside))
+
+
 def test_memory_grows_with_the_tokens_and_the_length_squared_share() -> None:
     # one micro-batch alone: its rank holds its graph's saved bytes, 1000 at 4 x 64, half of them
     # growing as rows x length² (scores a kernel materialises), half as the tokens
@@ -370,6 +386,10 @@ def test_a_plan_bounds_each_step_by_its_memory(toy: tuple[nn.Sequential, Profile
         costs.memory is not None and costs.memory.limits == plan.rank_peaks
     )  # no memory_limit: its own peak
     assert order(*_groups([(2, 32), (2, 32)]), sched, costs)[2] == plan.rank_peaks  # the partitioner's walk
+    replicated = plan_for(prof, [2], n_microbatches=2, dp=2)  # its ranks hold the replicas' scalars too
+    assert replicated.rank_peaks == [peak + REPLICA_BYTES for peak in plan.rank_peaks]
+    walked = order(*_groups([(2, 32), (2, 32)]), sched, step_costs(replicated, sched))[2]
+    assert walked == replicated.rank_peaks
     pipe = Pipeline(model, plan, loss_fn=_token_loss, varlen=VarLen(token_budget=64))
 
     def step(lengths: list[int]) -> None:

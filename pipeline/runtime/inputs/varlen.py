@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.plan import replica_bytes
 from pipeline.schedules.actions import Kind
 from pipeline.schedules.peaks import PARTS, StageBytes, rank_peaks
 from pipeline.schedules.program import play
@@ -427,7 +428,8 @@ def order(
     for name in fastest:
         perm = orders[name]
         own = [{f: [row[g] for g in perm] for f, row in figures.items()} for figures in held]
-        tried[name] = rank_peaks(sched, memory.stages, memory.recompute, own)
+        walked = rank_peaks(sched, memory.stages, memory.recompute, own)
+        tried[name] = [peak + memory.beside for peak in walked]  # as the plan's rank_peaks
         if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(tried[name], memory.limits, strict=True)):
             return perm, results, tried[name]
     raise ValueError(_too_big(groups, shapes, tried, memory, documents))
@@ -534,6 +536,7 @@ class StepMemory:
     recompute: list[str]
     limits: list[float]
     bound: str
+    beside: float = 0.0  # what each rank holds beside its stages (pipeline.plan.replica_bytes)
 
 
 @dataclass(frozen=True)
@@ -595,7 +598,8 @@ def step_costs(plan: Plan | None, sched: Schedule) -> StepCosts:
     memory = None
     if limits and all(h is not None for h in held):
         modes = [plan.recompute_of(s) for s in range(k)]
-        memory = StepMemory([h for h in held if h is not None], modes, list(limits), bound)
+        beside = replica_bytes(plan.dp, plan.shard)  # as the plan's rank_peaks count them
+        memory = StepMemory([h for h in held if h is not None], modes, list(limits), bound, beside)
     return StepCosts(seconds, squared, (rows, length), memory)
 
 
