@@ -41,8 +41,9 @@ it): a launch then starts its ranks in milliseconds, for programs (a test
 suite, a notebook) that launch many times. Modules appended to
 ``FORKSERVER_PRELOAD`` before that first launch are imported by the server too:
 a rank whose ``fn`` or arguments live in them then does not import them again.
-Each rank still gets the caller's environment as it is at the launch, and
-SIGINT ignored, as under spawn, and ends with the caller (it watches the
+Each rank still gets the caller's environment and standard output and error
+as they are at the launch (not the server's, which are the caller's when the
+server started), and SIGINT ignored, as under spawn, and ends with the caller (it watches the
 caller's pid itself: its parent is the server). Under both, each rank imports
 the caller's main module again before running ``fn``. A script whose
 ``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
@@ -57,6 +58,7 @@ import contextlib
 import ctypes
 import datetime
 import multiprocessing
+import multiprocessing.reduction
 import os
 import pickle
 import queue
@@ -268,6 +270,7 @@ def _run_rank(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     caller_env: dict[str, str] | None = None,
+    caller_streams: tuple[int | None, int | None] = (None, None),
 ) -> None:
     global _rank_started
     _rank_started = True
@@ -275,6 +278,10 @@ def _run_rank(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.environ.clear()
         os.environ.update(caller_env)
+    for fd, own in zip(caller_streams, (1, 2), strict=True):  # nor its stdout and stderr (_CallerStream)
+        if fd is not None:
+            os.dup2(fd, own)
+            os.close(fd)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # spawned: blocked as the parent was
     _die_with_parent(parent, forked=caller_env is not None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -304,6 +311,30 @@ def _run_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _CallerStream:
+    """One of the caller's standard streams, for a rank forked from the server: pickled (as the rank
+    starts) into a duplicate of its descriptor that the rank receives, so that what the rank prints
+    goes where the caller's prints go now, as a spawned rank's do, not to the server's streams."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_received_fd, (multiprocessing.reduction.DupFd(self.fd),))
+
+
+def _received_fd(duplicate: Any) -> int:
+    return int(duplicate.detach())
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # closed (a daemon's): the rank keeps the server's
+        return False
+    return True
 
 
 def _reimported_by_a_rank() -> bool:
@@ -379,7 +410,8 @@ def launch(
     folder = tempfile.mkdtemp(prefix="stagewise-store-") if store_dir is None else os.fspath(store_dir)
     os.makedirs(folder, exist_ok=True)  # a FileStore in a missing folder would retry until its timeout
     store_path = tempfile.mktemp(prefix="store-", dir=folder)
-    shared = (world_size, backend, store_path, timeout, threads, results, fn, args, caller_env)
+    streams = tuple(_CallerStream(fd) if caller_env is not None and _open(fd) else None for fd in (1, 2))
+    shared = (world_size, backend, store_path, timeout, threads, results, fn, args, caller_env, streams)
     processes = [
         ctx.Process(
             target=_run_rank,

@@ -69,13 +69,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
 
 
 @pytest.fixture
-def forked_ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def forked_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """scripts/train.py's launches fork their ranks from the server that imported torch once, as the
     launches of tests/dist.py do (1.5 s less per run): what these tests prove is the script's logic;
-    its spawned start is run end to end by test_train's subprocess runs. Not for a test marked
-    ``spawned``: it reads its ranks' prints, which forked ranks write where the server's stdout is."""
-    if request.node.get_closest_marker("spawned") is not None:
-        return
+    its spawned start is run end to end by test_train's subprocess runs. Forked ranks print where the
+    test's stdout and stderr are at the launch (``capfd`` reads them), as spawned ones do."""
     import functools
 
     import train  # the modules that use this put scripts/ on sys.path

@@ -103,20 +103,38 @@ def _last_linear_colwise(stage: nn.Module, tp_mesh: Any) -> None:
         parallelize_module(stage, tp_mesh, {linears[-1]: ColwiseParallel(use_local_output=False)})
 
 
-def _traced_plan(net: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int) -> Plan:
+def _traced_plan(p: int) -> str:
+    """The traced Llama's plan on p ranks, made once in the parent (as a user plans once and hands every
+    rank the JSON): tracing and profiling it on each of 4 ranks took ~7 s of CPU apiece."""
     from partitioner import partition
 
-    return partition(net, p, x[:2], n_microbatches=M, loss_fn=_lm_loss, target=y[:2], cost="flops")
+    net, _, _, x, y, _ = _build("llama-traced")
+    plan = partition(net, p, x[:2], n_microbatches=M, loss_fn=_lm_loss, target=y[:2], cost="flops")
+    return plan.to_json()
 
 
-def _case(model: str, schedule: str, shard: int, tp: int, zero: int, recompute: str, dp: int = 1) -> float:
-    """The largest relative error of a composed run against one process (see the module docstring)."""
+def _case(
+    model: str,
+    schedule: str,
+    shard: int,
+    tp: int,
+    zero: int,
+    recompute: str,
+    dp: int = 1,
+    *,
+    traced: str = "",
+) -> float:
+    """The largest relative error of a composed run against one process (see the module docstring);
+    ``traced``: the traced Llama's plan (``_traced_plan``), for its cases."""
     net, ref, names, x, y, loss_fn = _build(model)
     world = dist.get_world_size()
     p = world // (dp * shard * tp)
     v = REGISTRY[schedule].default_virtual
     if model == "llama-traced":
-        plan = _traced_plan(net, x, y, p).replace(schedule=schedule, n_virtual=v)
+        plan = Plan.from_json(traced)
+        if plan.n_stages != p:
+            raise ValueError(f"the traced plan has {plan.n_stages} stages, this case {p} pipeline ranks")
+        plan = plan.replace(schedule=schedule, n_virtual=v)
     else:
         plan = Plan(balance=_even(len(net), p * v), schedule=schedule, n_virtual=v)  # type: ignore[arg-type]
     plan = plan.replace(n_microbatches=M, dp=dp, shard=shard, tp=tp, zero=zero, recompute=recompute)
@@ -156,8 +174,8 @@ def _case(model: str, schedule: str, shard: int, tp: int, zero: int, recompute: 
     return max(errors)
 
 
-def _cases(cases: list[tuple[Any, ...]]) -> dict[str, float]:
-    return {"/".join(map(str, c)): _case(*c) for c in cases}
+def _cases(cases: list[tuple[Any, ...]], traced: str = "") -> dict[str, float]:
+    return {"/".join(map(str, c)): _case(*c, traced=traced) for c in cases}
 
 
 # (pp=2, shard=2) on 4 ranks: every schedule under ZeRO-2; ZeRO-3 and recomputation on a spread
@@ -174,7 +192,7 @@ _TP += [("mlp", "zb-h1", 1, 2, 2, "never")]  # a stage's output left a DTensor b
 _EIGHT = [("llama", "1f1b", 2, 2, 2, "never"), ("llama", "zb-v", 2, 2, 3, "always")]
 _EIGHT_HSDP = [("mlp", "1f1b", 2, 1, 2, "never", 2), ("llama", "zb-h1", 1, 2, 2, "never", 2)]
 
-_SHARD_JOB = job(4, _cases, _SHARD, timeout=240.0, batch="composition")
+_SHARD_JOB = job(4, _cases, timeout=240.0, batch="composition", make_args=lambda _: (_SHARD, _traced_plan(2)))
 _TP_JOB = job(4, _cases, _TP, timeout=240.0, batch="composition")
 _EIGHT_JOB = job(8, _cases, _EIGHT + _EIGHT_HSDP, timeout=240.0, batch="composition")
 # under the NCCL emulation: the runtime's own messages and collectives keep NCCL's rules (FSDP's and

@@ -46,6 +46,32 @@ def test_one_intra_op_thread_per_rank(tmp_path: Path) -> None:
     assert run_ranks(tmp_path, _one_thread, 2) == [1, 1]
 
 
+def _say(tag: str) -> None:
+    print(f"{tag}: rank {dist.get_rank()} out")
+    print(f"{tag}: rank {dist.get_rank()} err", file=sys.stderr)
+
+
+def test_forked_ranks_print_to_the_callers_streams_as_they_are_at_the_launch(tmp_path: Path) -> None:
+    """Spawned ranks inherit the caller's stdout and stderr; forked ones must too, not the server's
+    (the caller's when the server started: here, or an earlier test's capture)."""
+    run_ranks(tmp_path / "a", _say, 2, "before")  # the server is started by now
+    files = [open(tmp_path / name, "w+") for name in ("out", "err")]  # noqa: SIM115
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for f, fd in zip(files, (1, 2), strict=True):
+            os.dup2(f.fileno(), fd)
+        run_ranks(tmp_path / "b", _say, 2, "redirected")
+    finally:
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
+    out, err = ((tmp_path / name).read_text() for name in ("out", "err"))
+    for f in files:
+        f.close()
+    assert sorted(out.splitlines()) == ["redirected: rank 0 out", "redirected: rank 1 out"], out
+    assert sorted(err.splitlines()) == ["redirected: rank 0 err", "redirected: rank 1 err"], err
+
+
 def _tensor_result() -> torch.Tensor:
     return torch.arange(4) * dist.get_rank()
 

@@ -239,7 +239,6 @@ def test_without_tqdm_the_script_still_runs(tmp_path: Path) -> None:
     assert "2/2 steps | loss " in proc.stderr, proc.stderr
 
 
-@pytest.mark.spawned  # reads what rank 0 prints
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, capfd: Any) -> None:
     ckpt = ["--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "3"]
     straight = _run(tmp_path, "--steps", "6", *ckpt)
@@ -278,7 +277,6 @@ def test_four_stage_checkpoint_resumes_on_two_stages(tmp_path: Path, capfd: Any)
     assert two[0]["losses"] == pytest.approx(four[0]["losses"][2:], rel=1e-6)
 
 
-@pytest.mark.spawned  # reads what the ranks print
 def test_non_finite_updates_are_skipped_on_every_rank_and_a_streak_stops_the_run(
     tmp_path: Path, capfd: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

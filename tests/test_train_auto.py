@@ -186,7 +186,6 @@ def _printed_choice(out: str) -> tuple[str, int, int]:
     return name, int(rest.split(",")[0]), int(rest.split(", v=")[1].split(",")[0])
 
 
-@pytest.mark.spawned  # reads what the ranks print
 def test_auto_run_prints_its_choice_and_trains_it_on_every_rank(capfd: Any) -> None:
     results = _main()
     ran = _printed_choice(capfd.readouterr().out)
@@ -196,7 +195,6 @@ def test_auto_run_prints_its_choice_and_trains_it_on_every_rank(capfd: Any) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.spawned  # reads what rank 0 prints
 def test_auto_run_resumes_on_its_recorded_plan_exactly(tmp_path: Path, capfd: Any) -> None:
     straight = _main("--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
     ran = _printed_choice(capfd.readouterr().out)
