@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.modes import check_mode, recomputes
-from pipeline.schedules.program import Free, Post, Wait
+from pipeline.schedules.program import Free, Post, Wait, gc_paused
 from pipeline.schedules.schedule import Schedule
 
 __all__ = ["PARTS", "StageBytes", "coefficients", "rank_peaks", "walk"]
@@ -175,10 +175,11 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
         return (s // p) * width + column[kind], 1.0
 
     out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
-    for r in range(p):
-        peak = walk(sched, r, weigh, width * (sched.n_stages // p), modes)
-        for s in sched.stages_of(r):
-            out[s] = {f: peak[(s // p) * width + j] for j, f in enumerate(PARTS)}
+    with gc_paused():  # each walk makes thousands of small lists and tuples, none in a cycle
+        for r in range(p):
+            peak = walk(sched, r, weigh, width * (sched.n_stages // p), modes)
+            for s in sched.stages_of(r):
+                out[s] = {f: peak[(s // p) * width + j] for j, f in enumerate(PARTS)}
     return out
 
 

@@ -86,6 +86,7 @@ __all__ = [
     "Wait",
     "derive",
     "drain_hazards",
+    "gc_paused",
     "options",
     "play",
     "sender",
@@ -226,7 +227,7 @@ def derive(sched: Lowered, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -
     parameter, in the order every rank finds them)."""
     replicated, stage_sets = options(sched, dp, ties)
     groups = tie_groups(sched.rank_of, stage_sets)
-    with _gc_paused():
+    with gc_paused():
         lowered = sched.lowered()
         frees = _frees(sched, lowered)
         late = _late_receives(sched, lowered)
@@ -237,8 +238,9 @@ def derive(sched: Lowered, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cycle collector off while a schedule's lists and programs are built.
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector off while a schedule's lists and programs are built (and walked:
+    ``peaks.coefficients``).
 
     They are tens of thousands of small objects that form no cycle, and each burst of allocations
     sets off a collection that walks every object the caller holds (a 1000-layer model and its
@@ -297,27 +299,29 @@ def _rank_program(
     replicated: bool,
     ties: Sequence[tuple[int, ...]],
 ) -> Program:
-    items = _items(mine)
-    recvs = [item[1] for item in items if not isinstance(item, Action)]  # each block's receives
+    # each block's receives; each receive by (stage, kind, micro-batch): a compute finds its own
+    # with no Action built
+    items, recvs, received = _items(mine)
     final = _final_gradients(sched, mine) if replicated else {}
-    # each receive by (stage, kind, micro-batch): a compute finds its own with no Action built
-    received = {(a.stage, a.kind, a.microbatch): a for block in recvs for a in block}
     out: list[Instruction] = []
+    append = out.append  # one lookup: tens of thousands of instructions per schedule
     first = tuple(a for a in recvs[0] if a not in late) if recvs else ()
     if first:
-        out.append(Post((), first))  # the first block's receives, at the step's start
+        append(Post((), first))  # the first block's receives, at the step's start
     # the sends posted and not yet freed, in posting order (the lowered order), by identity: a
     # proof lists the very actions of ``mine`` (``_frees``), and ints hash without a Python call
     posted: dict[int, Action] = {}
     k, n_blocks = 0, len(recvs)
     for item in items:
-        if not isinstance(item, Action):
+        if type(item) is tuple:
             sends = item[0]
-            now = tuple(a for a in recvs[k] if a in late) if late else ()  # not posted ahead: posted now
-            ahead = () if k + 1 >= n_blocks else (
-                tuple(a for a in recvs[k + 1] if a not in late) if late else recvs[k + 1])  # fmt: skip
+            # a block with no late receive (a disjoint set: one C call) is taken whole
+            now = () if not late or late.isdisjoint(recvs[k]) else tuple(a for a in recvs[k] if a in late)
+            ahead = () if k + 1 >= n_blocks else recvs[k + 1]
+            if late and ahead and not late.isdisjoint(ahead):  # not posted ahead: posted with its own
+                ahead = tuple(a for a in ahead if a not in late)
             if sends or now or ahead:
-                out.append(Post(sends, now + ahead))  # in posting order: each channel's is the lowered one
+                append(Post(sends, now + ahead))  # in posting order: each channel's is the lowered one
             for x in sends:
                 posted[id(x)] = x
             k += 1
@@ -326,54 +330,67 @@ def _rank_program(
         key = (a.stage, _RECEIVED_BY[a.kind], a.microbatch)
         got = received.get(key)
         if got is not None:
-            out.append(Wait(got))
+            append(Wait(got))
             proven = frees.get(key)
-            done = tuple(x for x in proven if id(x) in posted) if proven else ()
-            if done:
-                out.append(Free(done))
-                for x in done:
-                    del posted[id(x)]
-        out.append(a)
+            if proven:
+                done = tuple([x for x in proven if id(x) in posted])
+                if done:
+                    append(Free(done))
+                    for x in done:
+                        del posted[id(x)]
+        append(a)
         if replicated and final.get(a.stage) == a:
-            out.append(Reduce(a.stage))
+            append(Reduce(a.stage))
     left = tuple(posted.values())
     if left:
-        out.append(Free(left))  # no receive proves them delivered: the step's end does
+        append(Free(left))  # no receive proves them delivered: the step's end does
     if replicated:  # in the order the reductions started
         out += [ReduceWait(x.stage) for x in out if isinstance(x, Reduce)]
     out += [Collective("all_reduce", "ties", ranks) for ranks in ties if r in ranks]
     if sched.n_ranks > 1:
         last = sched.rank_of(sched.n_stages - 1)
-        out.append(Collective("broadcast", "loss", tuple(range(sched.n_ranks)), root=last))
+        append(Collective("broadcast", "loss", tuple(range(sched.n_ranks)), root=last))
     if replicated:
-        out.append(Collective("all_reduce", "loss", ()))
+        append(Collective("all_reduce", "loss", ()))
     return Program(r, tuple(out))
 
 
 # the receive a compute's input comes by (a W's: itself, no receive's kind, so none is found)
 _RECEIVED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.W: Kind.W}
 
+_Block = tuple[tuple[Action, ...], tuple[Action, ...]]
 
-def _items(mine: Sequence[Action]) -> list[Action | tuple[tuple[Action, ...], tuple[Action, ...]]]:
+
+def _items(
+    mine: Sequence[Action],
+) -> tuple[list[Action | _Block], list[tuple[Action, ...]], dict[tuple[int, Kind, int], Action]]:
     """A lowered list as computes and comm blocks (a block: one compute's sends and the next's
-    receives, each as a tuple in the lowered order)."""
-    items: list[Action | tuple[tuple[Action, ...], tuple[Action, ...]]] = []
+    receives, each as a tuple in the lowered order); each block's receives; each receive by its
+    (stage, kind, micro-batch). One pass: planning splits tens of thousands of actions."""
+    items: list[Action | _Block] = []
+    blocks: list[tuple[Action, ...]] = []
+    received: dict[tuple[int, Kind, int], Action] = {}
     sends: list[Action] = []
     recvs: list[Action] = []
     for a in mine:
         kind = a.kind
         if kind.is_compute:
             if sends or recvs:
-                items.append((tuple(sends), tuple(recvs)))
+                got = tuple(recvs)
+                items.append((tuple(sends), got))
+                blocks.append(got)
                 sends, recvs = [], []
             items.append(a)
         elif kind.is_send:
             sends.append(a)
         else:
             recvs.append(a)
+            received[(a.stage, kind, a.microbatch)] = a
     if sends or recvs:
-        items.append((tuple(sends), tuple(recvs)))
-    return items
+        got = tuple(recvs)
+        items.append((tuple(sends), got))
+        blocks.append(got)
+    return items, blocks, received
 
 
 def _late_receives(
@@ -555,20 +572,26 @@ def _frees(
     p = sched.n_ranks
     rank_of = [sched.rank_of(s) for s in range(sched.n_stages)]
     # computes and receives keyed by plain tuples (what is looked up): tens of thousands of lookups,
-    # and a tuple is cheaper to build; per rank its sends with their destination ranks
+    # and a tuple is cheaper to build; per rank its sends with their destination ranks and the
+    # computes that consume them there, and per destination its sends' positions and the receives
+    # that match them (each asked once per send)
     position: list[dict[tuple[int, Kind, int], int]] = []
-    sends_to: list[dict[int, list[int]]] = []
-    sends: list[list[tuple[Action, int]]] = []
+    sends_to: list[dict[int, tuple[list[int], list[tuple[int, Kind, int]]]]] = []
+    sends: list[list[tuple[Action, int, tuple[int, Kind, int]]]] = []
     for acts in lowered:
         where: dict[tuple[int, Kind, int], int] = {}
-        table: dict[int, list[int]] = {}
-        mine: list[tuple[Action, int]] = []
+        table: dict[int, tuple[list[int], list[tuple[int, Kind, int]]]] = {}
+        mine: list[tuple[Action, int, tuple[int, Kind, int]]] = []
         for k, a in enumerate(acts):
             kind = a.kind
             if kind.is_send:
                 q = rank_of[a.stage + 1 if kind is Kind.SEND_F else a.stage - 1]
-                table.setdefault(q, []).append(k)
-                mine.append((a, q))
+                row = table.get(q)
+                if row is None:
+                    row = table[q] = ([], [])
+                row[0].append(k)
+                row[1].append(_receiver(a))
+                mine.append((a, q, _consumer(a)))
             else:
                 where[(a.stage, kind, a.microbatch)] = k
         position.append(where)
@@ -577,18 +600,22 @@ def _frees(
     out: list[dict[tuple[int, Kind, int], list[Action]]] = [{} for _ in range(p)]
     for r in range(p):
         here, proofs = position[r], out[r]
-        for a, q in sends[r]:
-            at = position[q].get(_consumer(a))
+        for a, q, consumer in sends[r]:
+            at = position[q].get(consumer)
             back_to = sends_to[q].get(r)
             if at is None or back_to is None:
                 continue
-            j = bisect.bisect_right(back_to, at)
-            if j == len(back_to):
+            j = bisect.bisect_right(back_to[0], at)
+            if j == len(back_to[0]):
                 continue
             # q's next send to r: its receive on r proves ``a`` delivered
-            proof = _receiver(lowered[q][back_to[j]])
+            proof = back_to[1][j]
             if proof in here:
-                proofs.setdefault(proof, []).append(a)
+                got = proofs.get(proof)
+                if got is None:
+                    proofs[proof] = [a]
+                else:
+                    got.append(a)
     return out
 
 
