@@ -94,35 +94,56 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+# Post, Wait and Free write their slots through the slots' own setters, not the frozen class's
+# setattr as a dataclass's __init__ does: 0.27 against 0.44 us each, and planning makes tens of
+# thousands (20,000 at p = 64, m = 64)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Post:
     """Post one comm block: ``sends`` and ``recvs`` (the receives one block ahead)."""
 
     sends: tuple[Action, ...]
     recvs: tuple[Action, ...]
 
+    def __init__(self, sends: tuple[Action, ...], recvs: tuple[Action, ...]) -> None:
+        _POST_SENDS(self, sends)
+        _POST_RECVS(self, recvs)
+
     def __str__(self) -> str:
         return "post " + " ".join(str(a) for a in (*self.sends, *self.recvs))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Wait:
     """The next compute's input: order it after receive ``recv``."""
 
     recv: Action
 
+    def __init__(self, recv: Action) -> None:
+        _WAIT_RECV(self, recv)
+
     def __str__(self) -> str:
         return f"wait {self.recv}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Free:
     """``sends`` are delivered: what they hold is released."""
 
     sends: tuple[Action, ...]
 
+    def __init__(self, sends: tuple[Action, ...]) -> None:
+        _FREE_SENDS(self, sends)
+
     def __str__(self) -> str:
         return "free " + " ".join(str(a) for a in self.sends)
+
+
+_POST_SENDS: Callable[[Post, tuple[Action, ...]], None] = Post.__dict__["sends"].__set__
+_POST_RECVS: Callable[[Post, tuple[Action, ...]], None] = Post.__dict__["recvs"].__set__
+_WAIT_RECV: Callable[[Wait, Action], None] = Wait.__dict__["recv"].__set__
+_FREE_SENDS: Callable[[Free, tuple[Action, ...]], None] = Free.__dict__["sends"].__set__
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +334,7 @@ def _rank_program(
     posted: dict[int, Action] = {}
     k, n_blocks = 0, len(recvs)
     for item in items:
-        if type(item) is tuple:
+        if isinstance(item, tuple):
             sends = item[0]
             # a block with no late receive (a disjoint set: one C call) is taken whole
             now = () if not late or late.isdisjoint(recvs[k]) else tuple(a for a in recvs[k] if a in late)
