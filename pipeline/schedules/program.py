@@ -447,6 +447,7 @@ def _late_receives(
     # per rank, per compute: itself; per ask: (Z's rank, Z, R), Z the compute whose send R follows
     computes: list[list[Key]] = []
     pending: list[tuple[int, Key, Action]] = []
+    where: dict[Key, tuple[int, int]] = {}  # direct: each compute's (rank, place in its order)
     for r, acts in enumerate(lowered):
         mine: list[Key] = []
         z: Key | None = None  # the last compute, once a send follows it
@@ -458,13 +459,15 @@ def _late_receives(
                 if z is not None:  # posted ahead from Z's block: asked at its producer
                     pending.append((r, z, a))
             else:
-                mine.append((a.stage, kind, a.microbatch))
+                c = (a.stage, kind, a.microbatch)
+                if direct:
+                    where[c] = (r, len(mine))
+                mine.append(c)
                 z = None
         computes.append(mine)
     late: set[Action] = set()
     asks: dict[Key, list[tuple[Key, Action]]] = {}  # X -> (Z, R) to answer at X
     questions: dict[Key, int] = {}  # Z -> how many receives ask about it
-    where = {c: (r, t) for r, mine in enumerate(computes) for t, c in enumerate(mine)} if direct else {}
     near: list[set[int]] = [set() for _ in range(p)]  # the rank graph: neighbouring stages' ranks
     for s in range(k - 1):
         if rank_of[s] != rank_of[s + 1]:
@@ -472,11 +475,13 @@ def _late_receives(
             near[rank_of[s + 1]].add(rank_of[s])
     apart: dict[int, list[int]] = {}  # Z's rank -> each rank's part of the rank graph less Z's rank
     confirm: list[tuple[tuple[int, int], Action]] = []  # late if the pass reaches X (at (rank, t))
+    source, forward = _SOURCE, Kind.F
     for r, z, recv in pending:
-        x = _producer(recv)
+        step, made_by = source[recv.kind]  # ``_producer``, read off its table: no call per receive
+        x = (recv.stage + step, made_by, recv.microbatch)
         if direct:
             s, kind, i = z
-            wy, wx = where.get((s + 1, kind, i) if kind is Kind.F else (s - 1, kind, i)), where.get(x)
+            wy, wx = where.get((s + 1, kind, i) if kind is forward else (s - 1, kind, i)), where.get(x)
             if wy is not None and wx is not None:
                 if wy[0] == wx[0]:  # on one rank: Y is X's ancestor (or X) when it comes first
                     if wy[1] <= wx[1]:
@@ -563,11 +568,14 @@ def _parts(near: Sequence[set[int]], gone: int) -> list[int]:
     return label
 
 
+# a receive's source: (its stage's offset to the peer's, the compute there whose output it takes)
+_SOURCE = {Kind.RECV_F: (-1, Kind.F), Kind.RECV_B: (1, Kind.B)}
+
+
 def _producer(recv: Action) -> tuple[int, Kind, int]:
     """The compute on the peer whose output ``recv`` takes, as (stage, kind, micro-batch)."""
-    if recv.kind is Kind.RECV_F:
-        return (recv.stage - 1, Kind.F, recv.microbatch)
-    return (recv.stage + 1, Kind.B, recv.microbatch)
+    step, kind = _SOURCE[recv.kind]
+    return (recv.stage + step, kind, recv.microbatch)
 
 
 def _final_gradients(sched: Lowered, mine: Sequence[Action]) -> dict[int, Action]:
@@ -595,7 +603,7 @@ def _frees(
     # computes and receives keyed by plain tuples (what is looked up): tens of thousands of lookups,
     # and a tuple is cheaper to build; per rank its sends with their destination ranks and the
     # computes that consume them there, and per destination its sends' positions and the receives
-    # that match them (each asked once per send)
+    # that match them (``_consumer`` and ``_receiver``, read off their table: no call per send)
     position: list[dict[tuple[int, Kind, int], int]] = []
     sends_to: list[dict[int, tuple[list[int], list[tuple[int, Kind, int]]]]] = []
     sends: list[list[tuple[Action, int, tuple[int, Kind, int]]]] = []
@@ -606,13 +614,15 @@ def _frees(
         for k, a in enumerate(acts):
             kind = a.kind
             if kind.is_send:
-                q = rank_of[a.stage + 1 if kind is Kind.SEND_F else a.stage - 1]
+                step, consumes, matches = _PEER[kind]
+                t, i = a.stage + step, a.microbatch
+                q = rank_of[t]
                 row = table.get(q)
                 if row is None:
                     row = table[q] = ([], [])
                 row[0].append(k)
-                row[1].append(_receiver(a))
-                mine.append((a, q, _consumer(a)))
+                row[1].append((t, matches, i))
+                mine.append((a, q, (t, consumes, i)))
             else:
                 where[(a.stage, kind, a.microbatch)] = k
         position.append(where)
@@ -640,11 +650,15 @@ def _frees(
     return out
 
 
+# a send's peer: (its stage's offset to the peer's, the compute there that takes what it carries,
+# the receive there that matches it)
+_PEER = {Kind.SEND_F: (1, Kind.F, Kind.RECV_F), Kind.SEND_B: (-1, Kind.B, Kind.RECV_B)}
+
+
 def _consumer(send: Action) -> tuple[int, Kind, int]:
     """The compute action on the peer that takes what ``send`` carries, as (stage, kind, micro-batch)."""
-    if send.kind is Kind.SEND_F:
-        return (send.stage + 1, Kind.F, send.microbatch)
-    return (send.stage - 1, Kind.B, send.microbatch)
+    step, kind, _ = _PEER[send.kind]
+    return (send.stage + step, kind, send.microbatch)
 
 
 def sender(recv: Action) -> Action:
@@ -656,9 +670,8 @@ def sender(recv: Action) -> Action:
 
 def _receiver(send: Action) -> tuple[int, Kind, int]:
     """The receive on the peer that matches ``send``, as (stage, kind, micro-batch)."""
-    if send.kind is Kind.SEND_F:
-        return (send.stage + 1, Kind.RECV_F, send.microbatch)
-    return (send.stage - 1, Kind.RECV_B, send.microbatch)
+    step, _, kind = _PEER[send.kind]
+    return (send.stage + step, kind, send.microbatch)
 
 
 @dataclass
