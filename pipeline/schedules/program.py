@@ -477,7 +477,7 @@ def _late_receives(
     confirm: list[tuple[tuple[int, int], Action]] = []  # late if the pass reaches X (at (rank, t))
     source, forward = _SOURCE, Kind.F
     for r, z, recv in pending:
-        step, made_by = source[recv.kind]  # ``_producer``, read off its table: no call per receive
+        step, made_by = source[recv.kind]  # X, R's producer (no call per receive)
         x = (recv.stage + step, made_by, recv.microbatch)
         if direct:
             s, kind, i = z
@@ -568,14 +568,9 @@ def _parts(near: Sequence[set[int]], gone: int) -> list[int]:
     return label
 
 
-# a receive's source: (its stage's offset to the peer's, the compute there whose output it takes)
+# a receive's producer, the compute on the peer whose output it takes: (its stage's offset to the
+# peer's, that compute's kind)
 _SOURCE = {Kind.RECV_F: (-1, Kind.F), Kind.RECV_B: (1, Kind.B)}
-
-
-def _producer(recv: Action) -> tuple[int, Kind, int]:
-    """The compute on the peer whose output ``recv`` takes, as (stage, kind, micro-batch)."""
-    step, kind = _SOURCE[recv.kind]
-    return (recv.stage + step, kind, recv.microbatch)
 
 
 def _final_gradients(sched: Lowered, mine: Sequence[Action]) -> dict[int, Action]:
@@ -603,7 +598,7 @@ def _frees(
     # computes and receives keyed by plain tuples (what is looked up): tens of thousands of lookups,
     # and a tuple is cheaper to build; per rank its sends with their destination ranks and the
     # computes that consume them there, and per destination its sends' positions and the receives
-    # that match them (``_consumer`` and ``_receiver``, read off their table: no call per send)
+    # that match them (read off ``_PEER``: no call per send)
     position: list[dict[tuple[int, Kind, int], int]] = []
     sends_to: list[dict[int, tuple[list[int], list[tuple[int, Kind, int]]]]] = []
     sends: list[list[tuple[Action, int, tuple[int, Kind, int]]]] = []
@@ -650,15 +645,9 @@ def _frees(
     return out
 
 
-# a send's peer: (its stage's offset to the peer's, the compute there that takes what it carries,
-# the receive there that matches it)
+# a send's peer: (its stage's offset to the peer's, the compute there that takes what it carries
+# (its consumer), the receive there that matches it)
 _PEER = {Kind.SEND_F: (1, Kind.F, Kind.RECV_F), Kind.SEND_B: (-1, Kind.B, Kind.RECV_B)}
-
-
-def _consumer(send: Action) -> tuple[int, Kind, int]:
-    """The compute action on the peer that takes what ``send`` carries, as (stage, kind, micro-batch)."""
-    step, kind, _ = _PEER[send.kind]
-    return (send.stage + step, kind, send.microbatch)
 
 
 def sender(recv: Action) -> Action:
