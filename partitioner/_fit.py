@@ -47,6 +47,8 @@ def fits(rows: list[list[float]] | list[np.ndarray], limits: list[float], k: int
         starts = at[ends & (reach > at)]  # a stage starting there holds at least one layer
         cover = np.bincount(starts + 1, minlength=n + 2) - np.bincount(reach[starts] + 1, minlength=n + 2)
         ends = np.cumsum(cover)[: n + 1] > 0
+        if not ends.any():  # no stage ends anywhere: nor will any later one (a refusal's limit)
+            return False
     return bool(ends[n])
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import sys
@@ -178,3 +179,125 @@ def test_the_cold_refusals_smallest_limit_is_the_slow_paths_bit_for_bit(
 
     monkeypatch.setattr(options_module, "_prefix_rows", slow_sums)
     assert _smallest_named(prof, model, opts, at_floor) == fast
+
+
+# ---- the cold refusal's derivation and walk, made cheaper (issue 46, evening): outputs unchanged
+
+_MODES = ("never", "except_last", "always")
+
+
+def _outputs_digest() -> tuple[str, int]:
+    """A digest of every registered schedule's programs (dp 1 and 2, with and without ties),
+    coefficients (each mode, and a per-stage mix) and rank peaks (random figures with views and kept
+    input gradients; and per micro-batch figures) at p = 1..6, several v and m: (hex, outputs)."""
+    from pipeline.schedules.peaks import PARTS, StageBytes, coefficients, rank_peaks
+
+    rng = random.Random(46)
+    digest, count = hashlib.sha256(), 0
+
+    def add(value: object) -> None:
+        nonlocal count
+        digest.update(repr(value).encode())
+        count += 1
+
+    for name, e in REGISTRY.items():
+        for p in range(1, 7):
+            for v in [1] if e.max_virtual == 1 else [2, 3] if e.max_virtual is None else [2]:
+                for m in (1, 2, 3, 5, 8):
+                    try:
+                        schedule_options(name, p, m, v)
+                    except ValueError:
+                        continue
+                    sched = unchecked(name, p, m, v)
+                    k = sched.n_stages
+                    add((name, p, v, m))
+                    for dp in (1, 2):
+                        for ties in ((), ((0, k - 1), (1 % k, 0))):
+                            add([prog.instructions for prog in sched.programs(dp=dp, ties=ties)])
+                    mixed = [rng.choice(_MODES) for _ in range(k)]
+                    for modes in (*_MODES, mixed):
+                        add(coefficients(sched, modes))
+                        stages = [
+                            StageBytes(
+                                **{f: float(rng.randint(0, 1000)) for f in PARTS},
+                                static=float(rng.randint(0, 10**6)),
+                                kept=float(rng.randint(0, 100)),
+                                input_grad_kept=rng.random() < 0.4,
+                                output_is_input=rng.random() < 0.3,
+                            )
+                            for _ in range(k)
+                        ]
+                        add(rank_peaks(sched, stages, modes))
+                        own = [
+                            {f: [float(rng.randint(0, 1000)) for _ in range(m)] for f in PARTS}
+                            for _ in range(k)
+                        ]
+                        add(rank_peaks(sched, stages, modes, own))
+    return digest.hexdigest(), count
+
+
+# what the tree before the evening's work (2c5b904) gives: a rule of memory or of the programs that
+# changes on purpose changes this (and the BENCHMARKS figure of the plans it moves), nothing else may
+_BEFORE = ("be604fd4cb894d3efac89f2c5c53a2c09e12c6d91d11032bcdaafd43b62d169c", 4250)
+
+
+def test_programs_coefficients_and_rank_peaks_are_the_ones_before_bit_for_bit() -> None:
+    assert _outputs_digest() == _BEFORE
+
+
+def test_the_walk_asks_weigh_per_stage_what_it_asks_per_tensor() -> None:
+    """``walk(by_stage=True)`` (coefficients', and rank peaks' of one figure per stage) gives what
+    asking ``weigh`` for every tensor gives, and asks it once per (kind, stage)."""
+    from pipeline.schedules.peaks import walk
+
+    rng = random.Random(3)
+    for sched in _cases()[::7]:
+        k, width = sched.n_stages, 4
+        modes = [rng.choice(_MODES) for _ in range(k)]
+        gin_kept = [rng.random() < 0.5 for _ in range(k)]
+        views = [rng.random() < 0.3 for _ in range(k)]
+        figure = {
+            (kind, s): (rng.randrange(width), float(rng.randint(1, 99))) for kind in _KINDS for s in range(k)
+        }
+        for r in range(sched.n_ranks):
+            asked: list[tuple[str, int, int]] = []
+
+            def weigh(
+                key: tuple[str, int, int],
+                asked: list[tuple[str, int, int]] = asked,
+                table: dict[tuple[str, int], tuple[int, float]] = figure,
+            ) -> tuple[int, float]:
+                asked.append(key)
+                return table[key[:2]]
+
+            each = walk(sched, r, weigh, width, modes, gin_kept, views)
+            per_tensor = len(asked)
+            asked.clear()
+            assert walk(sched, r, weigh, width, modes, gin_kept, views, by_stage=True) == each, sched.name
+            assert len({key[:2] for key in asked}) == len(asked) <= per_tensor, sched.name
+
+
+_KINDS = ("in", "gin", "out", "gout", "new", "set", "chain", "grads", "kept", "tf", "tfr", "tb", "tbi", "tw")
+
+
+def test_post_wait_and_free_are_frozen_dataclasses_as_before() -> None:
+    """Their own __init__ (the slots' setters): built by position or keyword, equal and hashed by
+    their fields, frozen, printed, copied and pickled as the generated one made them."""
+    import copy
+    import dataclasses
+    import pickle
+
+    send, recv = Action(0, Kind.SEND_F, 1), Action(0, Kind.RECV_B, 0)
+    post = program.Post((send,), (recv,))
+    assert post == program.Post(sends=(send,), recvs=(recv,)) and hash(post) == hash(
+        program.Post((send,), (recv,))
+    )
+    assert post != program.Post((send,), ()) and program.Wait(recv) == program.Wait(recv=recv)
+    assert program.Free((send,)) == program.Free(sends=(send,)) != program.Post((send,), ())
+    assert repr(post) == "Post(sends=(Action('0SEND_F1'),), recvs=(Action('0RECV_B0'),))"
+    assert str(post) == "post 0SEND_F1 0RECV_B0" and str(program.Wait(recv)) == "wait 0RECV_B0"
+    for x in (post, program.Wait(recv), program.Free((send,))):
+        assert pickle.loads(pickle.dumps(x)) == x == copy.deepcopy(x) == dataclasses.replace(x)
+        assert not hasattr(x, "__dict__")  # slotted
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(x, dataclasses.fields(x)[0].name, ())

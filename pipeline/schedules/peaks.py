@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.schedules.actions import Action, Kind
 from pipeline.schedules.modes import check_mode, recomputes
-from pipeline.schedules.program import Free, Post, Wait
+from pipeline.schedules.program import Free, Post, Wait, gc_paused
 from pipeline.schedules.schedule import Schedule
 
 __all__ = ["PARTS", "StageBytes", "coefficients", "rank_peaks", "walk"]
@@ -131,11 +131,12 @@ def rank_peaks(
             return 0, stages[s].kept
         return 0, microbatches[s][_FIELD[kind]][i]  # type: ignore[index]
 
+    own = microbatches is not None
     gin_kept = [st.input_grad_kept for st in stages]
     views = [st.output_is_input for st in stages]
     return [
         sum(stages[s].static for s in sched.stages_of(r))
-        + walk(sched, r, weigh if microbatches is None else weigh_own, 1, modes, gin_kept, views)[0]
+        + walk(sched, r, weigh_own if own else weigh, 1, modes, gin_kept, views, by_stage=not own)[0]
         for r in range(sched.n_ranks)
     ]
 
@@ -175,10 +176,11 @@ def coefficients(sched: Schedule, recompute: str | Sequence[str]) -> list[dict[s
         return (s // p) * width + column[kind], 1.0
 
     out: list[dict[str, float]] = [{} for _ in range(sched.n_stages)]
-    for r in range(p):
-        peak = walk(sched, r, weigh, width * (sched.n_stages // p), modes)
-        for s in sched.stages_of(r):
-            out[s] = {f: peak[(s // p) * width + j] for j, f in enumerate(PARTS)}
+    with gc_paused():  # each walk makes thousands of small lists and tuples, none in a cycle
+        for r in range(p):
+            peak = walk(sched, r, weigh, width * (sched.n_stages // p), modes, by_stage=True)
+            for s in sched.stages_of(r):
+                out[s] = {f: peak[(s // p) * width + j] for j, f in enumerate(PARTS)}
     return out
 
 
@@ -190,6 +192,8 @@ def walk(
     modes: list[str],
     gin_kept: Sequence[bool] = (),
     views: Sequence[bool] = (),
+    *,
+    by_stage: bool = False,
 ) -> list[float]:
     """Rank r's most bytes held at once (see ``rank_peaks``), per slot: ``weigh(key)`` is a held
     tensor's (slot, bytes), and each of the ``width`` slots gets its own maximum over the step (one
@@ -197,12 +201,14 @@ def walk(
     holds, a free releases, and a receive's buffer goes at the end of the compute that waited for
     it. ``gin_kept[s]``: stage s's sent input gradient is held until its W too
     (``StageBytes.input_grad_kept``); ``views[s]``: its output is its input's storage
-    (``StageBytes.output_is_input``). Slots are plain numbers, not arrays: planning walks thousands
-    of programs of thousands of instructions."""
+    (``StageBytes.output_is_input``). ``by_stage``: ``weigh``'s answer is the same for every
+    micro-batch, so it is asked once per (kind, stage). Slots are plain numbers, not arrays: planning
+    walks thousands of programs of thousands of instructions."""
     gins = {s for s, kept in enumerate(gin_kept) if kept}
     refs: dict[tuple[str, int, int], list[Any]] = {}
     now, peak = [0.0] * width, [0.0] * width
     m = sched.n_microbatches
+    weights: dict[str, dict[int, tuple[int, float]]] = {name: {} for name in _FIELD}  # by_stage's
 
     # a neighbour stage on this rank (the V's turn) hands its tensor over locally: stage s's input
     # is stage s - 1's output, and stage s's output gradient stage s + 1's input gradient. The
@@ -239,7 +245,14 @@ def walk(
             key = same(key)
         held = refs.get(key)
         if held is None:
-            slot, n = weigh(key)
+            if by_stage:
+                kind, s, _ = key
+                got = weights[kind].get(s)
+                if got is None:
+                    got = weights[kind][s] = weigh(key)
+                slot, n = got
+            else:
+                slot, n = weigh(key)
             refs[key] = [1, slot, n]
             now[slot] += n
             if now[slot] > peak[slot]:
@@ -262,27 +275,41 @@ def walk(
     def momentary(key: tuple[str, int, int]) -> None:
         # a transient, held while one compute runs: only this takes its kinds ("tf", "tfr", "tb",
         # "tbi", "tw"), each dropped at once, so no one else holds it: take and drop with no count
-        slot, n = weigh(key)
+        if by_stage:
+            kind, s, _ = key
+            got = weights[kind].get(s)
+            if got is None:
+                got = weights[kind][s] = weigh(key)
+            slot, n = got
+        else:
+            slot, n = weigh(key)
         now[slot] += n
         if now[slot] > peak[slot]:
             peak[slot] = now[slot]
         now[slot] -= n
 
+    # per stage of this rank and micro-batch: whether its forward is recomputed (asked once each)
+    by_mode = {mode: [recomputes(mode, i, m) for i in range(m)] for mode in {modes[s] for s in mine}}
+    replayed = {s: by_mode[modes[s]] for s in mine}
+    buffer = _BUFFER
     consumed: list[tuple[str, int, int]] = []
     for x in sched.program(r):
         # by exact type, not isinstance: planning walks tens of thousands of instructions
         if type(x) is Post:
-            for a in (*x.sends, *x.recvs):
-                take((_BUFFER[a.kind], a.stage, a.microbatch))
+            for a in x.sends:
+                take((buffer[a.kind], a.stage, a.microbatch))
+            for a in x.recvs:
+                take((buffer[a.kind], a.stage, a.microbatch))
         elif type(x) is Wait:
             a = x.recv
-            consumed.append((_BUFFER[a.kind], a.stage, a.microbatch))
+            consumed.append((buffer[a.kind], a.stage, a.microbatch))
         elif type(x) is Free:
             for a in x.sends:
-                drop((_BUFFER[a.kind], a.stage, a.microbatch))
+                drop((buffer[a.kind], a.stage, a.microbatch))
         elif isinstance(x, Action):
             kind, s, i = x.kind, x.stage, x.microbatch
-            replays = recomputes(modes[s], i, m)
+            row = replayed.get(s)
+            replays = row[i] if row is not None and 0 <= i < m else recomputes(modes[s], i, m)
             if kind is Kind.F:  # a recomputing F keeps its input; its output goes out as a send
                 take(("in", s, i))
                 if not replays:

@@ -102,22 +102,26 @@ class Schedule:
         append = out.append  # one lookup: planning lowers tens of thousands of actions
         # per compute kind: the receive before it, when the stage its input comes from is remote,
         # and the send after it, when the stage its output goes to is (W: none)
-        comm = {
-            Kind.F: (Kind.RECV_F, prev_remotes, Kind.SEND_F, next_remotes),
-            Kind.B: (Kind.RECV_B, next_remotes, Kind.SEND_B, prev_remotes),
-        }
+        F, B = Kind.F, Kind.B
+        recv_f, send_f, recv_b, send_b = Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B
         for a in actions:
-            sides = comm.get(a.kind)
-            if sides is None:
+            kind = a.kind
+            if kind is F:
+                s = a.stage
+                if prev_remotes[s]:
+                    append(Action(s, recv_f, a.microbatch))
                 append(a)
-                continue
-            recv, source_remote, send, sink_remote = sides
-            s = a.stage
-            if source_remote[s]:
-                append(Action(s, recv, a.microbatch))
-            append(a)
-            if sink_remote[s]:
-                append(Action(s, send, a.microbatch))
+                if next_remotes[s]:
+                    append(Action(s, send_f, a.microbatch))
+            elif kind is B:
+                s = a.stage
+                if next_remotes[s]:
+                    append(Action(s, recv_b, a.microbatch))
+                append(a)
+                if prev_remotes[s]:
+                    append(Action(s, send_b, a.microbatch))
+            else:
+                append(a)
         return out
 
     def program(self, rank: int, *, dp: int = 1, ties: Sequence[Sequence[int]] = ()) -> Program:
