@@ -242,7 +242,11 @@ _BEFORE = ("be604fd4cb894d3efac89f2c5c53a2c09e12c6d91d11032bcdaafd43b62d169c", 4
 
 
 def test_programs_coefficients_and_rank_peaks_are_the_ones_before_bit_for_bit() -> None:
-    assert _outputs_digest() == _BEFORE
+    got = _outputs_digest()
+    assert got == _BEFORE, (
+        f"the programs, coefficients or rank peaks changed (digest {got}, was {_BEFORE}): a speed-up must "
+        "change none of them; a rule changed on purpose sets _BEFORE to the new digest"
+    )
 
 
 def test_the_walk_asks_weigh_per_stage_what_it_asks_per_tensor() -> None:
