@@ -238,6 +238,15 @@ def walk(
     last = sched.n_stages - 1
     split = sched.split_backward
 
+    def weighed_by_stage(key: tuple[str, int, int]) -> tuple[int, float]:
+        kind, s, _ = key
+        got = weights[kind].get(s)
+        if got is None:
+            got = weights[kind][s] = weigh(key)
+        return got
+
+    weighed = weighed_by_stage if by_stage else weigh
+
     # refs: a held tensor -> [holders, its slot, its bytes] (weighed once, when first taken)
     def take(key: tuple[str, int, int]) -> None:
         # only increments: each slot's maximum is reached at the end of a take
@@ -245,14 +254,7 @@ def walk(
             key = same(key)
         held = refs.get(key)
         if held is None:
-            if by_stage:
-                kind, s, _ = key
-                got = weights[kind].get(s)
-                if got is None:
-                    got = weights[kind][s] = weigh(key)
-                slot, n = got
-            else:
-                slot, n = weigh(key)
+            slot, n = weighed(key)
             refs[key] = [1, slot, n]
             now[slot] += n
             if now[slot] > peak[slot]:
@@ -275,14 +277,7 @@ def walk(
     def momentary(key: tuple[str, int, int]) -> None:
         # a transient, held while one compute runs: only this takes its kinds ("tf", "tfr", "tb",
         # "tbi", "tw"), each dropped at once, so no one else holds it: take and drop with no count
-        if by_stage:
-            kind, s, _ = key
-            got = weights[kind].get(s)
-            if got is None:
-                got = weights[kind][s] = weigh(key)
-            slot, n = got
-        else:
-            slot, n = weigh(key)
+        slot, n = weighed(key)
         now[slot] += n
         if now[slot] > peak[slot]:
             peak[slot] = now[slot]
