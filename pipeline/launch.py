@@ -43,9 +43,9 @@ suite, a notebook) that launch many times. Modules appended to
 a rank whose ``fn`` or arguments live in them then does not import them again.
 Each rank still gets the caller's environment and standard output and error
 as they are at the launch (not the server's, which are the caller's when the
-server started), and SIGINT ignored, as under spawn, and ends with the caller (it watches the
-caller's pid itself: its parent is the server). Under both, each rank imports
-the caller's main module again before running ``fn``. A script whose
+server started), and SIGINT ignored, as under spawn, and ends with the caller
+(it watches the caller's pid itself: its parent is the server). Under both,
+each rank imports the caller's main module again before running ``fn``. A script whose
 ``launch(...)`` call is not under ``if __name__ == "__main__":`` would launch
 again from every rank; the rank notices (its process is a launched rank that
 has not started ``fn`` yet), exits with a reserved code, and the parent raises
