@@ -47,8 +47,12 @@ def test_one_intra_op_thread_per_rank(tmp_path: Path) -> None:
 
 
 def _say(tag: str) -> None:
-    print(f"{tag}: rank {dist.get_rank()} out")
-    print(f"{tag}: rank {dist.get_rank()} err", file=sys.stderr)
+    # one write per line: print writes the text and its newline apart, and two ranks' writes to one
+    # stream may interleave between them (as two spawned ranks' would)
+    sys.stdout.write(f"{tag}: rank {dist.get_rank()} out\n")
+    sys.stderr.write(f"{tag}: rank {dist.get_rank()} err\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def test_forked_ranks_print_to_the_callers_streams_as_they_are_at_the_launch(tmp_path: Path) -> None:
