@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,15 @@ def _validated(p: int, m: int) -> Schedule:
 def _sim(who: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Timeline:
     """``_order(who, p, m)`` simulated at F, B, W, once for the module."""
     return simulate(_order(who, p, m), f, b, w)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_orders() -> Iterator[None]:
+    """The caches above hold this module's orders and timelines (about 100 MB): freed after it, not
+    kept in the pytest worker for the rest of the run."""
+    yield
+    for cached in (_order, _validated, _sim):
+        cached.cache_clear()
 
 
 # p = 7, 8 check what p <= 6 check, at sizes whose orders take seconds to build and validate: -m slow
