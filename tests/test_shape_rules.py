@@ -8,6 +8,7 @@ a size that depends on the data.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from torch import nn
 from pipeline.reference.models import gpt
 from pipeline.runtime.inputs.microbatch import Signature
 from pipeline.runtime.step.stage import StageRuntime
-from pipeline.runtime.trace.shape_rules import apply_chain, trace_rule
+from pipeline.runtime.trace.shape_rules import ShapeRule, apply_chain, trace_rule
 
 CPU = torch.device("cpu")
 MAX_LEN, WIDTH = 24, 16
@@ -39,10 +40,20 @@ def _sig(rows: int, length: int, *rest: int, dtype: torch.dtype = torch.int64) -
     return (((rows, length, *rest), dtype),)
 
 
+# each stage's trace input: token ids for the embedding, activations after it
+HINTS = [_sig(4, 10), _sig(4, 10, WIDTH, dtype=torch.float32), _sig(4, 10, WIDTH, dtype=torch.float32)]
+
+
+@functools.cache
+def _rules() -> dict[int, ShapeRule | None]:
+    """Each stage's rule traced on its hint, once for the module: a trace is most of a second of
+    CPU, and a rule is plain data that the tests below only apply."""
+    return {s: trace_rule(m, HINTS[s], CPU) for s, m in enumerate(_stages())}
+
+
 def test_a_rule_gives_what_fake_tensors_give_for_every_shape_it_takes() -> None:
     stages = _stages()
-    hints = [_sig(4, 10), _sig(4, 10, WIDTH, dtype=torch.float32), _sig(4, 10, WIDTH, dtype=torch.float32)]
-    rules = {s: trace_rule(m, hints[s], CPU) for s, m in enumerate(stages)}
+    rules = _rules()
     assert all(rule is not None for rule in rules.values())
     rng = random.Random(0)
     for _ in range(12):
@@ -67,13 +78,13 @@ def test_a_rule_gives_what_fake_tensors_give_for_every_shape_it_takes() -> None:
     ],
 )
 def test_a_rule_refuses_what_it_does_not_cover(sig: Signature, why: str) -> None:
-    rule = trace_rule(_stages()[0], _sig(4, 10), CPU)
+    rule = _rules()[0]  # traced on _sig(4, 10)
     assert rule is not None
     assert rule.apply(sig) is None, why
 
 
 def test_a_static_dim_must_match_the_trace() -> None:
-    rule = trace_rule(_stages()[1], _sig(4, 10, WIDTH, dtype=torch.float32), CPU)
+    rule = _rules()[1]  # traced on _sig(4, 10, WIDTH, dtype=torch.float32)
     assert rule is not None
     assert rule.apply(_sig(3, 7, WIDTH, dtype=torch.float32)) == _sig(3, 7, WIDTH, dtype=torch.float32)
     assert rule.apply(_sig(3, 7, WIDTH + 1, dtype=torch.float32)) is None
