@@ -113,6 +113,90 @@ def test_without_the_rule_the_hazards_are_where_the_model_put_them(monkeypatch: 
     ]  # fmt: skip
 
 
+def _held_at_each_compute(programs: Any, rank_of: Any) -> list[Hazard]:
+    """The definition: each rank held at each of its computes in turn, the others played on (one game
+    per rank, resumed from compute to compute), every transfer it posted since its last compute
+    matched or a hazard."""
+    out = []
+    for r, prog in enumerate(programs):
+        game = program.Game(programs)
+        mine: list[Any] = []
+        for t, x in enumerate(prog.instructions):
+            if isinstance(x, program.Post):
+                mine += (*x.sends, *x.recvs)
+                continue
+            if not isinstance(x, program.Action):
+                continue
+            game.run(hold=(r, t + 1))
+            open_ = [
+                a for a in mine
+                if (program.sender(a) not in game.posted if a.kind.is_recv
+                    else program.Action(*program._receiver(a)) not in game.ready)
+            ]  # fmt: skip
+            if open_:
+                q = rank_of(open_[0].peer_stage)
+                out.append(Hazard(r, t, open_[0], q, game.pos[q]))
+                break
+            mine = []
+    return out
+
+
+def test_one_game_with_clocks_finds_what_holding_each_rank_at_each_compute_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # with the rule off, hazards on many ranks (1f1b and zb-h1 hold it even so: their programs
+    # still pass); replicas and tied weights add reductions and collectives to the tail
+    _all_ahead(monkeypatch)
+    compared = hazards = 0
+    for name, e in REGISTRY.items():
+        for p in (2, 3, 4):
+            for m in (p, 2 * p):
+                sched = unchecked(name, p, m, e.min_virtual)
+                for programs in (sched.programs(), sched.programs(dp=2, ties=[(0, sched.n_stages - 1)])):
+                    want = _held_at_each_compute(programs, sched.rank_of)
+                    assert drain_hazards(programs, sched.rank_of) == want, (name, p, m)
+                    compared, hazards = compared + 1, hazards + len(want)
+    assert (compared, hazards) == (108, 110)  # not a vacuous comparison: hazards on many ranks
+
+
+def _with_collective(programs: Any, group: tuple[int, ...], after: int) -> list[Any]:
+    """``programs`` with a collective over ``group`` right after each member's ``after``-th compute
+    (mid-step: derived programs hold theirs in the tail; it may deadlock, which the clocks must see)."""
+    out = list(programs)
+    for r in group:
+        xs = list(out[r].instructions)
+        at = [k for k, x in enumerate(xs) if isinstance(x, program.Action)][after] + 1
+        out[r] = program.Program(r, (*xs[:at], program.Collective("all_reduce", "ties", group), *xs[at:]))
+    return out
+
+
+@pytest.mark.parametrize(("name", "p", "group", "after"), [
+    ("1f1b", 3, (0, 2), 1), ("gpipe", 3, (0, 1, 2), 2), ("1f1b", 4, (1, 3), 0), ("zb-v", 2, (0, 1), 3),
+    ("interleaved-1f1b", 2, (0, 1), 1), ("1f1b", 4, (0, 3), 4),
+])  # fmt: skip
+def test_a_game_with_clocks_knows_what_each_hold_lets_happen(
+    name: str, p: int, group: tuple[int, ...], after: int
+) -> None:
+    # every send and receive posted: under a hold of rank r before its instruction h, posted exactly
+    # when its Mark needs at most h of r's instructions (a collective is reached only below the hold)
+    e = REGISTRY[name]
+    sched = unchecked(name, p, 2 * p, e.min_virtual)
+    programs = _with_collective(sched.programs(), group, after)
+    free = program.Game(programs, clocks=True)
+    free.run()
+    for r, prog in enumerate(programs):
+        for h in range(len(prog) + 1):
+            held = program.Game(programs)
+            held.run(hold=(r, h))
+            for a, mark in free.sent_at.items():
+                assert (a in held.posted) == (mark.on(r) <= h), (r, h, a, mark.on(r))
+            for a, mark in free.ready_at.items():
+                assert (a in held.ready) == (mark.on(r) <= h), (r, h, a, mark.on(r))
+            assert len(held.posted) <= len(free.sent_at) and held.ready <= set(free.ready_at)
+    mark = program.Mark([3, 5, 2], rank=0, count=7)
+    assert (mark.on(0), mark.on(1), mark.joined([9, 1, 1])) == (7, 5, [9, 5, 2])
+
+
 def test_the_validator_names_the_held_compute_the_transfer_and_where_the_peer_stops(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

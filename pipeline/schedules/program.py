@@ -65,6 +65,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ __all__ = [
     "Game",
     "Hazard",
     "Instruction",
+    "Mark",
     "Played",
     "Post",
     "Program",
@@ -709,11 +711,36 @@ def play(
     return game.played
 
 
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """Where something happened in a game with clocks: on ``rank``, once ``count`` of its instructions
+    had run, which needed ``need[q]`` instructions of each rank q (its vector clock then)."""
+
+    need: list[int]
+    rank: int
+    count: int
+
+    def on(self, r: int) -> int:
+        """How many of rank r's instructions must run before it happens."""
+        return self.count if r == self.rank else self.need[r]
+
+    def joined(self, need: list[int]) -> list[int]:
+        """``need`` that must also wait for this: each rank's count the larger of the two (a new list:
+        a Mark keeps the one it holds)."""
+        out = list(map(max, need, self.need))
+        if out[self.rank] < self.count:
+            out[self.rank] = self.count
+        return out
+
+
 class Game:
     """``play``'s state, which can be run in steps: ``run(hold=(r, t))`` runs every rank as far as it
     can go with rank r held before its instruction t; a later ``run`` goes on from there (what a
     held rank has not run has not happened: a frozen host). ``posted`` holds each send posted, with
-    its time, and ``ready`` each receive posted."""
+    its time, and ``ready`` each receive posted. With ``clocks``, ``sent_at`` and ``ready_at`` hold
+    where each was posted and what that needed of every rank (``Mark``): a rank waits only for given
+    instructions of others (a wait for one post, a collective for its group's arrivals), so an
+    instruction runs under a hold on rank r exactly when what it needs of r lies below the hold."""
 
     def __init__(
         self,
@@ -723,6 +750,7 @@ class Game:
         comm: float = 0.0,
         reduce: Callable[[int], float] = _free,
         collective: float = 0.0,
+        clocks: bool = False,
     ) -> None:
         self.programs, self.compute, self.comm = programs, compute, comm
         self.reduce, self.collective = reduce, collective
@@ -736,6 +764,13 @@ class Game:
         self.played = Played(self.pos, self.now)
         self._waiting: dict[object, list[int]] = {}  # a send, or (group, n): the ranks blocked on it
         self._todo: deque[int] = deque(range(p))  # the ranks that may go on
+        # clocks: per rank, how many instructions of each rank its run so far needs (a vector clock);
+        # per send and receive posted, and per collective's arrival, the Mark of where that happened
+        self.clocks = clocks
+        self._need: list[list[int]] = [[0] * p for _ in range(p)]
+        self.sent_at: dict[Action, Mark] = {}
+        self.ready_at: dict[Action, Mark] = {}
+        self._arrivals: dict[tuple[tuple[int, ...], int], list[Mark]] = {}
 
     def run(self, hold: tuple[int, int] | None = None) -> None:
         programs, now, pos, out = self.programs, self.now, self.pos, self.played
@@ -758,12 +793,18 @@ class Game:
                         if a in waiting:
                             todo.extend(waiting.pop(a))
                     self.ready.update(x.recvs)
+                    if self.clocks:
+                        mark = Mark(self._need[r], r, pos[r] + 1)
+                        self.sent_at.update((a, mark) for a in x.sends)
+                        self.ready_at.update((a, mark) for a in x.recvs)
                 elif isinstance(x, Wait):
                     send = sender(x.recv)
                     if send not in posted:
                         waiting.setdefault(send, []).append(r)
                         break
                     now[r] = max(now[r], posted[send] + self.comm)
+                    if self.clocks:
+                        self._need[r] = self.sent_at[send].joined(self._need[r])
                 elif isinstance(x, Reduce):
                     start = max(now[r], self.lane[r])
                     self.lane[r] = self.reduced[(r, x.stage)] = start + self.reduce(x.stage)
@@ -775,13 +816,19 @@ class Game:
                 elif isinstance(x, Collective):
                     key = (x.ranks, self.done[r].get(x.ranks, 0))
                     at = self.arrived.setdefault(key, {})
-                    at.setdefault(r, now[r])
+                    if r not in at:
+                        at[r] = now[r]
+                        if self.clocks:  # arriving is reaching it: a held rank reaches only below its hold
+                            self._arrivals.setdefault(key, []).append(Mark(self._need[r], r, pos[r] + 1))
                     if len(at) < len(x.ranks):
                         waiting.setdefault(key, []).append(r)
                         break
                     if key in waiting:  # the last to arrive: the others go on
                         todo.extend(waiting.pop(key))
                     now[r] = max(at.values()) + self.collective
+                    if self.clocks:
+                        for mark in self._arrivals[key]:
+                            self._need[r] = mark.joined(self._need[r])
                     self.done[r][x.ranks] = key[1] + 1
                 pos[r] += 1
 
@@ -804,34 +851,41 @@ def drain_hazards(programs: Sequence[Program], rank_of: Callable[[int], int]) ->
     docstring's rule), first per rank.
 
     Rank r's host is held at each compute t in turn, with t queued (its device runs everything up to
-    it) and every other rank running on: the game plays r up to t + 1 and the others as far as
-    they go. Every transfer r posted before t must then be matched: a receive by its send's post (the
-    producing compute done), a send by the receive its peer posted (NCCL's send of a large message
-    waits for it). The others are played as the host of gloo runs (a wait blocks the host), which
-    never lets a rank post more than NCCL's run-ahead does: a program that passes here passes there.
-    One game per rank, resumed from compute to compute: each rank's program is played p times."""
+    it) and every other rank running on: r runs up to t + 1 and the others as far as they go. Every
+    transfer r posted before t must then be matched: a receive by its send's post (the producing
+    compute done), a send by the receive its peer posted (NCCL's send of a large message waits for
+    it). The others are played as the host of gloo runs (a wait blocks the host), which never lets a
+    rank post more than NCCL's run-ahead does: a program that passes here passes there.
+
+    One game with clocks answers every hold (``Game``): the transfer is matched under the hold
+    exactly when its match needs at most t + 1 of r's instructions. (Holding each rank at each
+    compute in turn played every program p times: 4 s at p = 64, m = 64.) Where one is not, a game
+    held there says where the peer stops."""
+    game = Game(programs, clocks=True)
+    game.run()
     out: list[Hazard] = []
     for r, program in enumerate(programs):
-        game = Game(programs)
-        mine: list[Action] = []  # what r posted, in order, not yet seen matched
+        mine: list[Action] = []  # what r posted since its last compute, in order
         for t, x in enumerate(program.instructions):
             if isinstance(x, Post):
                 mine += (*x.sends, *x.recvs)
                 continue
             if not isinstance(x, Action):
                 continue
-            game.run(hold=(r, t + 1))
-            open_ = [a for a in mine if not _matched(game, a)]
+            open_ = [a for a in mine if _needs(game, a, r) > t + 1]
             if open_:
                 a = open_[0]
                 q = rank_of(a.peer_stage)
-                out.append(Hazard(r, t, a, q, game.pos[q]))
+                held = Game(programs)
+                held.run(hold=(r, t + 1))
+                out.append(Hazard(r, t, a, q, held.pos[q]))
                 break
             mine = []
     return out
 
 
-def _matched(game: Game, a: Action) -> bool:
-    if a.kind.is_recv:
-        return sender(a) in game.posted
-    return a in game.posted and Action(*_receiver(a)) in game.ready
+def _needs(game: Game, a: Action, r: int) -> float:
+    """How many of rank r's instructions must run before transfer ``a``, which r posted, is matched
+    (in a game with clocks, played through); never matched there: infinity."""
+    mark = game.sent_at.get(sender(a)) if a.kind.is_recv else game.ready_at.get(Action(*_receiver(a)))
+    return math.inf if mark is None else mark.on(r)
