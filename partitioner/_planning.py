@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -237,17 +238,22 @@ def memory_rows(
     return rows, [offset + beside for offset in offsets]  # each rank's v stages share its replicas' bytes
 
 
-_COEFS: dict[tuple[str, int, int, int, tuple[str, ...]], list[dict[str, float]]] = {}
+_COEFS: OrderedDict[tuple[str, int, int, int, tuple[str, ...]], list[dict[str, float]]] = OrderedDict()
+COEFS_SIZE = 256  # the schedules' coefficients kept, the least recently used dropped first
 
 
 def _coefficients(sched: Schedule, modes: tuple[str, ...]) -> list[dict[str, float]]:
-    """``coefficients`` of the schedule under ``modes``, cached (the search asks for each many times)."""
+    """``coefficients`` of the schedule under ``modes``, cached (the search asks for each many times:
+    a search past the cache's size keeps those it asks again, not none, as a clear-all did)."""
     key = (sched.name, sched.n_ranks, sched.n_stages, sched.n_microbatches, modes)
-    if key not in _COEFS:
-        if len(_COEFS) > 256:
-            _COEFS.clear()
-        _COEFS[key] = coefficients(sched, modes)
-    return _COEFS[key]
+    found = _COEFS.get(key)
+    if found is None:
+        found = _COEFS[key] = coefficients(sched, modes)
+        if len(_COEFS) > COEFS_SIZE:
+            _COEFS.popitem(last=False)
+    else:
+        _COEFS.move_to_end(key)
+    return found
 
 
 def least_memory(profile: Profile, optimizer_state_factor: float | Composition) -> list[float]:

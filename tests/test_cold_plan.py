@@ -305,3 +305,27 @@ def test_post_wait_and_free_are_frozen_dataclasses_as_before() -> None:
         assert not hasattr(x, "__dict__")  # slotted
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(x, dataclasses.fields(x)[0].name, ())
+
+
+def test_the_coefficients_cache_drops_the_least_recently_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a search past the cache's size keeps the schedules it asks again (it once cleared them all)
+    import partitioner._planning as planning
+
+    monkeypatch.setattr(planning, "COEFS_SIZE", 3)
+    walked: list[int] = []
+    real = planning.coefficients
+
+    def counted(sched: Schedule, modes: Any) -> Any:
+        walked.append(sched.n_microbatches)
+        return real(sched, modes)
+
+    monkeypatch.setattr(planning, "coefficients", counted)
+    _COEFS.clear()
+    scheds = {m: unchecked("1f1b", 2, m, 1) for m in (1, 2, 3, 4)}
+    modes = ("never", "never")
+    for m in (1, 2, 3, 1, 4, 1, 3):  # 4 past the size drops 2, the least recently asked
+        assert planning._coefficients(scheds[m], modes) == real(scheds[m], modes)
+    assert walked == [1, 2, 3, 4]
+    planning._coefficients(scheds[2], modes)  # dropped: walked again
+    assert walked == [1, 2, 3, 4, 2]
+    _COEFS.clear()
