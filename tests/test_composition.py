@@ -278,6 +278,14 @@ def test_parallelize_llama_refuses_a_tp_that_does_not_divide_the_heads() -> None
         parallelize_llama(stage, _FakeMesh(4))
     with pytest.raises(ValueError, match=r"tp=3 does not divide .*'s 4 attention heads"):
         parallelize_llama(stage, _FakeMesh(3))
+    # the widths it splits: a colwise layer's outputs, a rowwise layer's inputs
+    mlp_ = next(m for m in stage.modules() if hasattr(m, "gate_proj"))
+    mlp_.gate_proj = nn.Linear(16, 33, bias=False)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide \S*gate_proj's width 33; make the plan"):
+        parallelize_llama(stage, _FakeMesh(2))
+    mlp_.gate_proj, mlp_.down_proj = nn.Linear(16, 32, bias=False), nn.Linear(33, 16, bias=False)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide \S*down_proj's width 33; make the plan"):
+        parallelize_llama(stage, _FakeMesh(2))
 
 
 def test_tensor_parallelism_refuses_a_traced_model_and_a_missing_function() -> None:
