@@ -421,9 +421,13 @@ def _counted_step(shard: int, zero: int, schedule: str, dp: int = 1) -> dict[str
         if isinstance(m, FSDPModule) and fully_shard.state(m)._fsdp_param_group is not None  # type: ignore[attr-defined]
     )
     whole = sum(param.numel() * param.element_size() for param in pipe.parameters())  # DTensor: global
+    pipe.evaluate(x[mine], y[mine])  # gathers every unit (ZeRO-2: at once), and must free them after
+    groups = [fully_shard.state(m)._fsdp_param_group for mod in pipe._modules for m in mod.modules()  # type: ignore[attr-defined]
+              if isinstance(m, FSDPModule)]  # fmt: skip
+    resharded = all(g.is_sharded for g in groups if g is not None)
     pipe.close()
     held = {k: stats[k] for k in ("parameters", "gradients", "optimizer", "peak", "activations")}
-    return {"units": units, **calls, **held, "whole": whole, "planned": planned}
+    return {"units": units, **calls, **held, "whole": whole, "planned": planned, "resharded": resharded}
 
 
 def _counts() -> dict[str, dict[str, Any]]:
@@ -456,6 +460,11 @@ def test_zero2_gathers_each_unit_once_per_step_and_reduces_it_once(counts: list[
             assert c["all_gather_single"] == c["units"] and c["reduce_scatter_single"] == c["units"], c
         c = got["zero3"]  # ZeRO-3 gathers again for every forward and backward
         assert c["all_gather_single"] > 2 * c["units"] and c["reduce_scatter_single"] == c["units"], c
+
+
+def test_an_evaluation_leaves_every_unit_sharded(counts: list[dict[str, Any]]) -> None:
+    for got in counts:
+        assert all(c["resharded"] for c in got.values()), {k: c["resharded"] for k, c in got.items()}
 
 
 def test_shards_divide_each_rank_s_parameters_gradients_and_optimizer_state(
