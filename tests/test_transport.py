@@ -99,3 +99,17 @@ def test_a_named_peer_failure_stands_alone_and_any_other_error_keeps_the_backend
     timeout = RuntimeError("Timed out waiting 5000ms for recv operation")  # no peer failed: the cause stays
     err = _failing(_Board(None), timeout)
     assert isinstance(err, PipelineTimeout) and err.__cause__ is timeout
+
+
+def test_a_collective_after_close_is_refused_before_the_backend() -> None:
+    import weakref
+
+    from pipeline.runtime.comm.collectives import Collectives
+
+    t = _bare(GlooTransport)
+    t.group, t._close = None, weakref.finalize(t, lambda: None)
+    t.close()
+    c = Collectives(t, 0, [0, 1], [0, 1])
+    with pytest.raises(RuntimeError, match=r"^rank 3: cannot post the loss's broadcast: this pipeline's "
+                       r"communication was closed \(Pipeline\.close\(\)\)"):  # fmt: skip
+        c.broadcast(torch.zeros(1), 1, "the loss's broadcast")
