@@ -261,6 +261,41 @@ class _FakeMesh:
         return self.n
 
 
+class _Pair(nn.Module):
+    """A last layer that returns a tuple of DTensors, split over "tp" along different dims."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        return distribute_tensor(x, self.mesh, [Shard(0)]), distribute_tensor(2 * x, self.mesh, [Shard(1)])
+
+
+def _tuple_outputs() -> list[tuple[str, list[list[float]]]]:
+    """A stage's tuple of DTensor outputs, as parallelize_stages hands them on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    stage = nn.Sequential(nn.Identity(), _Pair(mesh))
+    parallelize_stages({0: stage}, mesh, lambda module, tp_mesh: None, traced=False)
+    out = stage(torch.arange(8.0).reshape(4, 2))
+    return [(type(t).__name__, (t.to_local() if isinstance(t, DTensor) else t).tolist()) for t in out]
+
+
+_TUPLE = job(4, _tuple_outputs, timeout=60.0, batch="composition")
+
+
+def test_a_stage_s_tuple_of_dtensors_is_handed_on_as_plain_whole_tensors(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    whole = torch.arange(8.0).reshape(4, 2)
+    for got in _TUPLE.results(tmp_path_factory):
+        assert got == [("Tensor", whole.tolist()), ("Tensor", (2 * whole).tolist())]
+
+
 def test_plan_refuses_bad_shard_tp_and_zero() -> None:
     with pytest.raises(ValueError, match=r"shard \(0\) must be an integer >= 1"):
         Plan(balance=[1, 1], shard=0)
