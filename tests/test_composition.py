@@ -261,6 +261,41 @@ class _FakeMesh:
         return self.n
 
 
+class _Pair(nn.Module):
+    """A last layer that returns a tuple of DTensors, split over "tp" along different dims."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        return distribute_tensor(x, self.mesh, [Shard(0)]), distribute_tensor(2 * x, self.mesh, [Shard(1)])
+
+
+def _tuple_outputs() -> list[tuple[str, list[list[float]]]]:
+    """A stage's tuple of DTensor outputs, as parallelize_stages hands them on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    stage = nn.Sequential(nn.Identity(), _Pair(mesh))
+    parallelize_stages({0: stage}, mesh, lambda module, tp_mesh: None, traced=False)
+    out = stage(torch.arange(8.0).reshape(4, 2))
+    return [(type(t).__name__, (t.to_local() if isinstance(t, DTensor) else t).tolist()) for t in out]
+
+
+_TUPLE = job(4, _tuple_outputs, timeout=60.0, batch="composition")
+
+
+def test_a_stage_s_tuple_of_dtensors_is_handed_on_as_plain_whole_tensors(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    whole = torch.arange(8.0).reshape(4, 2)
+    for got in _TUPLE.results(tmp_path_factory):
+        assert got == [("Tensor", whole.tolist()), ("Tensor", (2 * whole).tolist())]
+
+
 def test_plan_refuses_bad_shard_tp_and_zero() -> None:
     with pytest.raises(ValueError, match=r"shard \(0\) must be an integer >= 1"):
         Plan(balance=[1, 1], shard=0)
@@ -278,6 +313,14 @@ def test_parallelize_llama_refuses_a_tp_that_does_not_divide_the_heads() -> None
         parallelize_llama(stage, _FakeMesh(4))
     with pytest.raises(ValueError, match=r"tp=3 does not divide .*'s 4 attention heads"):
         parallelize_llama(stage, _FakeMesh(3))
+    # the widths it splits: a colwise layer's outputs, a rowwise layer's inputs
+    mlp_ = next(m for m in stage.modules() if hasattr(m, "gate_proj"))
+    mlp_.gate_proj = nn.Linear(16, 33, bias=False)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide \S*gate_proj's width 33; make the plan"):
+        parallelize_llama(stage, _FakeMesh(2))
+    mlp_.gate_proj, mlp_.down_proj = nn.Linear(16, 32, bias=False), nn.Linear(33, 16, bias=False)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide \S*down_proj's width 33; make the plan"):
+        parallelize_llama(stage, _FakeMesh(2))
 
 
 def test_tensor_parallelism_refuses_a_traced_model_and_a_missing_function() -> None:
@@ -413,9 +456,13 @@ def _counted_step(shard: int, zero: int, schedule: str, dp: int = 1) -> dict[str
         if isinstance(m, FSDPModule) and fully_shard.state(m)._fsdp_param_group is not None  # type: ignore[attr-defined]
     )
     whole = sum(param.numel() * param.element_size() for param in pipe.parameters())  # DTensor: global
+    pipe.evaluate(x[mine], y[mine])  # gathers every unit (ZeRO-2: at once), and must free them after
+    groups = [fully_shard.state(m)._fsdp_param_group for mod in pipe._modules for m in mod.modules()  # type: ignore[attr-defined]
+              if isinstance(m, FSDPModule)]  # fmt: skip
+    resharded = all(g.is_sharded for g in groups if g is not None)
     pipe.close()
     held = {k: stats[k] for k in ("parameters", "gradients", "optimizer", "peak", "activations")}
-    return {"units": units, **calls, **held, "whole": whole, "planned": planned}
+    return {"units": units, **calls, **held, "whole": whole, "planned": planned, "resharded": resharded}
 
 
 def _counts() -> dict[str, dict[str, Any]]:
@@ -448,6 +495,11 @@ def test_zero2_gathers_each_unit_once_per_step_and_reduces_it_once(counts: list[
             assert c["all_gather_single"] == c["units"] and c["reduce_scatter_single"] == c["units"], c
         c = got["zero3"]  # ZeRO-3 gathers again for every forward and backward
         assert c["all_gather_single"] > 2 * c["units"] and c["reduce_scatter_single"] == c["units"], c
+
+
+def test_an_evaluation_leaves_every_unit_sharded(counts: list[dict[str, Any]]) -> None:
+    for got in counts:
+        assert all(c["resharded"] for c in got.values()), {k: c["resharded"] for k, c in got.items()}
 
 
 def test_shards_divide_each_rank_s_parameters_gradients_and_optimizer_state(

@@ -51,12 +51,13 @@ def _stage(seed: int) -> nn.Sequential:
     )
 
 
-def _earlier(d: int, s: int, module: nn.Module, weight: float) -> None:
-    """Replica d's earlier micro-batches of the step, their loss weighted by ``weight`` (B_d / B)."""
+def _earlier(d: int, s: int, module: nn.Module, weight: float, bias: bool = False) -> None:
+    """Replica d's earlier micro-batches of the step, their loss weighted by ``weight`` (B_d / B);
+    ``bias``: replica 0 uses its bias too."""
     g = torch.Generator().manual_seed(100 * d + s)
     x = torch.randn(ROWS[d], 6, generator=g)
     lin = module[1]  # replica 0 does not use its bias: no gradient there
-    h = nn.functional.linear(x, lin.weight, lin.bias if d else None)
+    h = nn.functional.linear(x, lin.weight, lin.bias if d or bias else None)
     (module[3](module[2](h.double())).square().mean() * weight).backward()
 
 
@@ -75,6 +76,17 @@ def _reduce(bucket_bytes: int) -> dict[str, Any]:
     reducer = GradReducer(params, _Collectives(mesh.get_group("dp")), bucket_bytes, dist.get_rank(),
                           lay.replicas, early=early)  # fmt: skip
     out: dict[str, Any] = {"early": {}, "views": True}
+    # a step before the recorded ones where replica 0 uses its bias too: the bias's slot in its bucket
+    # then holds a gradient, which step 0 (after zero_grad(set_to_none), no gradient there) must not add
+    reducer.begin_step(record=False)
+    reducer.start_rows(ROWS[lay.replica])
+    share = float(reducer.share())
+    for s in sorted(stages, reverse=True):
+        _earlier(lay.replica, s, stages[s], share, bias=True)
+        reducer.arm(s)
+        _last_backward(lay.replica, s, stages[s], share)
+        reducer.launch(s)
+    reducer.wait(stages)
     for step in range(STEPS):
         for mod in stages.values():
             if step < 2:

@@ -273,10 +273,33 @@ def _scenario(kind: str) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - start
 
 
+_KEEP: list[Any] = []  # the silent rank's Comm: collected, its channels' sockets would close and wake rank 0
+
+
+def _published_elsewhere() -> tuple[str, str, float]:
+    """Rank 1 publishes a failure and stays silent, its channels open (as a rank busy in a long
+    compute, or one that published in a dead peer's name): rank 0, blocked in a receive on a
+    channel, is woken by its watchdog closing the channels' pairs too, not by its timeout."""
+    from pipeline.runtime.comm.p2p import Comm
+
+    comm = Comm(dist.new_group(backend="gloo"), "silent", timeout=10.0)
+    _KEEP.append(comm)
+    if dist.get_rank() == 1:
+        comm.board.publish_as(1, "RuntimeError: failed elsewhere")
+        return "published", "", 0.0
+    start = time.monotonic()
+    try:
+        (works,) = comm.post([], [([torch.zeros(1)], 1)], "0RECV_F0 from rank 1")
+        comm.wait(works, "0RECV_F0 from rank 1")
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
 def _failures() -> dict[str, list[Any]]:
     out = {}
-    for kind in ("raise", "timeout", "collective"):
-        result = _scenario(kind)
+    for kind in ("raise", "timeout", "collective", "silent"):
+        result = _published_elsewhere() if kind == "silent" else _scenario(kind)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         out[kind] = gathered
@@ -309,6 +332,12 @@ def test_a_raise_a_timeout_and_a_failure_during_a_collective_are_named(
         "rank 1 failed while rank 0 waited for the all-finite flag's all-reduce (grads_finite): "
         "RuntimeError: boom after the step"
     )
+    (k0, m0, t0), _ = results["silent"]
+    assert (k0, m0) == (
+        "PeerFailure",
+        "rank 1 failed while rank 0 waited for 0RECV_F0 from rank 1: RuntimeError: failed elsewhere",
+    )
+    assert t0 < 2.0, t0  # the watchdog, not the timeout (10 s)
 
 
 def _killed(folder: str) -> None:

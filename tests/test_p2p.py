@@ -90,3 +90,20 @@ def test_a_peer_whose_process_is_gone_is_found_dead_on_its_host_only(tmp_path: P
         assert me.dead() == [1] and me.store_lost() and sorted(me.pids) == [1]
     finally:
         gone.wait()
+
+
+def test_a_dead_peer_is_published_under_the_name_errors_give_it(tmp_path: Path) -> None:
+    """In a mesh a group rank is ambiguous: a dead peer is named (and published) by its global rank."""
+    import subprocess
+
+    from pipeline.runtime.comm.board import FailureBoard
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # exited and reaped: no process of this host has that pid now
+    board = FailureBoard(store, None, "t", 0, [5, 7])  # group ranks 0 and 1 are global ranks 5 and 7
+    store.set("t/proc/1", f"{board.liveness.machine}|{gone.pid}|0")
+    blamed = board.blame_dead()
+    assert blamed is not None and blamed[0] == 7
+    assert blamed[1].startswith(f"rank 7's process (pid {gone.pid}) is gone")
+    assert board.first() == blamed  # published so, for every rank to read

@@ -215,3 +215,16 @@ def test_bad_arguments(call: Any, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         call(pipe)
     assert_close(grads_of(pipe.named_parameters()), before, "untouched", rel=1e-12)
+
+
+def test_the_norm_of_bf16_gradients_accumulates_in_fp32() -> None:
+    """One process, no group: each tensor's norm in fp32 (a bf16 norm rounds to 8 bits of mantissa)."""
+    from pipeline.runtime.step import grads
+
+    torch.manual_seed(0)
+    gs = [torch.randn(n).to(torch.bfloat16) for n in (1000, 3001, 517, 64)]
+    exact = torch.cat([g.double() for g in gs])
+    for q in (2.0, 1.0, 3.0):
+        want = float(torch.linalg.vector_norm(exact, q))
+        got = grads.total_norm(gs, q, None, torch.device("cpu"))
+        assert got.dtype == torch.float32 and abs(float(got) - want) <= 1e-5 * want, (q, float(got), want)

@@ -350,6 +350,22 @@ def _file(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return path
 
 
+def test_an_index_that_names_the_wrong_file_and_many_missing_keys_are_named(tmp_path: Path) -> None:
+    import json
+
+    _file(tmp_path / "one.safetensors", {"a": torch.ones(2)})
+    _file(tmp_path / "two.safetensors", {"b": torch.ones(3)})
+    index = tmp_path / pretrained.INDEX
+    index.write_text(json.dumps({"weight_map": {"a": "two.safetensors", "b": "one.safetensors"}}))
+    with pytest.raises(
+        ValueError, match=r"^the index names two\.safetensors for 'a', but that file does not"
+    ):
+        pretrained.load(tmp_path, {"a": torch.zeros(2)}, {"a": "a", "b": "b"})
+    names = {f"w{k}": f"w{k}" for k in range(8)} | {"a": "a", "b": "b"}
+    with pytest.raises(ValueError, match=r"lacks 'w0', 'w1', 'w2', 'w3', 'w4' and 3 more \(the model's 'w0'"):
+        pretrained.load(tmp_path, {n: torch.zeros(1) for n in names}, names)
+
+
 def test_a_tied_weight_takes_its_own_entry_before_an_alias(tmp_path: Path) -> None:
     """A file that holds both names of a tied weight (a tied config over an untied save): the
     weight's own name wins, as transformers' from_pretrained does, whichever comes first."""

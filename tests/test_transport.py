@@ -68,12 +68,14 @@ class _Board:
         return self.failed
 
 
-def _failing(board: _Board, backend_error: Exception) -> BaseException:
-    """What ``fail`` raises for ``backend_error``, raised as the backend would, inside its handler."""
+def _failing(board: _Board, backend_error: Exception, aborts: list[int] | None = None) -> BaseException:
+    """What ``fail`` raises for ``backend_error``, raised as the backend would, inside its handler;
+    each ``abort`` call appends to ``aborts``."""
     t = _bare(GlooTransport)
     t.board, t.liveness = board, SimpleNamespace(store_gone=False)  # type: ignore[assignment]
     t.timeout = t.requested_timeout = 5.0
-    t.abort = lambda: None  # type: ignore[method-assign]
+    called = [] if aborts is None else aborts
+    t.abort = lambda: called.append(1)  # type: ignore[method-assign]
     with pytest.raises(Exception) as info:
         try:
             raise backend_error
@@ -84,8 +86,10 @@ def _failing(board: _Board, backend_error: Exception) -> BaseException:
 
 def test_a_named_peer_failure_stands_alone_and_any_other_error_keeps_the_backends_as_cause() -> None:
     echo = RuntimeError("Connection reset by peer")  # what gloo says once the failed peer's socket closed
-    err = _failing(_Board((2, "ValueError: bad")), echo)
+    aborts: list[int] = []
+    err = _failing(_Board((2, "ValueError: bad")), echo, aborts)
     assert isinstance(err, PeerFailure)
+    assert aborts == [1]  # a peer failed: the transfers still in flight are stopped (NCCL's would hang)
     assert str(err) == "rank 2 failed while rank 3 waited for 1RECV_F0 from rank 2: ValueError: bad"
     printed = "".join(traceback.format_exception(err))
     assert "Connection reset" not in printed and "direct cause" not in printed
@@ -95,3 +99,17 @@ def test_a_named_peer_failure_stands_alone_and_any_other_error_keeps_the_backend
     timeout = RuntimeError("Timed out waiting 5000ms for recv operation")  # no peer failed: the cause stays
     err = _failing(_Board(None), timeout)
     assert isinstance(err, PipelineTimeout) and err.__cause__ is timeout
+
+
+def test_a_collective_after_close_is_refused_before_the_backend() -> None:
+    import weakref
+
+    from pipeline.runtime.comm.collectives import Collectives
+
+    t = _bare(GlooTransport)
+    t.group, t._close = None, weakref.finalize(t, lambda: None)
+    t.close()
+    c = Collectives(t, 0, [0, 1], [0, 1])
+    with pytest.raises(RuntimeError, match=r"^rank 3: cannot post the loss's broadcast: this pipeline's "
+                       r"communication was closed \(Pipeline\.close\(\)\)"):  # fmt: skip
+        c.broadcast(torch.zeros(1), 1, "the loss's broadcast")

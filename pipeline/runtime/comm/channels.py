@@ -130,6 +130,13 @@ class Channels:
                 if row == global_ranks and rank in (a, b):
                     peer = global_ranks[b if rank == a else a]
                     self._lanes[(a, b)] = (pg, dist.get_group_rank(pg, peer), peer)
+        # the emulation's gloo pairs, their backends held here: a watchdog keeps weak references
+        # only (watchdog.py), and a backend's Python object lives only while something holds it (one
+        # made for the call would be gone at once, and a failure would close none of these pairs)
+        cpu = torch.device("cpu")
+        self._pairs: list[tuple[Any, int]] = (
+            [(pg._get_backend(cpu), peer) for pg, peer, _ in self._lanes.values()] if self.emulated else []
+        )
 
     def _lane(self, q: int, send: bool) -> tuple[Any, int, int]:
         """(group, q's rank in it, q's global rank): q's channel, or the pipeline's group."""
@@ -148,10 +155,7 @@ class Channels:
 
     def pairs(self) -> Pairs:
         """The gloo pairs a failure closes (the emulation's channels); none on NCCL."""
-        if not self.emulated:
-            return []
-        cpu = torch.device("cpu")
-        return [(pg._get_backend(cpu), peer) for pg, peer, _ in self._lanes.values()]
+        return list(self._pairs)
 
     def abort(self) -> None:
         """After a failure: stop every transfer in flight, so that waits raise and exit never hangs."""
