@@ -250,6 +250,45 @@ def test_pipeline_fsdp_and_tensor_parallelism_on_eight_ranks_equal_one_process(
     _check(eight_results, _EIGHT + _EIGHT_HSDP)
 
 
+def _accumulates(model: str, schedule: str, shard: int, tp: int, zero: int) -> float:
+    """Two steps on two batches with no ``zero_grad`` between (gradient accumulation across steps)
+    against one process's two backwards: the largest relative error of the summed gradients."""
+    net, ref, names, x, y, loss_fn = _build(model)
+    p = dist.get_world_size() // (shard * tp)
+    v = REGISTRY[schedule].default_virtual
+    plan = Plan(balance=_even(len(net), p * v), schedule=schedule, n_virtual=v)  # type: ignore[arg-type]
+    plan = plan.replace(n_microbatches=M, shard=shard, tp=tp, zero=zero)
+    fn = (parallelize_llama if model == "llama" else _last_linear_colwise) if tp > 1 else None
+    pipe = Pipeline(net, plan, loss_fn=loss_fn, parallelize_fn=fn)
+    for xs, ys in ((x, y), (x.flip(0), y.roll(1, 0))):  # two different batches
+        pipe.step(xs, ys)
+        loss_fn(ref(xs), ys).backward()
+    ref_params = dict(ref.named_parameters())
+    errors = []
+    for n, param in pipe.named_parameters():
+        want = ref_params[names[n]].grad
+        assert param.grad is not None and want is not None, n
+        errors.append(float((_full(param.grad) - want).norm() / want.norm()))
+    pipe.close()
+    return max(errors)
+
+
+def _accumulations(cases: list[tuple[Any, ...]]) -> dict[str, float]:
+    return {"/".join(map(str, c)): _accumulates(*c) for c in cases}
+
+
+# ZeRO-2, ZeRO-3 (and under a split backward, which runs as ZeRO-2), tensor parallelism
+_ACCUMULATE = [("mlp", "1f1b", 2, 1, 2), ("mlp", "gpipe", 2, 1, 3), ("mlp", "zb-h1", 2, 1, 3),
+               ("llama", "1f1b", 1, 2, 2)]  # fmt: skip
+_ACCUMULATE_JOB = job(4, _accumulations, _ACCUMULATE, timeout=240.0, batch="composition")
+
+
+def test_gradients_accumulate_across_steps_as_in_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _check(_ACCUMULATE_JOB.results(tmp_path_factory), _ACCUMULATE)
+
+
 # ---- bad input, refused at once
 
 
