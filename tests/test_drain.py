@@ -6,7 +6,8 @@ post every receive one block ahead (the rule switched off) break it where the is
 and the validator names the rank, the compute and the transfer in its grid. Then the runtime
 (pipeline/runtime/step/drain.py): ``STAGEWISE_DRAIN_AT`` parsed, and every registry schedule run under
 the NCCL emulation on 2 and 4 ranks with each rank in turn draining at each of its computes, equal
-to one process; with the rule switched off, the drain names the receive that never comes.
+to one process, and ``R:K`` holding only rank R, at its compute K, at every step; with the rule
+switched off, the drain names the receive that never comes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pipeline.runtime.comm.watchdog import PeerFailure, PipelineTimeout
 from pipeline.runtime.pipe import Pipeline
 from pipeline.runtime.step import drain
 from pipeline.runtime.step.drain import drain_at
+from pipeline.runtime.step.executor import Executor
 from pipeline.schedules import program
 from pipeline.schedules import validate as validate_module
 from pipeline.schedules.actions import parse_action
@@ -315,9 +317,39 @@ def _drained_matrix() -> dict[str, Any]:
                 losses.append(pipe.step(x, y))
             grads = {k: t.grad.detach().clone() for k, t in pipe.named_parameters() if t.grad is not None}
             out[name] = (losses, evals, grads)
+        out[AT] = _drained_at_one_compute()
     finally:
         del os.environ[drain.ENV]
     return out
+
+
+AT = "1:2"  # rank 1 (not the first, nor on 4 ranks the last) at its third compute: gpipe's 1F2
+
+
+def _drained_at_one_compute() -> tuple[list[float], list[str], dict[str, torch.Tensor]]:
+    """gpipe under ``STAGEWISE_DRAIN_AT=AT`` for 2 steps: the losses, the computes where this rank's
+    host drained, and the second step's gradients."""
+    os.environ[drain.ENV] = AT
+    drained: list[str] = []
+    sync = Executor._device_sync
+
+    def spy(self: Executor, a: Any) -> None:
+        drained.append(str(a))
+        sync(self, a)
+
+    Executor._device_sync = spy  # type: ignore[method-assign]
+    try:
+        model, x, y = _build()
+        pipe = _pipeline(model, "gpipe", 1, 2 * dist.get_world_size(), "never", timeout=20.0)
+        losses = []
+        for _ in range(2):  # at every step
+            for t in pipe.parameters():
+                t.grad = None
+            losses.append(pipe.step(x, y))
+    finally:
+        Executor._device_sync = sync  # type: ignore[method-assign]
+    grads = {k: t.grad.detach().clone() for k, t in pipe.named_parameters() if t.grad is not None}
+    return losses, drained, grads
 
 
 _MATRIX = {p: job(p, _drained_matrix, timeout=120.0, backend="nccl-emulated") for p in (2, 4)}
@@ -346,6 +378,26 @@ def test_every_schedule_survives_a_drain_at_every_compute_of_every_rank(
             assert t.grad is not None
             rel = float((merged[k] - t.grad).abs().max() / t.grad.abs().max().clamp_min(1e-12))
             assert rel < 1e-5, f"{name}: {k} relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_a_drain_at_one_compute_holds_that_rank_there_only_at_every_step_equal_to_one_process(
+    tmp_path_factory: pytest.TempPathFactory, p: int
+) -> None:
+    results = _MATRIX[p].results(tmp_path_factory)
+    model, x, y = _build()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    loss_ref = float(loss.detach())
+    for rank, res in enumerate(results):
+        losses, drained, _ = res[AT]
+        assert drained == (["1F2", "1F2"] if rank == 1 else []), (rank, drained)
+        assert all(abs(v - loss_ref) <= 1e-5 * abs(loss_ref) for v in losses), (rank, losses)
+    merged = {k: g for r in results for k, g in r[AT][2].items()}
+    for k, t in model.named_parameters():
+        assert t.grad is not None
+        rel = float((merged[k] - t.grad).abs().max() / t.grad.abs().max().clamp_min(1e-12))
+        assert rel < 1e-5, f"{k} relative error {rel:.2e}"
 
 
 def _drained_without_the_rule() -> str:

@@ -182,15 +182,32 @@ def _killed(folder: str) -> None:
     pipe = Pipeline(nn.Sequential(*layers), Plan(balance=[2, 2], n_microbatches=4, dp=2),
                     loss_fn=nn.functional.mse_loss, timeout=30.0)  # fmt: skip
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    for _ in range(3):
-        pipe.step(x, y)
+    # the launcher stops the survivors (SIGTERM) once it sees rank 3 gone: each runs on until it has
+    # written what it raised (the launcher SIGKILLs it 2 s later at the latest)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        for _ in range(3):
+            pipe.step(x, y)
+    except Exception as exc:
+        Path(folder, f"error{dist.get_rank()}").write_text(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def test_a_killed_replica_is_named_within_seconds_and_leaves_no_process(tmp_path: Path) -> None:
     with pytest.raises(RankError, match=r"rank 3 exited with code -9") as info:
         run_ranks(tmp_path, _killed, 2 * P, str(tmp_path), timeout=60.0)
     assert info.value.rank == 3
-    assert time.time() - float((tmp_path / "killed_at").read_text()) < 5.0  # the pipeline's timeout: 30 s
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert time.time() - killed_at < 5.0  # the pipeline's timeout: 30 s
+    # every survivor names rank 3 by its global rank (in its pipeline group it is rank 1) and says that
+    # its process is gone, not a bare lost connection, whichever group it waited in
+    gone = f"rank 3's process (pid {int((tmp_path / 'pid3').read_text())}) is gone: it was killed"
+    for g in range(2 * P - 1):
+        error = tmp_path / f"error{g}"
+        assert error.exists(), f"rank {g} raised nothing before the launcher stopped it"
+        msg = error.read_text()
+        assert msg.startswith(f"PeerFailure: rank 3 failed while rank {g} waited for "), (g, msg)
+        assert gone in msg and error.stat().st_mtime - killed_at < 5.0, (g, msg)
     for g in range(2 * P):
         with pytest.raises(ProcessLookupError):
             os.kill(int((tmp_path / f"pid{g}").read_text()), 0)
