@@ -113,6 +113,26 @@ def _traced_plan(p: int) -> str:
     return plan.to_json()
 
 
+def _composed(
+    model: str, net: nn.Module, schedule: str, shard: int, tp: int, zero: int, recompute: str, dp: int,
+    traced: str,
+) -> tuple[Plan, Callable[..., None] | None]:  # fmt: skip
+    """A case's plan on this world (p = world / (dp x shard x tp) pipeline ranks, layers even, or the
+    traced Llama's plan) and its parallelize_fn."""
+    p = dist.get_world_size() // (dp * shard * tp)
+    v = REGISTRY[schedule].default_virtual
+    if model == "llama-traced":
+        plan = Plan.from_json(traced)
+        if plan.n_stages != p:
+            raise ValueError(f"the traced plan has {plan.n_stages} stages, this case {p} pipeline ranks")
+        plan = plan.replace(schedule=schedule, n_virtual=v)
+    else:
+        plan = Plan(balance=_even(len(net), p * v), schedule=schedule, n_virtual=v)  # type: ignore[arg-type]
+    plan = plan.replace(n_microbatches=M, dp=dp, shard=shard, tp=tp, zero=zero, recompute=recompute)
+    fn = (parallelize_llama if model == "llama" else _last_linear_colwise) if tp > 1 else None
+    return plan, fn
+
+
 def _case(
     model: str,
     schedule: str,
@@ -127,18 +147,8 @@ def _case(
     """The largest relative error of a composed run against one process (see the module docstring);
     ``traced``: the traced Llama's plan (``_traced_plan``), for its cases."""
     net, ref, names, x, y, loss_fn = _build(model)
-    world = dist.get_world_size()
-    p = world // (dp * shard * tp)
-    v = REGISTRY[schedule].default_virtual
-    if model == "llama-traced":
-        plan = Plan.from_json(traced)
-        if plan.n_stages != p:
-            raise ValueError(f"the traced plan has {plan.n_stages} stages, this case {p} pipeline ranks")
-        plan = plan.replace(schedule=schedule, n_virtual=v)
-    else:
-        plan = Plan(balance=_even(len(net), p * v), schedule=schedule, n_virtual=v)  # type: ignore[arg-type]
-    plan = plan.replace(n_microbatches=M, dp=dp, shard=shard, tp=tp, zero=zero, recompute=recompute)
-    fn = (parallelize_llama if model == "llama" else _last_linear_colwise) if tp > 1 else None
+    plan, fn = _composed(model, net, schedule, shard, tp, zero, recompute, dp, traced)
+    p = dist.get_world_size() // (dp * shard * tp)
     if dist.get_rank() % tp or dist.get_rank() >= p * tp:  # all but the first pipeline of tp rank 0:
         with torch.no_grad():  # other values, which the Pipeline must replace by that pipeline's
             for param in net.parameters():
@@ -254,11 +264,7 @@ def _accumulates(model: str, schedule: str, shard: int, tp: int, zero: int) -> f
     """Two steps on two batches with no ``zero_grad`` between (gradient accumulation across steps)
     against one process's two backwards: the largest relative error of the summed gradients."""
     net, ref, names, x, y, loss_fn = _build(model)
-    p = dist.get_world_size() // (shard * tp)
-    v = REGISTRY[schedule].default_virtual
-    plan = Plan(balance=_even(len(net), p * v), schedule=schedule, n_virtual=v)  # type: ignore[arg-type]
-    plan = plan.replace(n_microbatches=M, shard=shard, tp=tp, zero=zero)
-    fn = (parallelize_llama if model == "llama" else _last_linear_colwise) if tp > 1 else None
+    plan, fn = _composed(model, net, schedule, shard, tp, zero, "never", 1, "")
     pipe = Pipeline(net, plan, loss_fn=loss_fn, parallelize_fn=fn)
     for xs, ys in ((x, y), (x.flip(0), y.roll(1, 0))):  # two different batches
         pipe.step(xs, ys)
