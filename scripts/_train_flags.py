@@ -28,7 +28,8 @@ without auto it bounds the partitioner's balance). Recomputation is then searche
 Everything after the search runs the plan's values; the checkpoints record what was asked ("auto",
 the limit) and the plan chosen, and a restart of the same command reuses that recorded plan instead
 of searching again (a new profile could choose another plan, and the run would no longer continue
-the same way).
+the same way). So does a restart of a fixed schedule whose balance the partitioner chose (no
+``--balance``): a different balance computes the same model with sums in another order.
 
 Faults. With ``--checkpoint-dir D`` every start resumes from the newest sound checkpoint in D (a
 damaged one is passed over, named) and says which, so the one command both starts a run and
@@ -77,10 +78,6 @@ CONFIG_KEYS = ("model", "layers", "width", "seq_len", "stages", "dp", "zero", "s
                "data", "seed", "plan", "optimizer")  # fmt: skip  # what a checkpoint records (run_config)
 ADAMW: dict[str, Any] = dict(betas=[0.9, 0.99], weight_decay=0.1)  # and lr, set per step
 CLIP = 1.0  # the gradients' total norm, clipped to this
-# the flags that shape the plan: allowing one to change allows its recorded plan entry to change too
-_PLAN_KEYS = {"stages": "plan.n_stages", "dp": "plan.dp", "schedule": "plan.schedule",
-              "virtual": "plan.n_virtual", "microbatches": "plan.n_microbatches",
-              "recompute": "plan.recompute"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -131,10 +128,11 @@ class Config:
 
     @property
     def allow_changes(self) -> set[str]:
-        """``--allow-config-change`` as ``checkpointing.resume`` takes it: recorded keys, a flag that
-        shapes the plan with its plan entry (``stages``: ``plan.n_stages`` too)."""
+        """``--allow-config-change`` as ``checkpointing.resume`` takes it: recorded keys, and with a flag
+        that shapes the plan the whole plan entry (``stages``: the plan is made again, its stage count,
+        balance and, with auto, all it searched may change)."""
         allowed = self.allow_config_change
-        return set(allowed) | {_PLAN_KEYS[k] for k in allowed if k in _PLAN_KEYS}
+        return set(allowed) | ({"plan"} if any(k in _PLAN_SHAPERS for k in allowed) else set())
 
     def flags(self, *names: str) -> str:
         """The named fields as typed on the command line (``--batch-size 16``), unset ones left out."""
@@ -377,13 +375,14 @@ def asked_config(cfg: Config) -> dict[str, Any]:
 
 def run_config(cfg: Config, plan: Plan) -> dict[str, Any]:
     """What each checkpoint records of its run and a resume compares, one entry per CONFIG_KEYS: the
-    flags as asked, the plan's shape (its balance only for an auto run, whose restart reuses the whole
-    plan, see ``recorded_plan``: a fresh profile may balance otherwise, and a checkpoint loads at any
-    balance), the optimizer and the data (an absolute path)."""
+    flags as asked, the plan's shape (with its balance when the partitioner chose it, auto or not: a
+    restart reuses that plan, see ``recorded_plan``, because a fresh profile may balance otherwise and
+    the run would not continue exactly as it began), the optimizer and the data (an absolute path)."""
     mode = plan.recompute if isinstance(plan.recompute, str) else list(plan.recompute)  # JSON
     shape = dict(schedule=plan.schedule, n_stages=plan.n_stages, n_virtual=plan.n_virtual,
                  n_microbatches=plan.n_microbatches, recompute=mode, dp=plan.dp)  # fmt: skip
-    return {**asked_config(cfg), "plan": {**shape, "balance": list(plan.balance)} if cfg.auto else shape}
+    chosen = cfg.balance is None  # profiled and partitioned (or searched), not given by --balance
+    return {**asked_config(cfg), "plan": {**shape, "balance": list(plan.balance)} if chosen else shape}
 
 
 # the recorded settings that shape the plan: a checkpoint whose values of these are the current ones
@@ -394,8 +393,8 @@ _PLAN_SHAPERS = ("model", "layers", "width", "seq_len", "stages", "dp", "schedul
 
 def recorded_plan(cfg: Config) -> tuple[dict[str, Any], Path] | None:
     """The plan entry (and path) of the newest checkpoint in ``--checkpoint-dir``, when that run asked
-    for what ``cfg`` asks and recorded its balance (an auto run); else None. Read before anything is
-    built; ``resume`` then verifies the files and compares the whole configuration."""
+    for what ``cfg`` asks and recorded its balance (the partitioner chose it); else None. Read before
+    anything is built; ``resume`` then verifies the files and compares the whole configuration."""
     if cfg.checkpoint_dir is None:
         return None
     with blame(cfg, "checkpoint_dir"):

@@ -73,10 +73,15 @@ def build_model(cfg: Config, n_microbatches: int) -> tuple[nn.Module, torch.Tens
 
 
 def make_plan(cfg: Config, device: torch.device) -> Plan:
-    """Profile and partition the model (or predict ``--balance``; or search with ``--schedule auto``, or
-    reuse the plan a checkpoint recorded). Every check is the library's. Downstream of this, the plan's
-    schedule, m, v and recomputation are the run's, whatever the flags asked."""
-    plan = _auto_plan(cfg, device) if cfg.auto else _fixed_plan(cfg, device)
+    """Profile and partition the model (or predict ``--balance``; or search with ``--schedule auto``), or
+    reuse the plan a checkpoint of this very request recorded: a new profile may balance otherwise,
+    and the run would not continue as it began. Every check is the library's. Downstream of this, the
+    plan's schedule, m, v and recomputation are the run's, whatever the flags asked."""
+    recorded = flags.recorded_plan(cfg)  # ``chosen`` finds the same record, to say where the plan came from
+    if recorded is not None:
+        plan = _recorded_plan(cfg, recorded[0], device)
+    else:
+        plan = _auto_plan(cfg, device) if cfg.auto else _fixed_plan(cfg, device)
     _check_split(cfg, plan.n_microbatches)
     return plan
 
@@ -136,18 +141,20 @@ def _fixed_plan(cfg: Config, device: torch.device) -> Plan:
     return plan
 
 
+def _recorded_plan(cfg: Config, shape: dict[str, Any], device: torch.device) -> Plan:
+    """The plan a checkpoint recorded (``flags.recorded_plan``), predicted on a new profile (for the
+    busy-time report); its balance, schedule, m, v and recomputation are the recorded ones."""
+    m = int(shape["n_microbatches"])
+    mode = shape["recompute"] if isinstance(shape["recompute"], str) else tuple(shape["recompute"])
+    _, _, prof = _profiled(cfg, m, device)
+    with blame(cfg, "stages", "layers"):
+        return plan_for(prof, list(shape["balance"]), schedule=shape["schedule"], n_microbatches=m,
+                        n_virtual=int(shape["n_virtual"]), recompute=mode, dp=cfg.dp,
+                        cost=cfg.cost)  # fmt: skip
+
+
 def _auto_plan(cfg: Config, device: torch.device) -> Plan:
-    """The searched plan; or, when ``--checkpoint-dir`` holds a checkpoint of this very request, the plan
-    that run chose, so that a restart continues the same run (a new profile may choose another)."""
-    recorded = flags.recorded_plan(cfg)
-    if recorded is not None:  # ``chosen`` finds the same record, to say where the plan came from
-        shape, m = recorded[0], int(recorded[0]["n_microbatches"])
-        mode = shape["recompute"] if isinstance(shape["recompute"], str) else tuple(shape["recompute"])
-        _, _, prof = _profiled(cfg, m, device)
-        with blame(cfg, "stages", "layers"):
-            return plan_for(prof, list(shape["balance"]), schedule=shape["schedule"], n_microbatches=m,
-                            n_virtual=int(shape["n_virtual"]), recompute=mode, dp=cfg.dp,
-                            cost=cfg.cost)  # fmt: skip
+    """The searched plan."""
     # the sample may have any rows (the profile is scaled to each m searched): the fixed m's, or 4's
     model, sample, target = _sample(cfg, cfg.microbatches if isinstance(cfg.microbatches, int) else 4)
     with blame(cfg, "schedule", "microbatches", "stages", "virtual", "batch_size", "dp", "memory_limit"):
@@ -157,16 +164,18 @@ def _auto_plan(cfg: Config, device: torch.device) -> Plan:
                          target=target, device=device)  # fmt: skip
 
 
-def chosen(cfg: Config, plan: Plan) -> str:
-    """What ``--schedule auto`` chose (or reused): printed once, by rank 0, under the plan's table, which
-    lists the runners-up."""
+def chosen(cfg: Config, plan: Plan) -> str | None:
+    """What ``--schedule auto`` chose, or the recorded plan a restart reused: printed once, by rank 0,
+    under the plan's table, which lists auto's runners-up. None: a plan made as the flags ask."""
     asked = cfg.flags("schedule", "microbatches", "virtual", "memory_limit")
     what = f"{plan.summary()} balance {plan.balance}"
-    recorded = flags.recorded_plan(cfg)  # what _auto_plan reused, if anything (no checkpoint is saved before)
+    recorded = flags.recorded_plan(cfg)  # what make_plan reused, if anything (no checkpoint is saved before)
     if recorded is not None:
-        return (f"auto ({asked}): reusing the plan recorded in {recorded[1]}, {what}, not "
-                "searching again (a new profile may choose another plan, and the run would not continue "
-                "as it began)")  # fmt: skip
+        return (f"{f'auto ({asked})' if cfg.auto else 'restart'}: reusing the plan recorded in "
+                f"{recorded[1]}, {what}, not {'searching' if cfg.auto else 'partitioning'} again (a new "
+                "profile may choose another plan, and the run would not continue as it began)")  # fmt: skip
+    if not cfg.auto:
+        return None
     limit = "" if cfg.memory_limit is None else f" (limit {flags.megabytes(cfg.memory_limit)})"
     grid, seconds = (plan.search.grid, plan.search.seconds) if plan.search is not None else ("?", 0.0)
     return (f"auto ({asked}): chose {what}: predicted step {plan.step_time * 1e3:.2f} ms, bubble "
@@ -221,8 +230,9 @@ def _train(cfg: Config, plan: Plan) -> dict[str, Any]:
         print(f"data: {data.source}, {len(data.train):,} train / {len(data.val):,} val characters, "
               f"vocabulary {VOCAB_SIZE}\nmodel: {cfg.model}, {cfg.layers} blocks, width {cfg.width}, "
               f"{n_params / 1e6:.2f}M parameters\n{plan}", flush=True)  # fmt: skip
-        if cfg.auto:
-            print(chosen(cfg, plan), flush=True)
+        said = chosen(cfg, plan)
+        if said is not None:
+            print(said, flush=True)
     precision = support.Precision(cfg.dtype, device)
     pipe = Pipeline(model, plan, loss_fn=gpt_loss, device=device, timeout=_TIMEOUT_S)
     opt = optimizer(cfg, pipe)
@@ -296,7 +306,8 @@ def _train(cfg: Config, plan: Plan) -> dict[str, Any]:
         print("---- generated text ----\n" + text + "\n------------------------", flush=True)
     ran = pipe.schedule  # what this rank ran: the plan's
     return {"rank": rank, "start": start, "losses": losses, "evals": evals, "seconds": seconds,
-            "sample": text, "ran": (ran.name, ran.n_microbatches, ran.n_virtual)}  # fmt: skip
+            "sample": text, "ran": (ran.name, ran.n_microbatches, ran.n_virtual),
+            "balance": plan.balance}  # fmt: skip
 
 
 def _device(cfg: Config) -> torch.device:

@@ -111,6 +111,9 @@ def test_resume_without_a_checkpoint_and_cuda_without_gpu(tmp_path: Path, capsys
         ["--resume", "--checkpoint-dir", str(tmp_path), "--allow-config-change", "stages,--dp"]
     )
     assert cfg.resume and cfg.allow_config_change == ("stages", "dp")  # an empty folder: a fresh start
+    # a setting that shapes the plan lets the whole plan change (it is made again: balance, stage count)
+    assert cfg.allow_changes == {"stages", "dp", "plan"}
+    assert _train_flags.parse_args(["--allow-config-change", "steps,lr"]).allow_changes == {"steps", "lr"}
     if not train.torch.cuda.is_available():
         with pytest.raises(SystemExit):
             _train_flags.parse_args(["--device", "cuda"])

@@ -126,10 +126,15 @@ def test_auto_plan_fits_the_limit_and_the_run_takes_its_values() -> None:
     assert fixed_m.n_microbatches == 2 and all(c.n_microbatches == 2 for c in fixed_m.candidates)
     only_m = train.make_plan(parse_args([*TINY, "--schedule", "gpipe", "--microbatches", "auto"]), CPU)
     assert {c.schedule for c in only_m.candidates} == {"gpipe"}
-    # without auto, the limit bounds the partitioner's balance and is recorded; no plan balance then
+    # without auto, the limit bounds the partitioner's balance and is recorded, with the balance chosen;
+    # a balance given is recorded as asked, and the plan's is not
     capped = parse_args([*TINY, "--memory-limit", "1GB"])
-    config = run_config(capped, train.make_plan(capped, CPU))
-    assert config["memory_limit"] == 10**9 and "balance" not in config["plan"]
+    capped_plan = train.make_plan(capped, CPU)
+    config = run_config(capped, capped_plan)
+    assert config["memory_limit"] == 10**9 and config["plan"]["balance"] == capped_plan.balance
+    given = parse_args([*TINY, "--balance", "3,2"])
+    config = run_config(given, train.make_plan(given, CPU))
+    assert config["balance"] == [3, 2] and "balance" not in config["plan"]
     assert "memory_limit" not in run_config(parse_args(TINY), plan)  # runs from before the flag
 
 
@@ -156,14 +161,26 @@ def test_a_restart_reuses_the_recorded_plan_instead_of_searching(tmp_path: Path)
     assert run_config(cfg, plan) == saved  # so resume finds no difference
     assert plan.search is None and plan.stages  # not searched; predicted, for the busy-time report
     said = train.chosen(cfg, plan)
+    assert said is not None and said.startswith("auto (--schedule auto --microbatches auto --memory")
     assert f"reusing the plan recorded in {path}, [1f1b, m=4, v=1, recompute (always, never)]" in said
     # another request (here the limit) is searched afresh: resume then names the differences
     other = parse_args([*args[:-2], "--checkpoint-dir", str(tmp_path), "--memory-limit", "250KB"])
     assert train.make_plan(other, CPU).search is not None
-    # a fixed-schedule run's checkpoint records no plan balance: nothing to reuse
+    # a fixed schedule whose balance the partitioner chose: its restart reuses the recorded balance too
     fixed = parse_args([*TINY, "--checkpoint-dir", str(tmp_path / "fixed")])
-    _record(tmp_path / "fixed", 2, run_config(fixed, theirs))
-    assert recorded_plan(fixed) is None
+    odd = Plan(balance=[4, 1], schedule="1f1b", n_microbatches=4)  # not what partitioning chooses
+    assert train.make_plan(parse_args(TINY), CPU).balance != [4, 1]
+    saved = run_config(fixed, odd)
+    path = _record(tmp_path / "fixed", 2, saved)
+    plan = train.make_plan(fixed, CPU)
+    assert plan.balance == [4, 1] and run_config(fixed, plan) == saved
+    said = train.chosen(fixed, plan)
+    assert said is not None and said.startswith(f"restart: reusing the plan recorded in {path}, [1f1b, m=4")
+    assert train.chosen(parse_args(TINY), plan) is None  # nothing to say of a plan made as asked
+    # a balance given by --balance is the request, recorded as asked: no plan balance, nothing to reuse
+    given = parse_args([*TINY, "--balance", "3,2", "--checkpoint-dir", str(tmp_path / "given")])
+    _record(tmp_path / "given", 2, run_config(given, theirs))
+    assert recorded_plan(given) is None
     # one checkpoint given for the folder: refused before any search, naming the flag
     with pytest.raises(FlagError, match=r"^--checkpoint-dir .*02: recorded_config\(\) takes the folder"):
         train.make_plan(parse_args([*args[:-2], "--checkpoint-dir", str(path)]), CPU)

@@ -45,5 +45,6 @@ def test_gpt_tied_trains_checkpoints_and_resumes_exactly(tmp_path: Path) -> None
     (tmp_path / "b" / "latest").write_text(name + "\n")
     resumed = train.main([*TINY, "--checkpoint-dir", str(tmp_path / "b"), "--resume", "--sample-chars", "0"])
     assert resumed[0]["start"] == 4
+    assert resumed[0]["balance"] == straight[0]["balance"]  # the recorded plan, not a new profile's
     assert resumed[0]["losses"] == losses[4:]  # exactly, not approximately
     assert resumed[0]["evals"][-1][2] == straight[0]["evals"][-1][2]  # the same final validation loss
