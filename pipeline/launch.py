@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import multiprocessing
 import multiprocessing.reduction
 import os
@@ -274,6 +275,7 @@ def _run_rank(
 ) -> None:
     global _rank_started
     _rank_started = True
+    gc.freeze()  # the inherited heap (torch's modules): never scanned again by this rank's collections
     if caller_env is not None:  # forked from the server: its environment and SIGINT are not the caller's
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.environ.clear()

@@ -1,3 +1,4 @@
+import gc
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     modules = sorted({_module(item) for item in items} - {""})
     select_jobs(set(modules))
     FORKSERVER_PRELOAD.extend(["tests.dist", *(m for m in modules if m.startswith("tests."))])
+    gc.freeze()  # the imported modules and the collected tests: no later collection scans them again
 
 
 def _module(item: pytest.Item) -> str:
